@@ -1,0 +1,1 @@
+// Stub translation unit that carries the shared precompiled header (cmake/ColliderDeps.cmake).

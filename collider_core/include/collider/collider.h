@@ -1,0 +1,112 @@
+// Collider: filtered backward for token-filtered LLM training (arXiv 2502.00340).
+// Public API (DESIGN.md section 4). One added line per training step:
+//
+//   collider::Plan plan = collider::trace_plan(
+//       [&](int64_t batch, int64_t seq_len) { return loss_on_random_batch(model, batch, seq_len); });
+//   ...
+//   collider::FilterStats st = collider::filter_backward(loss, keep_mask_BT, plan, opts);
+//   loss.backward();
+//
+// filter_backward rewrites the autograd graph hanging off `loss` in place: every saved
+// activation with a token dimension is cut to the kept rows, recorded sizes and expected input
+// shapes shrink, so the whole backward (GEMMs, norms, softmax, loss, embedding) runs on T' rows.
+// Legend: B batch, T sequence, N = T' kept tokens per sequence.
+#pragma once
+
+#include <collider/select.h>
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace collider {
+
+// Every failure of the rewriter: a node it cannot rewrite (named, with its saved fields), a
+// graph that does not match the plan, a bad mask. Never a silent dense fallback.
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& what) : std::runtime_error(what) {}
+};
+
+// Attention gradient semantics (DESIGN.md section 3).
+enum class AttentionGrad {
+  kKeptOnly,    // paper v1: backward as if only kept tokens existed (P restricted, not renormalised)
+  kExactQuery,  // v2 / Centrifuge: exact gradient of kept queries over all keys; dropped K/V detached
+};
+const char* to_string(AttentionGrad a);
+AttentionGrad attention_grad_from_string(const std::string& s);  // "kept_only" | "exact_query"
+
+struct FilterOptions {
+  AttentionGrad attention = AttentionGrad::kKeptOnly;
+};
+
+struct FilterStats {
+  int64_t nodes_visited = 0;        // autograd nodes reachable from the loss
+  int64_t nodes_rewritten = 0;      // nodes whose saved tensors, sizes or input shapes changed
+  int64_t tensors_gathered = 0;     // distinct saved tensors cut to kept rows (one gather each)
+  int64_t bytes_before = 0;         // bytes of those tensors before the cut
+  int64_t bytes_gathered = 0;       // bytes of the cut copies
+  int64_t gather_nodes_inserted = 0;  // exact_query: nodes that cut dK/dV to kept rows
+  int64_t batch = 0, seq_len = 0, kept = 0;  // B, T, T'
+  double rewrite_ms = 0.0;
+};
+
+// Per-node record of which dimensions of which fields are token dimensions, found by tracing.
+// Replayed by node order at every step and validated against the node-type sequence.
+class Plan {
+ public:
+  Plan();
+  ~Plan();
+  Plan(const Plan&);
+  Plan& operator=(const Plan&);
+  Plan(Plan&&) noexcept;
+  Plan& operator=(Plan&&) noexcept;
+
+  std::string to_string() const;
+  static Plan from_string(const std::string& text);
+
+  int64_t num_nodes() const;
+  int64_t num_token_nodes() const;  // nodes with at least one token dimension
+  std::string summary() const;      // one line: nodes, token nodes, attention cores
+
+  struct Impl;
+  const Impl& impl() const { return *impl_; }
+  Impl& impl() { return *impl_; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// loss_on_random_batch(batch, seq_len) builds the scalar loss of the model on a random batch of
+// that shape (requires grad). It is called twice with sizes that cannot collide with model sizes.
+using LossOnBatchFn = std::function<torch::Tensor(int64_t batch, int64_t seq_len)>;
+
+struct TraceOptions {
+  // Two (batch, seq_len) pairs; a dimension is a token dimension when it equals seq_len (or
+  // batch*seq_len) in both traces. Primes chosen not to be model sizes.
+  int64_t batch_a = 3, seq_a = 53;
+  int64_t batch_b = 5, seq_b = 61;
+};
+
+Plan trace_plan(const LossOnBatchFn& loss_on_random_batch, const TraceOptions& opts = {});
+
+// The one added line. keep_mask_BT: bool [B, T], the same count T' of `true` in every row.
+FilterStats filter_backward(const torch::Tensor& loss, const torch::Tensor& keep_mask_BT,
+                            const Plan& plan, const FilterOptions& opts = {});
+
+// The `masked` method (the oracle of DESIGN.md section 3): the same semantics as
+// filter_backward, computed on full-size tensors with dropped rows (and, in attention, columns)
+// zeroed. No speed-up; used by tests and the harness as the reference.
+FilterStats mask_backward(const torch::Tensor& loss, const torch::Tensor& keep_mask_BT,
+                          const Plan& plan, const FilterOptions& opts = {});
+
+// Custom autograd nodes (torch::autograd::Function) that carry no token-shaped saved state and
+// map gradients row-for-row can be declared safe by their node name (e.g. timing markers).
+void register_passthrough_node(const std::string& node_name);
+
+}  // namespace collider

@@ -1,0 +1,43 @@
+// Internal: uniform access to the saved tensors and size fields of autograd nodes.
+// The table behind find_node_fields() is generated from libtorch's Functions.h at build time
+// (codegen/gen_node_fields.py): the rewriter never hand-lists node types.
+#pragma once
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/autograd/generated/Functions.h>
+
+#include <optional>
+#include <vector>
+
+namespace collider::detail {
+
+using torch::autograd::SavedVariable;
+
+// One callback per field kind. `name` is the C++ field name in Functions.h.
+struct FieldVisitor {
+  virtual ~FieldVisitor() = default;
+  virtual void saved(const char* name, SavedVariable& v) = 0;
+  virtual void saved_list(const char* name, std::vector<SavedVariable>& v) = 0;
+  virtual void sizes(const char* name, std::vector<c10::SymInt>& v) = 0;
+  virtual void sizes_list(const char* name, std::vector<std::vector<c10::SymInt>>& v) = 0;
+  virtual void symint(const char* name, c10::SymInt& v) = 0;
+  virtual void opt_symint(const char* name, std::optional<c10::SymInt>& v) = 0;
+  virtual void opt_sizes(const char* name, c10::OptionalArray<c10::SymInt>& v) = 0;
+  virtual void int_sizes(const char* name, std::vector<int64_t>& v) = 0;
+  virtual void type_and_size(const char* name, torch::autograd::generated::TypeAndSize& v) = 0;
+  virtual void geometry(const char* name, at::TensorGeometry& v) = 0;
+  virtual void int64(const char* name, int64_t& v) = 0;
+};
+
+struct NodeFields {
+  const char* node_name;
+  void (*visit)(torch::autograd::Node* node, FieldVisitor& v);
+  const char* described_fields;  // "SavedVariable self_, int64_t dim, ..." for error messages
+};
+
+// nullptr for node types not declared in Functions.h (AccumulateGrad, custom Functions, ...).
+const NodeFields* find_node_fields(const torch::autograd::Node& node);
+int num_generated_node_types();
+
+}  // namespace collider::detail

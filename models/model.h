@@ -1,0 +1,104 @@
+// The model interface every architecture implements: config, presets, the causal LM module,
+// per-token loss, boundary hooks (used for per-layer timing markers and gradient-shape probes).
+// Legend: B batch, T sequence, D hidden, H heads, G kv-heads, E head-dim, F ffn, V vocab.
+// Parameter names follow Hugging Face (model.layers.3.self_attn.q_proj.weight, ...), so
+// checkpoints map by name (models/checkpoint.h).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace collider::models {
+
+enum class Family { kLlama, kQwen2, kPhi };
+const char* to_string(Family f);
+
+enum class AttentionImpl {
+  kEager,  // explicit matmul - scale - causal mask - softmax - matmul (the paper's setting)
+  kSdpa,   // torch scaled_dot_product_attention
+};
+
+struct ModelConfig {
+  std::string name;               // preset name, e.g. "tinyllama-1.1b", "qwen2.5-mini"
+  Family family = Family::kLlama;
+  int64_t vocab_size = 0;         // V
+  int64_t hidden_size = 0;        // D
+  int64_t intermediate_size = 0;  // F
+  int64_t num_layers = 0;
+  int64_t num_heads = 0;          // H
+  int64_t num_kv_heads = 0;       // G (GQA: H % G == 0)
+  int64_t head_dim = 0;           // E = D / H
+  double norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  double partial_rotary_factor = 1.0;  // Phi: 0.5 (32 of 64 head dims rotated)
+  int64_t max_position = 4096;
+  bool qkv_bias = false;          // Qwen2: bias on q/k/v projections
+  bool linear_bias = false;       // Phi: bias on every linear layer
+  bool tie_embeddings = false;    // Qwen2: LM head shares the embedding matrix
+  bool lm_head_bias = false;      // Phi
+
+  int64_t num_params() const;     // analytic, counted from the fields (tied head counted once)
+};
+
+// Every preset: the three paper models, their CPU-scale `-mini` versions and `-debug` sizes.
+const std::vector<ModelConfig>& presets();
+// Throws std::invalid_argument listing the known names when `name` is unknown.
+const ModelConfig& preset(const std::string& name);
+
+// Called on the hidden states at every layer boundary, in forward order:
+// "embedding" (output of the token embedding), "layer.00" ... (output of each decoder layer),
+// "final_norm" (input of the LM head). Returns the tensor to continue with (identity, or an
+// autograd marker / hook-carrying tensor). x_BTD: [B, T, D].
+using BoundaryHook = std::function<torch::Tensor(const torch::Tensor& x_BTD, const std::string& name)>;
+
+// Model-level reference semantics for tests: the attention oracle of DESIGN.md section 3,
+// independent of the graph rewriter. When set, eager attention computes its backward as
+// kept_only (formulas on full-size tensors, dropped rows and columns zeroed) or exact_query
+// (K and V of dropped tokens detached).
+struct AttentionOracle {
+  torch::Tensor keep_BT;   // bool [B, T]
+  bool exact_query = false;
+};
+
+class CausalLMImpl : public torch::nn::Module {
+ public:
+  CausalLMImpl(const ModelConfig& cfg, AttentionImpl attn);
+
+  // input_ids_BT: int64 [B, T] -> logits_BTV (float, the LM head's dtype)
+  torch::Tensor forward(const torch::Tensor& input_ids_BT);
+
+  const ModelConfig& config() const { return cfg_; }
+  AttentionImpl attention_impl() const { return attn_; }
+  void set_attention_impl(AttentionImpl a) { attn_ = a; }
+  void set_boundary_hook(BoundaryHook hook) { hook_ = std::move(hook); }
+  void set_attention_oracle(std::optional<AttentionOracle> oracle) { oracle_ = std::move(oracle); }
+
+ protected:
+  ModelConfig cfg_;
+  AttentionImpl attn_;
+  BoundaryHook hook_;
+  std::optional<AttentionOracle> oracle_;
+  torch::Tensor boundary(const torch::Tensor& x_BTD, const std::string& name) {
+    return hook_ ? hook_(x_BTD, name) : x_BTD;
+  }
+  friend struct ModelInternals;
+};
+TORCH_MODULE(CausalLM);
+
+// Builds the family's model with deterministic init from `seed` (GPT-2 style: normal(0, 0.02)).
+CausalLM build_model(const ModelConfig& cfg, AttentionImpl attn = AttentionImpl::kEager, uint64_t seed = 0);
+
+// Per-token cross-entropy in nats: logits_BTV [B, T, V], labels_BT int64 [B, T] (pre-shifted:
+// labels[t] is the token after position t; -100 = no label) -> loss_BT float [B, T] (0 where
+// no label).
+torch::Tensor token_losses(const torch::Tensor& logits_BTV, const torch::Tensor& labels_BT);
+
+// Mean of loss_BT over kept positions (keep_BT bool [B, T]); the training loss of
+// loss_only / collider / masked. With keep all-true it equals the regular loss.
+torch::Tensor masked_mean_loss(const torch::Tensor& loss_BT, const torch::Tensor& keep_BT);
+
+}  // namespace collider::models
