@@ -1,1 +1,0 @@
-// Placeholder so the library links while the harness lands.
