@@ -1,0 +1,29 @@
+// Peak memory of a sweep point. CUDA: the caching allocator's statistics (peak allocated bytes,
+// what torch.cuda.max_memory_allocated reports). CPU: a tracking CPU allocator installed in
+// front of c10's default one that counts live tensor bytes and their peak (the same quantity:
+// bytes held by tensors, not allocator or process overhead). Each row names its method in
+// `peak_mem_method`.
+// Tests: tests/test_sweep.cpp (CPU peak grows with the batch).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <string>
+
+namespace collider::harness {
+
+// Installs the tracking CPU allocator (idempotent; tensors allocated before keep their deleter).
+void install_cpu_memory_tracking();
+bool cpu_memory_tracking_installed();
+
+struct MemoryProbe {
+  explicit MemoryProbe(const torch::Device& device);
+  void reset_peak();             // peak := bytes live now
+  int64_t peak_bytes() const;    // peak since reset_peak()
+  int64_t live_bytes() const;
+  const char* method() const;    // value of the row's peak_mem_method
+  torch::Device device;
+};
+
+}  // namespace collider::harness

@@ -1,0 +1,255 @@
+// Training step (train_step.h). Phase order and what each timing covers:
+//   fwd      model forward + per-token loss (bf16 autocast on CUDA)
+//   filter   scores + select_tokens, masked-mean loss, filter_backward / mask_backward
+//   bwd      loss.backward()
+//   optimizer  clip_grad_norm_ + AdamW step + zero_grad(set_to_none)
+#include "harness/train_step.h"
+
+#include <ATen/autocast_mode.h>
+
+#include <fmt/format.h>
+
+#include <stdexcept>
+#include <unordered_set>
+
+namespace collider::harness {
+
+const char* to_string(Method m) {
+  switch (m) {
+    case Method::kRegular: return "regular";
+    case Method::kLossOnly: return "loss_only";
+    case Method::kCollider: return "collider";
+    case Method::kMasked: return "masked";
+  }
+  return "?";
+}
+
+Method method_from_string(const std::string& s) {
+  if (s == "regular") return Method::kRegular;
+  if (s == "loss_only") return Method::kLossOnly;
+  if (s == "collider") return Method::kCollider;
+  if (s == "masked") return Method::kMasked;
+  throw std::invalid_argument("unknown method '" + s + "'; allowed: regular, loss_only, collider, masked");
+}
+
+bool uses_attention_grad(Method m) { return m == Method::kCollider || m == Method::kMasked; }
+
+AutocastScope::AutocastScope(bool enabled) : enabled_(enabled) {
+  if (!enabled_) return;
+  prev_enabled_ = at::autocast::is_autocast_enabled(at::kCUDA);
+  prev_dtype_ = at::autocast::get_autocast_dtype(at::kCUDA);
+  at::autocast::set_autocast_enabled(at::kCUDA, true);
+  at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+  at::autocast::increment_nesting();
+}
+
+AutocastScope::~AutocastScope() {
+  if (!enabled_) return;
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  at::autocast::set_autocast_enabled(at::kCUDA, prev_enabled_);
+  at::autocast::set_autocast_dtype(at::kCUDA, prev_dtype_);
+}
+
+Batch random_batch(int64_t B, int64_t T, int64_t vocab_size, torch::Generator& gen, const torch::Device& device) {
+  auto ids = torch::randint(0, vocab_size, {B, T + 1}, gen, torch::kLong);
+  Batch b;
+  b.input_ids_BT = ids.narrow(1, 0, T).contiguous().to(device);
+  b.labels_BT = ids.narrow(1, 1, T).contiguous().to(device);
+  return b;
+}
+
+Trainer::Trainer(models::CausalLM model, StepConfig cfg, torch::Device device, uint64_t seed, RangeRecorder* ranges)
+    : model_(std::move(model)),
+      cfg_(std::move(cfg)),
+      device_(device),
+      ranges_(ranges),
+      timer_(make_timer(device)),
+      score_gen_(at::detail::createCPUGenerator(seed)),
+      seed_(seed) {
+  if (!(cfg_.filter_ratio >= 0.0 && cfg_.filter_ratio < 1.0)) {
+    throw std::invalid_argument(fmt::format("Trainer: filter_ratio {} is outside [0, 1)", cfg_.filter_ratio));
+  }
+  if (uses_attention_grad(cfg_.method) && cfg_.policy != collider::SelectPolicy::kPerSequence) {
+    throw std::invalid_argument(fmt::format(
+        "Trainer: method {} needs policy per_sequence (the same kept count in every row); batch_topk is for loss_only",
+        to_string(cfg_.method)));
+  }
+  if (cfg_.bf16_autocast && !device_.is_cuda()) {
+    throw std::invalid_argument("Trainer: bf16 autocast is for CUDA devices; on CPU the step runs in fp32");
+  }
+  if (cfg_.score != "self" && cfg_.score != "reference" && cfg_.score != "random") {
+    throw std::invalid_argument("Trainer: unknown score '" + cfg_.score + "'; allowed: self, reference, random");
+  }
+  model_->to(device_);
+  model_->train();
+  if (cfg_.layer_timing) {
+    layer_timer_ = std::make_unique<LayerTimer>(timer_.get(), ranges_);
+    layer_timer_->install(model_);
+  }
+  // AdamW with weight decay on matrices only (norm gains and biases are not decayed);
+  // parameters shared by tying appear once.
+  std::vector<torch::Tensor> decay, no_decay;
+  std::unordered_set<const void*> seen;
+  for (auto& p : model_->parameters()) {
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  }
+  auto opts = torch::optim::AdamWOptions(cfg_.lr)
+                  .betas({cfg_.beta1, cfg_.beta2})
+                  .eps(cfg_.eps)
+                  .weight_decay(cfg_.weight_decay);
+  auto opts_nd = opts;
+  opts_nd.weight_decay(0.0);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(opts));
+  groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(opts_nd));
+  optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), opts);
+}
+
+Trainer::~Trainer() {
+  // The hook captures the layer timer; leave the model hook-free if it outlives us.
+  if (layer_timer_) model_->set_boundary_hook(nullptr);
+}
+
+void Trainer::ensure_plan(int64_t B, int64_t T) {
+  if (plan_) return;
+  const int64_t V = model_->config().vocab_size;
+  if (layer_timer_) layer_timer_->set_recording(false);
+  torch::Generator gen = at::detail::createCPUGenerator(seed_ ^ 0x5eedULL);
+  auto loss_on_random_batch = [&](int64_t b, int64_t t) {
+    Batch rb = random_batch(b, t, V, gen, device_);
+    torch::Tensor loss_BT;
+    {
+      AutocastScope ac(cfg_.bf16_autocast);
+      auto logits_BTV = model_->forward(rb.input_ids_BT);
+      loss_BT = models::token_losses(logits_BTV, rb.labels_BT);
+    }
+    // The same graph as a step's loss; the mask values do not change its structure.
+    return models::masked_mean_loss(loss_BT, torch::ones_like(rb.labels_BT, torch::kBool));
+  };
+  try {
+    plan_ = collider::trace_plan(loss_on_random_batch);
+  } catch (...) {
+    if (layer_timer_) layer_timer_->set_recording(true);
+    throw;
+  }
+  if (layer_timer_) layer_timer_->set_recording(true);
+  optimizer_->zero_grad(/*set_to_none=*/true);  // tracing must leave no gradient behind
+  (void)B;
+  (void)T;
+}
+
+torch::Tensor Trainer::select(const torch::Tensor& loss_BT, const Batch& batch) {
+  torch::NoGradGuard no_grad;
+  auto valid_BT = batch.labels_BT != -100;
+  if (cfg_.method == Method::kRegular) return valid_BT;
+  torch::Tensor scores_BT;
+  if (cfg_.score == "self") {
+    scores_BT = loss_BT.detach();
+  } else if (cfg_.score == "reference") {
+    TORCH_CHECK(batch.ref_loss_BT.has_value(),
+                "Trainer: score 'reference' needs Batch::ref_loss_BT (reference per-token losses, e.g. from "
+                "`collider score`)");
+    scores_BT = collider::excess_loss(loss_BT, batch.ref_loss_BT->to(loss_BT.device()));
+  } else {
+    scores_BT = torch::rand(loss_BT.sizes(), score_gen_, torch::kFloat).to(loss_BT.device());
+  }
+  collider::SelectOptions so;
+  so.policy = cfg_.policy;
+  so.align = cfg_.align;
+  so.valid_BT = valid_BT;
+  return collider::select_tokens(scores_BT, cfg_.filter_ratio, so);
+}
+
+StepResult Trainer::step(const Batch& batch_in) {
+  TORCH_CHECK(batch_in.input_ids_BT.dim() == 2 && batch_in.labels_BT.sizes() == batch_in.input_ids_BT.sizes(),
+              "Trainer::step: input_ids and labels must both be [B, T], got ", batch_in.input_ids_BT.sizes(), " and ",
+              batch_in.labels_BT.sizes());
+  Batch batch = batch_in;
+  batch.input_ids_BT = batch.input_ids_BT.to(device_);
+  batch.labels_BT = batch.labels_BT.to(device_);
+  const int64_t B = batch.input_ids_BT.size(0), T = batch.input_ids_BT.size(1);
+  if (uses_attention_grad(cfg_.method)) ensure_plan(B, T);
+
+  StepResult r;
+  timer_->reset();
+  ScopedRange step_range(ranges_, "step");
+  const int64_t m_start = timer_->mark();
+
+  torch::Tensor loss_BT;
+  {
+    ScopedRange rg(ranges_, "fwd");
+    if (layer_timer_) layer_timer_->forward_begin();
+    {
+      AutocastScope ac(cfg_.bf16_autocast);
+      auto logits_BTV = model_->forward(batch.input_ids_BT);
+      loss_BT = models::token_losses(logits_BTV, batch.labels_BT);
+    }
+    if (layer_timer_) layer_timer_->forward_end();
+  }
+  const int64_t m_fwd = timer_->mark();
+
+  torch::Tensor keep_BT, loss;
+  int64_t m_select, m_loss;
+  {
+    ScopedRange rg(ranges_, "filter");
+    {
+      ScopedRange rs(ranges_, "filter.select");
+      keep_BT = select(loss_BT, batch);
+    }
+    m_select = timer_->mark();
+    loss = models::masked_mean_loss(loss_BT, keep_BT);
+    m_loss = timer_->mark();
+    ScopedRange rr(ranges_, "filter.rewrite");
+    collider::FilterOptions fo;
+    fo.attention = cfg_.attention_grad;
+    if (cfg_.method == Method::kCollider) {
+      r.filter = collider::filter_backward(loss, keep_BT, *plan_, fo);
+    } else if (cfg_.method == Method::kMasked) {
+      r.filter = collider::mask_backward(loss, keep_BT, *plan_, fo);
+    }
+  }
+  const int64_t m_filter = timer_->mark();
+
+  {
+    ScopedRange rg(ranges_, "bwd");
+    if (layer_timer_) layer_timer_->backward_begin();
+    loss.backward();
+    if (layer_timer_) layer_timer_->backward_end();
+  }
+  const int64_t m_bwd = timer_->mark();
+
+  {
+    ScopedRange rg(ranges_, "optimizer");
+    if (cfg_.grad_clip > 0) {
+      r.grad_norm = torch::nn::utils::clip_grad_norm_(model_->parameters(), cfg_.grad_clip);
+    }
+    optimizer_->step();
+    optimizer_->zero_grad(/*set_to_none=*/true);
+  }
+  const int64_t m_opt = timer_->mark();
+  timer_->synchronize();
+  step_range.close();
+
+  r.fwd_ms = timer_->elapsed_ms(m_start, m_fwd);
+  r.select_ms = timer_->elapsed_ms(m_fwd, m_select);
+  r.rewrite_ms = timer_->elapsed_ms(m_loss, m_filter);
+  r.filter_ms = timer_->elapsed_ms(m_fwd, m_filter);
+  r.bwd_ms = timer_->elapsed_ms(m_filter, m_bwd);
+  r.optim_ms = timer_->elapsed_ms(m_bwd, m_opt);
+  r.step_ms = timer_->elapsed_ms(m_start, m_opt);
+  if (layer_timer_) r.layers = layer_timer_->resolve();
+
+  r.loss = loss.detach().item<double>();
+  r.tokens = B * T;
+  r.tokens_kept = keep_BT.sum().item<int64_t>();
+  if (cfg_.policy == collider::SelectPolicy::kPerSequence || cfg_.method == Method::kRegular) {
+    auto per_row = keep_BT.sum(1);
+    r.kept_per_seq = (per_row == per_row[0]).all().item<bool>() ? per_row[0].item<int64_t>() : -1;
+  } else {
+    r.kept_per_seq = -1;
+  }
+  return r;
+}
+
+}  // namespace collider::harness

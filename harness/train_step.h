@@ -1,0 +1,130 @@
+// The training step of every method: forward, per-token loss, token selection, the one added
+// line (Collider's graph rewrite, or the masked oracle), backward, gradient clipping, AdamW.
+// fp32 on CPU; bf16 autocast on CUDA (parameters and optimizer state stay fp32).
+// Each phase is timed (Timer: steady clock on CPU, CUDA events on GPU), optionally per layer
+// (LayerTimer markers), and bracketed by NVTX / trace ranges with the same names.
+// Legend: B batch, T sequence, V vocab, N kept tokens per sequence.
+// Tests: tests/test_train_step.cpp (build-harness/tests/test_train_step).
+#pragma once
+
+#include "harness/layer_timing.h"
+#include "harness/ranges.h"
+#include "harness/timer.h"
+#include "models/model.h"
+
+#include <collider/collider.h>
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace collider::harness {
+
+enum class Method {
+  kRegular,   // no filtering: every token's loss, dense backward
+  kLossOnly,  // RHO-1: masked loss, dense backward (what existing systems do)
+  kCollider,  // masked loss + collider::filter_backward: backward on kept rows only
+  kMasked,    // masked loss + collider::mask_backward: Collider's gradient on zero-masked full tensors
+};
+const char* to_string(Method m);
+// Throws std::invalid_argument listing the allowed names.
+Method method_from_string(const std::string& s);
+// True for the methods whose backward depends on attention_grad (collider, masked).
+bool uses_attention_grad(Method m);
+
+struct StepConfig {
+  Method method = Method::kRegular;
+  double filter_ratio = 0.0;  // fraction of tokens dropped (ignored by regular)
+  collider::AttentionGrad attention_grad = collider::AttentionGrad::kKeptOnly;
+  collider::SelectPolicy policy = collider::SelectPolicy::kPerSequence;
+  int64_t align = 8;          // drop count per row rounded up to a multiple of this
+  double lr = 3e-4, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double grad_clip = 1.0;     // max global grad norm; <= 0 disables clipping
+  // Token scores for selection: "self" = the model's own per-token loss, "reference" = excess
+  // loss against Batch::ref_loss_BT (RHO-1), "random" = seeded uniform scores (timing runs).
+  std::string score = "self";
+  bool bf16_autocast = false;  // CUDA only: forward under bf16 autocast
+  bool layer_timing = false;   // install per-layer markers
+};
+
+struct Batch {
+  torch::Tensor input_ids_BT;               // int64 [B, T]
+  torch::Tensor labels_BT;                  // int64 [B, T], pre-shifted, -100 = no label
+  std::optional<torch::Tensor> ref_loss_BT;  // float [B, T], reference per-token losses (nats)
+};
+
+struct StepResult {
+  double loss = 0.0;           // the loss that was backpropagated (mean over kept tokens)
+  double grad_norm = 0.0;      // global grad norm before clipping
+  int64_t tokens = 0;          // B * T
+  int64_t tokens_kept = 0;     // kept positions in the batch
+  int64_t kept_per_seq = 0;    // N (per_sequence), else -1 (ragged)
+  double fwd_ms = 0.0;         // model forward + per-token loss
+  double filter_ms = 0.0;      // selection + masked-mean loss + graph rewrite (select_ms + rewrite_ms + rest)
+  double select_ms = 0.0;      // scores + select_tokens
+  double rewrite_ms = 0.0;     // filter_backward / mask_backward (collider, masked)
+  double bwd_ms = 0.0;         // loss.backward()
+  double optim_ms = 0.0;       // grad clipping + AdamW step + zero_grad
+  double step_ms = 0.0;        // all of the above
+  std::vector<LayerTime> layers;  // when StepConfig::layer_timing
+  collider::FilterStats filter;   // collider / masked
+};
+
+class Trainer {
+ public:
+  // The model is moved to `device`; `seed` drives the random scores. ranges may be null.
+  Trainer(models::CausalLM model, StepConfig cfg, torch::Device device, uint64_t seed = 0,
+          RangeRecorder* ranges = nullptr);
+  ~Trainer();
+
+  StepResult step(const Batch& batch);
+
+  models::CausalLM& model() { return model_; }
+  torch::optim::AdamW& optimizer() { return *optimizer_; }
+  const StepConfig& config() const { return cfg_; }
+  const torch::Device& device() const { return device_; }
+  Timer& timer() { return *timer_; }
+  LayerTimer* layer_timer() { return layer_timer_.get(); }
+  // The traced plan (collider / masked), built on the first step of a given batch shape.
+  const collider::Plan* plan() const { return plan_ ? &*plan_ : nullptr; }
+
+  // Keep mask this step would use for the given per-token losses (exposed for tests).
+  torch::Tensor select(const torch::Tensor& loss_BT, const Batch& batch);
+
+ private:
+  void ensure_plan(int64_t B, int64_t T);
+
+  models::CausalLM model_;
+  StepConfig cfg_;
+  torch::Device device_;
+  RangeRecorder* ranges_;
+  std::unique_ptr<Timer> timer_;
+  std::unique_ptr<LayerTimer> layer_timer_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::optional<collider::Plan> plan_;
+  torch::Generator score_gen_;
+  uint64_t seed_;
+};
+
+// A batch of uniformly random tokens (timing runs), deterministic in `gen`: labels are the
+// inputs shifted by one with a random final token.
+Batch random_batch(int64_t B, int64_t T, int64_t vocab_size, torch::Generator& gen, const torch::Device& device);
+
+// RAII bf16 autocast on CUDA (restores the previous state, clears the cast cache on exit).
+class AutocastScope {
+ public:
+  explicit AutocastScope(bool enabled);
+  ~AutocastScope();
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  bool enabled_;
+  bool prev_enabled_ = false;
+  at::ScalarType prev_dtype_ = at::kBFloat16;
+};
+
+}  // namespace collider::harness
