@@ -1,0 +1,23 @@
+// Internal: the autograd graph hanging off a loss, in a deterministic node order.
+// The order (breadth-first from loss.grad_fn, edges in order) is what a Plan replays.
+#pragma once
+
+#include <torch/csrc/autograd/function.h>
+
+#include <memory>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace collider::detail {
+
+struct Graph {
+  std::vector<std::shared_ptr<torch::autograd::Node>> nodes;
+  std::unordered_map<const torch::autograd::Node*, int> index;
+  // parents[i]: (parent node index, edge index in the parent) for every edge into node i.
+  std::vector<std::vector<std::pair<int, int>>> parents;
+};
+
+Graph collect_graph(const std::shared_ptr<torch::autograd::Node>& root);
+
+}  // namespace collider::detail

@@ -1,0 +1,161 @@
+// Plan: construction, copying and its text form. The text form is line based:
+//   collider-plan 1 trace B=3,5 T=53,61 cores=<n>
+//   node <i> <Type> <core 0|1>
+//   field <name> <kind> <item> <rank> <pad_rank> <bcast_dim> <bcast_mult> <dims>   dims: dim:kind:role:mult,...
+//   insert <node> <edge> <rank> <pad_rank> <bcast_dim> <bcast_mult> <dims>
+//   blocker <text to end of line>
+#include <collider/collider.h>
+
+#include "plan_impl.h"
+
+#include <fmt/format.h>
+
+#include <sstream>
+
+namespace collider {
+
+Plan::Plan() : impl_(std::make_unique<Impl>()) {}
+Plan::~Plan() = default;
+Plan::Plan(const Plan& o) : impl_(std::make_unique<Impl>(*o.impl_)) {}
+Plan& Plan::operator=(const Plan& o) {
+  if (this != &o) impl_ = std::make_unique<Impl>(*o.impl_);
+  return *this;
+}
+Plan::Plan(Plan&&) noexcept = default;
+Plan& Plan::operator=(Plan&&) noexcept = default;
+
+int64_t Plan::num_nodes() const { return static_cast<int64_t>(impl_->data.nodes.size()); }  // the B > 1 variant
+
+int64_t Plan::num_token_nodes() const {
+  int64_t n = 0;
+  for (const auto& ns : impl_->data.nodes) n += ns.fields.empty() ? 0 : 1;
+  return n;
+}
+
+std::string Plan::summary() const {
+  const auto& d = impl_->data;
+  return fmt::format("{} nodes, {} with token dimensions, {} attention cores, exact_query {}", num_nodes(),
+                     num_token_nodes(), d.num_attention_cores,
+                     d.exact_query_blocker.empty() ? "available" : "unavailable (" + d.exact_query_blocker + ")");
+}
+
+namespace {
+
+std::string shape_text(const detail::ShapeSpec& s) {
+  std::string dims;
+  for (const auto& d : s.dims) {
+    if (!dims.empty()) dims += ",";
+    dims += fmt::format("{}:{}:{}:{}", d.dim, static_cast<int>(d.kind), static_cast<int>(d.role), d.mult);
+  }
+  return fmt::format("{} {} {} {} {}", s.rank, s.pad_rank, s.bcast_batch_dim, s.bcast_mult, dims.empty() ? "-" : dims);
+}
+
+detail::ShapeSpec parse_shape(std::istringstream& in, int line_no) {
+  detail::ShapeSpec s;
+  std::string dims;
+  if (!(in >> s.rank >> s.pad_rank >> s.bcast_batch_dim >> s.bcast_mult >> dims)) {
+    throw Error(fmt::format("Plan::from_string: line {}: malformed shape", line_no));
+  }
+  if (dims == "-") return s;
+  std::istringstream ds(dims);
+  std::string item;
+  while (std::getline(ds, item, ',')) {
+    detail::DimSpec d;
+    int kind = 0, role = 0;
+    if (std::sscanf(item.c_str(), "%d:%d:%d:%ld", &d.dim, &kind, &role, &d.mult) != 4 || kind < 0 || kind > 2 ||
+        role < 0 || role > 1) {
+      throw Error(fmt::format("Plan::from_string: line {}: malformed dimension '{}'", line_no, item));
+    }
+    d.kind = static_cast<detail::DimKind>(kind);
+    d.role = static_cast<detail::Role>(role);
+    s.dims.push_back(d);
+  }
+  return s;
+}
+
+}  // namespace
+
+namespace {
+std::string variant_text(const detail::PlanData& d) {
+  std::string out = fmt::format("collider-plan 1 trace B={},{} T={},{} cores={}\n", d.batch_a, d.batch_b, d.seq_a,
+                                d.seq_b, d.num_attention_cores);
+  for (size_t i = 0; i < d.nodes.size(); ++i) {
+    const auto& n = d.nodes[i];
+    out += fmt::format("node {} {} {}\n", i, n.type, n.attention_core ? 1 : 0);
+    for (const auto& f : n.fields) {
+      out += fmt::format("field {} {} {} {}\n", f.name, static_cast<int>(f.kind), f.item, shape_text(f.shape));
+    }
+  }
+  for (const auto& ins : d.inserts) out += fmt::format("insert {} {} {}\n", ins.node, ins.edge, shape_text(ins.shape));
+  if (!d.exact_query_blocker.empty()) out += "blocker " + d.exact_query_blocker + "\n";
+  return out;
+}
+}  // namespace
+
+// Two variants: batches of B > 1, then B = 1.
+std::string Plan::to_string() const { return variant_text(impl_->data) + variant_text(impl_->single); }
+
+Plan Plan::from_string(const std::string& text) {
+  Plan plan;
+  detail::PlanData* dp = nullptr;
+  int variants = 0;
+  std::istringstream lines(text);
+  std::string line;
+  int line_no = 0;
+  while (std::getline(lines, line)) {
+    ++line_no;
+    if (line.empty()) continue;
+    std::istringstream in(line);
+    std::string tag;
+    in >> tag;
+    if (tag == "collider-plan") {
+      if (++variants > 2) throw Error("Plan::from_string: more than two plan variants");
+      dp = variants == 1 ? &plan.impl().data : &plan.impl().single;
+      auto& d = *dp;
+      int version = 0;
+      std::string trace, bs, ts, cores;
+      if (!(in >> version >> trace >> bs >> ts >> cores) || version != 1 ||
+          std::sscanf(bs.c_str(), "B=%ld,%ld", &d.batch_a, &d.batch_b) != 2 ||
+          std::sscanf(ts.c_str(), "T=%ld,%ld", &d.seq_a, &d.seq_b) != 2 ||
+          std::sscanf(cores.c_str(), "cores=%ld", &d.num_attention_cores) != 1) {
+        throw Error("Plan::from_string: not a collider plan (expected a 'collider-plan 1 ...' header line)");
+      }
+      continue;
+    }
+    if (!dp) throw Error("Plan::from_string: not a collider plan (expected a 'collider-plan 1 ...' header line)");
+    auto& d = *dp;
+    if (tag == "node") {
+      size_t idx = 0;
+      detail::NodeSpec n;
+      int core = 0;
+      if (!(in >> idx >> n.type >> core) || idx != d.nodes.size()) {
+        throw Error(fmt::format("Plan::from_string: line {}: malformed node line", line_no));
+      }
+      n.attention_core = core != 0;
+      d.nodes.push_back(std::move(n));
+    } else if (tag == "field") {
+      if (d.nodes.empty()) throw Error(fmt::format("Plan::from_string: line {}: field before any node", line_no));
+      detail::FieldSpec f;
+      int kind = 0;
+      if (!(in >> f.name >> kind >> f.item) || kind < 0 || kind > 3) {
+        throw Error(fmt::format("Plan::from_string: line {}: malformed field line", line_no));
+      }
+      f.kind = static_cast<detail::FieldKind>(kind);
+      f.shape = parse_shape(in, line_no);
+      d.nodes.back().fields.push_back(std::move(f));
+    } else if (tag == "insert") {
+      detail::EdgeInsert ins;
+      if (!(in >> ins.node >> ins.edge)) throw Error(fmt::format("Plan::from_string: line {}: malformed insert", line_no));
+      ins.shape = parse_shape(in, line_no);
+      d.inserts.push_back(std::move(ins));
+    } else if (tag == "blocker") {
+      d.exact_query_blocker = line.substr(8);
+    } else {
+      throw Error(fmt::format("Plan::from_string: line {}: unknown record '{}'", line_no, tag));
+    }
+  }
+  if (variants != 2) throw Error("Plan::from_string: incomplete plan (expected two variants)");
+  return plan;
+}
+
+}  // namespace collider

@@ -1,0 +1,100 @@
+// Internal: what a Plan records. For every node (in graph order) the fields that carry token
+// dimensions, and for each such field which dimensions are token dimensions, which role they play
+// inside attention (query rows vs key columns) and where the batch dimension sits, so the
+// rewriter can cut the field to the kept rows without looking at sizes (it never guesses).
+#pragma once
+
+#include <collider/collider.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace collider::detail {
+
+enum class DimKind : uint8_t {
+  kToken,      // size T
+  kFlatToken,  // size B*T, batch-major (row = b*T + t)
+  kBatch,      // size B*mult, batch-major (row = b*mult + j)
+};
+
+enum class Role : uint8_t {
+  kQuery,  // an ordinary token dimension (also: attention's query rows); always cut
+  kKey,    // attention's key/value columns; cut in kept_only, kept whole in exact_query
+};
+
+struct DimSpec {
+  int32_t dim = 0;
+  DimKind kind = DimKind::kToken;
+  Role role = Role::kQuery;
+  int64_t mult = 1;  // kBatch: size / B
+};
+
+// How a tensor-shaped field maps to tokens. A tensor with token dimensions but no batch
+// dimension (RoPE tables, causal masks) is broadcast: it is viewed at rank `pad_rank` (leading
+// ones), its dimension `bcast_batch_dim` expanded to B*bcast_mult, then cut per sequence.
+struct ShapeSpec {
+  int32_t rank = 0;
+  std::vector<DimSpec> dims;  // the dimensions that scale with B or T, in increasing order
+  int32_t pad_rank = 0;       // > 0: broadcast tensor (see above)
+  int32_t bcast_batch_dim = -1;
+  int64_t bcast_mult = 1;
+
+  bool has_token() const {
+    for (const auto& d : dims)
+      if (d.kind != DimKind::kBatch) return true;
+    return false;
+  }
+  bool has_key() const {
+    for (const auto& d : dims)
+      if (d.kind != DimKind::kBatch && d.role == Role::kKey) return true;
+    return false;
+  }
+};
+
+enum class FieldKind : uint8_t {
+  kSaved,        // SavedVariable (item: index in a std::vector<SavedVariable>, else 0)
+  kSizes,        // std::vector<c10::SymInt> / std::vector<int64_t> / TypeAndSize / OptionalArray
+  kStrides,      // *_sym_strides: recomputed as contiguous strides of the sibling sizes
+  kInputMeta,    // the node's expected input shape number `item`
+};
+
+struct FieldSpec {
+  std::string name;  // C++ field name in Functions.h, or "input" for input metadata
+  FieldKind kind = FieldKind::kSaved;
+  int32_t item = 0;
+  ShapeSpec shape;
+};
+
+struct NodeSpec {
+  std::string type;  // Node::name()
+  bool attention_core = false;
+  std::vector<FieldSpec> fields;  // only fields with token dimensions
+};
+
+// exact_query: the gradient reaching a key/value input of an attention core carries all T
+// key rows; a node inserted on that edge cuts it to the kept rows.
+struct EdgeInsert {
+  int32_t node = 0;  // the core matmul node
+  int32_t edge = 0;  // its next_edge index (the K^T or V operand)
+  ShapeSpec shape;   // of the gradient on that edge (full key rows)
+};
+
+struct PlanData {
+  int64_t batch_a = 0, seq_a = 0, batch_b = 0, seq_b = 0;  // the trace sizes
+  std::vector<NodeSpec> nodes;
+  std::vector<EdgeInsert> inserts;
+  int64_t num_attention_cores = 0;
+  // Nodes that could not be rewritten for exact_query (reason), e.g. an unrecognised softmax
+  // over two token dimensions. Empty when exact_query is available.
+  std::string exact_query_blocker;
+};
+
+}  // namespace collider::detail
+
+// `data` serves batches of B > 1; `single` serves B = 1, whose graph can differ (reshapes of
+// tensors with a size-1 batch dimension become views) and which needs no batch dimensions.
+struct collider::Plan::Impl {
+  detail::PlanData data;
+  detail::PlanData single;
+};

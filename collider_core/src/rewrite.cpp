@@ -1,0 +1,348 @@
+// filter_backward / mask_backward: replay a Plan on the autograd graph of one step.
+// filter_backward cuts every token-shaped saved tensor to the kept rows (one gather per distinct
+// tensor), shrinks recorded sizes and expected input shapes, and for exact_query inserts a node
+// on each key/value edge of an attention core that cuts dK/dV to the kept rows. After it, the
+// whole backward runs on [B, N] tokens (DESIGN.md section 3, paper section 4).
+// mask_backward computes the same gradients on full-size tensors (the oracle).
+#include <collider/collider.h>
+
+#include "graph.h"
+#include "node_fields.h"
+#include "nvtx.h"
+#include "plan_impl.h"
+#include "token_index.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <map>
+#include <tuple>
+
+namespace collider {
+namespace detail {
+namespace {
+
+using torch::autograd::Edge;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+std::vector<int64_t> to_ints(c10::SymIntArrayRef a) {
+  std::vector<int64_t> out;
+  out.reserve(a.size());
+  for (const auto& s : a) out.push_back(s.expect_int());
+  return out;
+}
+std::vector<c10::SymInt> to_syms(const std::vector<int64_t>& v) { return {v.begin(), v.end()}; }
+
+// Cuts (or zeroes, for the masked method) the gradient flowing into a key/value operand.
+class KeyRowsNode final : public Node {
+ public:
+  KeyRowsNode(std::shared_ptr<TokenIndex> index, ShapeSpec spec, bool zero_only)
+      : index_(std::move(index)), spec_(std::move(spec)), zero_only_(zero_only) {}
+  std::string name() const override { return zero_only_ ? "collider::MaskKeyRows" : "collider::CutKeyRows"; }
+  variable_list apply(variable_list&& grads) override {
+    torch::Tensor g = grads.at(0);
+    if (!g.defined()) return {g};
+    torch::NoGradGuard no_grad;
+    return {zero_only_ ? index_->zero_dropped(g, spec_, true) : index_->cut(g, spec_, /*cut_keys=*/true)};
+  }
+
+ private:
+  std::shared_ptr<TokenIndex> index_;
+  ShapeSpec spec_;
+  bool zero_only_;
+};
+
+struct CacheKey {
+  const void* data;
+  int64_t numel;
+  int dtype;
+  std::vector<int64_t> strides;  // empty for contiguous tensors (views reconciled by reshape)
+  std::vector<int64_t> sizes;
+  bool operator<(const CacheKey& o) const {
+    return std::tie(data, numel, dtype, strides, sizes) < std::tie(o.data, o.numel, o.dtype, o.strides, o.sizes);
+  }
+};
+
+class Rewriter {
+ public:
+  Rewriter(const PlanData& plan, std::shared_ptr<TokenIndex> index, bool cut_keys, bool masked, FilterStats& stats)
+      : plan_(plan), ix_(std::move(index)), cut_keys_(cut_keys), masked_(masked), stats_(stats) {}
+
+  void run(const Graph& g) {
+    const auto& nodes = plan_.nodes;
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      if (nodes[i].fields.empty()) continue;
+      rewrite_node(g.nodes[i], nodes[i], static_cast<int>(i));
+    }
+  }
+
+  torch::Tensor cut_saved(const torch::Tensor& t, const ShapeSpec& spec) {
+    // One gather per distinct tensor; contiguous views of the same memory share it.
+    CacheKey key{t.data_ptr(), t.numel(), static_cast<int>(t.scalar_type()), {}, {}};
+    if (!t.is_contiguous()) {
+      key.strides = t.strides().vec();
+      key.sizes = t.sizes().vec();
+    }
+    auto want = ix_->cut_sizes(t.sizes().vec(), spec, cut_keys_);
+    const int64_t want_numel = c10::multiply_integers(want);
+    auto it = cache_.find(key);
+    if (it != cache_.end() && it->second.numel() == want_numel && spec.pad_rank == 0) {
+      return it->second.view(want);
+    }
+    torch::Tensor out = ix_->cut(t, spec, cut_keys_);
+    if (!out.is_contiguous()) out = out.contiguous();
+    ++stats_.tensors_gathered;
+    stats_.bytes_before += static_cast<int64_t>(t.numel() * t.element_size());
+    stats_.bytes_gathered += static_cast<int64_t>(out.numel() * out.element_size());
+    if (spec.pad_rank == 0) cache_[key] = out;
+    return out;
+  }
+
+ private:
+  class Apply;
+
+  void rewrite_node(const std::shared_ptr<Node>& node, const NodeSpec& spec, int index);
+
+  const PlanData& plan_;
+  std::shared_ptr<TokenIndex> ix_;
+  bool cut_keys_;
+  bool masked_;
+  FilterStats& stats_;
+  std::map<CacheKey, torch::Tensor> cache_;
+};
+
+// Applies one node's FieldSpecs through the generated field handlers.
+class Rewriter::Apply final : public FieldVisitor {
+ public:
+  Apply(Rewriter& rw, const std::shared_ptr<Node>& node, const NodeSpec& spec, int index)
+      : rw_(rw), node_(node), spec_(spec), index_(index) {}
+
+  bool changed = false;
+
+  void saved(const char* name, SavedVariable& v) override { on_saved(name, 0, v); }
+  void saved_list(const char* name, std::vector<SavedVariable>& v) override {
+    for (size_t i = 0; i < v.size(); ++i) on_saved(name, static_cast<int32_t>(i), v[i]);
+  }
+  void sizes(const char* name, std::vector<c10::SymInt>& v) override {
+    const std::string n(name);
+    if (ends_with(n, "_strides")) {
+      // Recompute as contiguous strides of the sibling sizes, when those were cut.
+      auto it = cut_sizes_.find(n.substr(0, n.size() - 8) + "_sizes");
+      if (it != cut_sizes_.end()) v = to_syms(contiguous_strides(it->second));
+      return;
+    }
+    if (auto* f = find(name, 0, FieldKind::kSizes)) {
+      auto out = apply_sizes(*f, to_ints(v));
+      cut_sizes_[n] = out;
+      v = to_syms(out);
+    }
+  }
+  void sizes_list(const char* name, std::vector<std::vector<c10::SymInt>>& v) override {
+    for (size_t i = 0; i < v.size(); ++i)
+      if (auto* f = find(name, static_cast<int32_t>(i), FieldKind::kSizes)) v[i] = to_syms(apply_sizes(*f, to_ints(v[i])));
+  }
+  void symint(const char*, c10::SymInt&) override {}
+  void opt_symint(const char*, std::optional<c10::SymInt>&) override {}
+  void opt_sizes(const char* name, c10::OptionalArray<c10::SymInt>& v) override {
+    if (!v.list) return;
+    if (auto* f = find(name, 0, FieldKind::kSizes)) v.list = to_syms(apply_sizes(*f, to_ints(*v.list)));
+  }
+  void int_sizes(const char* name, std::vector<int64_t>& v) override {
+    if (auto* f = find(name, 0, FieldKind::kSizes)) v = apply_sizes(*f, v);
+  }
+  void type_and_size(const char* name, torch::autograd::generated::TypeAndSize& v) override {
+    if (auto* f = find(name, 0, FieldKind::kSizes)) v.sym_sizes = to_syms(apply_sizes(*f, to_ints(v.sym_sizes)));
+  }
+  void geometry(const char*, at::TensorGeometry&) override {}
+  void int64(const char*, int64_t&) override {}
+
+  void inputs() {
+    for (const auto& f : spec_.fields) {
+      if (f.kind != FieldKind::kInputMeta) continue;
+      auto& meta = node_->mutable_input_metadata(f.item);
+      auto& shape = meta.mutable_shape_as_dim_vector();
+      auto out = apply_sizes(f, to_ints(shape));
+      shape.assign(out.begin(), out.end());
+    }
+  }
+
+ private:
+  static bool ends_with(const std::string& s, const char* suffix) {
+    const size_t n = std::char_traits<char>::length(suffix);
+    return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
+  }
+  static std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes) {
+    std::vector<int64_t> st(sizes.size(), 1);
+    for (int64_t d = static_cast<int64_t>(sizes.size()) - 2; d >= 0; --d) st[d] = st[d + 1] * std::max<int64_t>(sizes[d + 1], 1);
+    return st;
+  }
+  const FieldSpec* find(const char* name, int32_t item, FieldKind kind) const {
+    for (const auto& f : spec_.fields)
+      if (f.kind == kind && f.item == item && f.name == name) return &f;
+    return nullptr;
+  }
+  [[noreturn]] void mismatch(const FieldSpec& f, const std::string& what) const {
+    throw Error(fmt::format("filter_backward: the graph does not match the plan at node #{} {} field {}: {}. "
+                            "Re-trace the plan for this model (collider::trace_plan).",
+                            index_, spec_.type, f.name, what));
+  }
+  std::vector<int64_t> apply_sizes(const FieldSpec& f, const std::vector<int64_t>& values) {
+    auto bad = rw_.ix_->mismatch(values, f.shape);
+    if (!bad.empty()) mismatch(f, bad);
+    if (rw_.masked_) return values;
+    auto out = rw_.ix_->cut_sizes(values, f.shape, rw_.cut_keys_);
+    if (out != values) changed = true;
+    return out;
+  }
+  void on_saved(const char* name, int32_t item, SavedVariable& v) {
+    const FieldSpec* f = find(name, item, FieldKind::kSaved);
+    if (!f) return;
+    torch::Tensor t;
+    try {
+      t = v.unpack(node_);
+    } catch (const std::exception& e) {
+      throw Error(fmt::format("filter_backward: cannot read saved tensor {} of node #{} {} ({}). Call "
+                              "filter_backward once per loss, before loss.backward().",
+                              name, index_, spec_.type, e.what()));
+    }
+    if (!t.defined()) return;
+    auto bad = rw_.ix_->mismatch(t.sizes().vec(), f->shape);
+    if (!bad.empty()) mismatch(*f, bad);
+    torch::NoGradGuard no_grad;
+    torch::Tensor out;
+    if (rw_.masked_) {
+      // kept_only oracle: the attention probabilities restricted to kept rows and columns.
+      if (rw_.cut_keys_ && spec_.attention_core && f->shape.has_key() && t.is_floating_point()) {
+        out = rw_.ix_->zero_dropped(t.detach(), f->shape, true);
+      } else {
+        return;
+      }
+    } else {
+      out = rw_.cut_saved(t.detach(), f->shape);
+    }
+    v = SavedVariable(out, /*is_output=*/false);
+    changed = true;
+  }
+
+  Rewriter& rw_;
+  const std::shared_ptr<Node>& node_;
+  const NodeSpec& spec_;
+  int index_;
+  std::map<std::string, std::vector<int64_t>> cut_sizes_;
+};
+
+void Rewriter::rewrite_node(const std::shared_ptr<Node>& node, const NodeSpec& spec, int index) {
+  Apply apply(*this, node, spec, index);
+  if (const NodeFields* nf = find_node_fields(*node)) nf->visit(node.get(), apply);
+  apply.inputs();
+  if (apply.changed) ++stats_.nodes_rewritten;
+}
+
+Graph checked_graph(const torch::Tensor& loss, const PlanData& plan, const char* who) {
+  if (!loss.defined() || !loss.grad_fn()) {
+    throw Error(fmt::format("{}: the loss has no grad_fn; build it from the model outputs with grad enabled", who));
+  }
+  if (loss.numel() != 1) throw Error(fmt::format("{}: the loss must be a scalar", who));
+  if (plan.nodes.empty()) throw Error(fmt::format("{}: empty plan; build one with collider::trace_plan", who));
+  Graph g = collect_graph(loss.grad_fn());
+  const size_t n = std::min(g.nodes.size(), plan.nodes.size());
+  for (size_t i = 0; i < n; ++i) {
+    const std::string t = g.nodes[i]->name();
+    if (t != plan.nodes[i].type) {
+      throw Error(fmt::format("{}: node #{} is {} but the plan expects {}: the graph does not match the plan "
+                              "(another model, or a changed forward). Re-trace with collider::trace_plan.",
+                              who, i, t, plan.nodes[i].type));
+    }
+  }
+  if (g.nodes.size() != plan.nodes.size()) {
+    throw Error(fmt::format("{}: the loss graph has {} nodes but the plan has {}: it was traced for another model "
+                            "or loss. Re-trace with collider::trace_plan.", who, g.nodes.size(), plan.nodes.size()));
+  }
+  return g;
+}
+
+FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT, const Plan& plan,
+                        const FilterOptions& opts, bool masked) {
+  const char* who = masked ? "mask_backward" : "filter_backward";
+  NvtxRange range(masked ? "collider/mask" : "collider/filter");
+  const auto t0 = std::chrono::steady_clock::now();
+  if (!keep_BT.defined() || keep_BT.dim() != 2) {
+    throw Error(fmt::format("{}: the keep mask must be bool [B, T]", who));
+  }
+  const PlanData& data = keep_BT.size(0) == 1 ? plan.impl().single : plan.impl().data;
+  const bool exact = opts.attention == AttentionGrad::kExactQuery;
+  if (exact && !data.exact_query_blocker.empty()) {
+    throw Error(fmt::format("{}: exact_query needs every attention core recognised: {}", who,
+                            data.exact_query_blocker));
+  }
+  Graph g = checked_graph(loss, data, who);
+  auto ix = std::make_shared<TokenIndex>(keep_BT.to(loss.device()));
+  FilterStats stats;
+  stats.nodes_visited = static_cast<int64_t>(g.nodes.size());
+  stats.batch = ix->B();
+  stats.seq_len = ix->T();
+  stats.kept = ix->N();
+
+  // exact_query: remember the key/value edges before their targets' shapes shrink.
+  struct PendingInsert {
+    const EdgeInsert* ins;
+    Edge old_edge;
+    at::TensorOptions options;
+    std::vector<int64_t> shape;
+  };
+  std::vector<PendingInsert> pending;
+  if (exact) {
+    for (const auto& ins : data.inserts) {
+      const auto& node = g.nodes[ins.node];
+      Edge e = node->next_edge(ins.edge);
+      if (!e.function) continue;  // K or V does not require grad
+      const auto& meta = e.function->input_metadata(e.input_nr);
+      pending.push_back({&ins, e, meta.options(), to_ints(meta.shape_as_dim_vector())});
+    }
+  }
+
+  Rewriter rw(data, ix, /*cut_keys=*/!exact, masked, stats);
+  rw.run(g);
+
+  for (auto& p : pending) {
+    auto bad = ix->mismatch(p.shape, p.ins->shape);
+    if (!bad.empty()) {
+      throw Error(fmt::format("{}: the key/value gradient edge of node #{} does not match the plan: {}", who,
+                              p.ins->node, bad));
+    }
+    auto node = std::make_shared<KeyRowsNode>(ix, p.ins->shape, masked);
+    node->add_input_metadata(p.options, to_syms(p.shape), false, false, std::nullopt);
+    node->add_next_edge(p.old_edge);
+    // Node::set_next_edge refuses nodes that already have parents (topological_nr bookkeeping,
+    // used only to prune torch::autograd::grad with explicit inputs); the edge list itself is
+    // plain data, replaced here directly.
+    const_cast<torch::autograd::edge_list&>(g.nodes[p.ins->node]->next_edges())[p.ins->edge] = Edge(node, 0);
+    ++stats.gather_nodes_inserted;
+  }
+  stats.rewrite_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return stats;
+}
+
+}  // namespace
+}  // namespace detail
+
+const char* to_string(AttentionGrad a) { return a == AttentionGrad::kKeptOnly ? "kept_only" : "exact_query"; }
+
+AttentionGrad attention_grad_from_string(const std::string& s) {
+  if (s == "kept_only") return AttentionGrad::kKeptOnly;
+  if (s == "exact_query") return AttentionGrad::kExactQuery;
+  throw std::invalid_argument("unknown attention_grad '" + s + "'; allowed: kept_only, exact_query");
+}
+
+FilterStats filter_backward(const torch::Tensor& loss, const torch::Tensor& keep_BT, const Plan& plan,
+                            const FilterOptions& opts) {
+  return detail::run_rewrite(loss, keep_BT, plan, opts, /*masked=*/false);
+}
+
+FilterStats mask_backward(const torch::Tensor& loss, const torch::Tensor& keep_BT, const Plan& plan,
+                          const FilterOptions& opts) {
+  return detail::run_rewrite(loss, keep_BT, plan, opts, /*masked=*/true);
+}
+
+}  // namespace collider

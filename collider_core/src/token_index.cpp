@@ -1,0 +1,164 @@
+// Cutting token-shaped tensors to kept rows (see token_index.h). The gathers are plain
+// index_select / gather on a [rows, T, rest] view, so each saved tensor is copied once.
+#include "token_index.h"
+
+#include <collider/collider.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+namespace collider::detail {
+
+TokenIndex::TokenIndex(const torch::Tensor& keep_BT) {
+  if (!keep_BT.defined()) throw Error("filter_backward: the keep mask is undefined");
+  if (keep_BT.dim() != 2 || keep_BT.scalar_type() != torch::kBool) {
+    throw Error(fmt::format("filter_backward: the keep mask must be bool [B, T], got {} of shape {}",
+                            std::string(c10::toString(keep_BT.scalar_type())), fmt::join(keep_BT.sizes(), "x")));
+  }
+  B_ = keep_BT.size(0);
+  T_ = keep_BT.size(1);
+  keep_BT_ = keep_BT;
+  auto counts = keep_BT.sum(1).cpu();
+  const int64_t n0 = counts[0].item<int64_t>();
+  if (!counts.eq(n0).all().item<bool>()) {
+    throw Error(fmt::format("filter_backward: every row must keep the same number of tokens (Collider cuts all rows "
+                            "to one T'), got per-row counts {}; select with SelectPolicy::kPerSequence",
+                            fmt::join(std::vector<int64_t>(counts.data_ptr<int64_t>(),
+                                                           counts.data_ptr<int64_t>() + counts.numel()), ", ")));
+  }
+  if (n0 == 0) throw Error("filter_backward: the keep mask keeps no token");
+  N_ = n0;
+  idx_BN_ = keep_BT.nonzero().select(1, 1).reshape({B_, N_}).contiguous();
+}
+
+const torch::Tensor& TokenIndex::flat_rows(int64_t rpb) {
+  auto it = flat_cache_.find(rpb);
+  if (it != flat_cache_.end()) return it->second;
+  auto base = torch::arange(B_ * rpb, idx_BN_.options()).mul_(T_).view({B_, rpb, 1});
+  auto flat = (base + idx_BN_.view({B_, 1, N_})).reshape({-1});
+  return flat_cache_.emplace(rpb, flat).first->second;
+}
+
+const torch::Tensor& TokenIndex::idx_rows(int64_t rpb) {
+  auto it = rows_cache_.find(rpb);
+  if (it != rows_cache_.end()) return it->second;
+  auto rows = idx_BN_.view({B_, 1, N_}).expand({B_, rpb, N_}).reshape({B_ * rpb, N_});
+  return rows_cache_.emplace(rpb, rows).first->second;
+}
+
+// x: [.., B*m @batch_dim, .., T @token_dim, ..] with batch_dim < token_dim; batch_dim -1 when
+// B = 1 (every row belongs to the one sequence).
+torch::Tensor TokenIndex::cut_dim(const torch::Tensor& x_in, int64_t batch_dim, int64_t token_dim) {
+  torch::Tensor x = x_in;
+  bool moved = false;
+  if (batch_dim > 0) {
+    TORCH_CHECK(batch_dim < token_dim, "collider: a batch dimension after the token dimension is not supported");
+    x = x.movedim(batch_dim, 0);  // dims before batch_dim shift right; token_dim unchanged
+    moved = true;
+  }
+  auto sizes = x.sizes().vec();
+  const int64_t rows = c10::multiply_integers(sizes.begin(), sizes.begin() + token_dim);  // B * rpb (1 if none)
+  const int64_t rpb = rows / B_;
+  const int64_t post = c10::multiply_integers(sizes.begin() + token_dim + 1, sizes.end());
+  torch::Tensor out;
+  if (post == 1) {
+    out = x.reshape({rows, T_}).gather(1, idx_rows(rpb));
+  } else {
+    out = x.reshape({rows * T_, post}).index_select(0, flat_rows(rpb));
+  }
+  sizes[token_dim] = N_;
+  out = out.view(sizes);
+  return moved ? out.movedim(0, batch_dim) : out;
+}
+
+static bool cut_this(const DimSpec& d, bool cut_keys) {
+  return d.kind != DimKind::kBatch && (d.role == Role::kQuery || cut_keys);
+}
+
+torch::Tensor TokenIndex::cut(const torch::Tensor& x_in, const ShapeSpec& spec, bool cut_keys) {
+  torch::Tensor x = x_in;
+  int64_t bdim = -1;
+  int32_t off = 0;
+  if (spec.pad_rank > 0) {
+    off = spec.pad_rank - spec.rank;
+    auto shape = std::vector<int64_t>(off, 1);
+    for (auto s : x.sizes()) shape.push_back(s);
+    x = x.reshape(shape);
+    shape[spec.bcast_batch_dim] = B_ * spec.bcast_mult;
+    x = x.expand(shape);
+    bdim = spec.bcast_batch_dim;
+  } else {
+    for (const auto& d : spec.dims)
+      if (d.kind == DimKind::kBatch) bdim = d.dim;
+  }
+  for (const auto& d : spec.dims) {
+    if (!cut_this(d, cut_keys)) continue;
+    if (d.kind == DimKind::kFlatToken) {
+      x = x.index_select(d.dim + off, flat_rows(1));
+    } else {
+      TORCH_CHECK(bdim >= 0 || B_ == 1, "collider: token dimension without a batch dimension (plan bug)");
+      x = cut_dim(x, bdim, d.dim + off);
+    }
+  }
+  return x;
+}
+
+torch::Tensor TokenIndex::zero_dropped(const torch::Tensor& x, const ShapeSpec& spec, bool keys_too) {
+  TORCH_CHECK(spec.pad_rank == 0, "collider: masking a broadcast tensor is not supported");
+  int64_t bdim = -1, mult = 1;
+  for (const auto& d : spec.dims)
+    if (d.kind == DimKind::kBatch) bdim = d.dim, mult = d.mult;
+  torch::Tensor out = x;
+  auto keep = keep_BT_.to(x.scalar_type());
+  for (const auto& d : spec.dims) {
+    if (!cut_this(d, keys_too)) continue;
+    std::vector<int64_t> shape(x.dim(), 1);
+    torch::Tensor f;
+    if (d.kind == DimKind::kFlatToken) {
+      shape[d.dim] = B_ * T_;
+      f = keep.reshape(shape);
+    } else {
+      TORCH_CHECK((bdim >= 0 && bdim < d.dim) || B_ == 1,
+                  "collider: masking needs a batch dimension before the token dimension");
+      f = keep.repeat_interleave(mult, 0);  // [B*m, T]
+      if (bdim >= 0) shape[bdim] = B_ * mult;
+      shape[d.dim] = T_;
+      f = f.reshape(shape);
+    }
+    out = out * f;
+  }
+  return out;
+}
+
+std::vector<int64_t> TokenIndex::cut_sizes(const std::vector<int64_t>& sizes, const ShapeSpec& spec,
+                                           bool cut_keys) const {
+  std::vector<int64_t> out;
+  int32_t off = 0;
+  if (spec.pad_rank > 0) {
+    off = spec.pad_rank - spec.rank;
+    out.assign(off, 1);
+  }
+  out.insert(out.end(), sizes.begin(), sizes.end());
+  if (spec.pad_rank > 0) out[spec.bcast_batch_dim] = B_ * spec.bcast_mult;
+  for (const auto& d : spec.dims) {
+    if (!cut_this(d, cut_keys)) continue;
+    out[d.dim + off] = d.kind == DimKind::kFlatToken ? B_ * N_ : N_;
+  }
+  return out;
+}
+
+std::string TokenIndex::mismatch(const std::vector<int64_t>& sizes, const ShapeSpec& spec) const {
+  if (static_cast<int32_t>(sizes.size()) != spec.rank) {
+    return fmt::format("rank {} where the plan has {}", sizes.size(), spec.rank);
+  }
+  for (const auto& d : spec.dims) {
+    const int64_t want = d.kind == DimKind::kToken ? T_ : d.kind == DimKind::kFlatToken ? B_ * T_ : B_ * d.mult;
+    if (sizes[d.dim] != want) {
+      return fmt::format("size {} at dimension {} where the plan expects {} (B={}, T={})", sizes[d.dim], d.dim, want,
+                         B_, T_);
+    }
+  }
+  return {};
+}
+
+}  // namespace collider::detail

@@ -1,0 +1,45 @@
+// Internal: cutting token-shaped tensors and size lists to the kept rows of a keep mask.
+// One TokenIndex per filter_backward call; index tensors are built once and cached.
+// Legend: B batch, T sequence, N kept per sequence, R rows = B * (rows per batch).
+#pragma once
+
+#include "plan_impl.h"
+
+#include <torch/torch.h>
+
+#include <map>
+#include <vector>
+
+namespace collider::detail {
+
+class TokenIndex {
+ public:
+  TokenIndex(const torch::Tensor& keep_BT);  // validates: bool [B, T], equal kept count per row
+
+  int64_t B() const { return B_; }
+  int64_t T() const { return T_; }
+  int64_t N() const { return N_; }
+  const torch::Tensor& keep_BT() const { return keep_BT_; }
+
+  // Cuts every token dimension of `x` that `spec` marks (key-role dimensions only when
+  // cut_keys). x has the sizes the plan expects (checked by the caller).
+  torch::Tensor cut(const torch::Tensor& x, const ShapeSpec& spec, bool cut_keys);
+  // Zeroes the dropped positions along every marked token dimension (the `masked` method).
+  torch::Tensor zero_dropped(const torch::Tensor& x, const ShapeSpec& spec, bool keys_too);
+  // The sizes a cut gives: T -> N, B*T -> B*N; broadcast fields are padded and batch-expanded.
+  std::vector<int64_t> cut_sizes(const std::vector<int64_t>& sizes, const ShapeSpec& spec, bool cut_keys) const;
+  // Empty when `sizes` fit `spec` for this B and T; else what differs.
+  std::string mismatch(const std::vector<int64_t>& sizes, const ShapeSpec& spec) const;
+
+ private:
+  torch::Tensor cut_dim(const torch::Tensor& x, int64_t batch_dim, int64_t token_dim);
+  const torch::Tensor& flat_rows(int64_t rows_per_batch);  // [B*rpb*N] row indices into [B*rpb*T]
+  const torch::Tensor& idx_rows(int64_t rows_per_batch);   // [B*rpb, N] column indices
+
+  int64_t B_, T_, N_;
+  torch::Tensor keep_BT_;
+  torch::Tensor idx_BN_;  // int64 [B, N], ascending per row
+  std::map<int64_t, torch::Tensor> flat_cache_, rows_cache_;
+};
+
+}  // namespace collider::detail
