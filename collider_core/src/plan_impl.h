@@ -14,7 +14,7 @@ namespace collider::detail {
 
 enum class DimKind : uint8_t {
   kToken,      // size T
-  kFlatToken,  // size B*T, batch-major (row = b*T + t)
+  kFlatToken,  // size B*mult*T, batch-major (row = (b*mult + j)*T + t); mult is 1 for [B*T, ..]
   kBatch,      // size B*mult, batch-major (row = b*mult + j)
 };
 
@@ -27,7 +27,7 @@ struct DimSpec {
   int32_t dim = 0;
   DimKind kind = DimKind::kToken;
   Role role = Role::kQuery;
-  int64_t mult = 1;  // kBatch: size / B
+  int64_t mult = 1;  // kBatch: size / B; kFlatToken: size / (B*T)
 };
 
 // How a tensor-shaped field maps to tokens. A tensor with token dimensions but no batch

@@ -94,7 +94,7 @@ torch::Tensor TokenIndex::cut(const torch::Tensor& x_in, const ShapeSpec& spec, 
   for (const auto& d : spec.dims) {
     if (!cut_this(d, cut_keys)) continue;
     if (d.kind == DimKind::kFlatToken) {
-      x = x.index_select(d.dim + off, flat_rows(1));
+      x = x.index_select(d.dim + off, flat_rows(d.mult));
     } else {
       TORCH_CHECK(bdim >= 0 || B_ == 1, "collider: token dimension without a batch dimension (plan bug)");
       x = cut_dim(x, bdim, d.dim + off);
@@ -115,8 +115,8 @@ torch::Tensor TokenIndex::zero_dropped(const torch::Tensor& x, const ShapeSpec& 
     std::vector<int64_t> shape(x.dim(), 1);
     torch::Tensor f;
     if (d.kind == DimKind::kFlatToken) {
-      shape[d.dim] = B_ * T_;
-      f = keep.reshape(shape);
+      shape[d.dim] = B_ * d.mult * T_;
+      f = keep.repeat_interleave(d.mult, 0).reshape(shape);
     } else {
       TORCH_CHECK((bdim >= 0 && bdim < d.dim) || B_ == 1,
                   "collider: masking needs a batch dimension before the token dimension");
@@ -142,7 +142,7 @@ std::vector<int64_t> TokenIndex::cut_sizes(const std::vector<int64_t>& sizes, co
   if (spec.pad_rank > 0) out[spec.bcast_batch_dim] = B_ * spec.bcast_mult;
   for (const auto& d : spec.dims) {
     if (!cut_this(d, cut_keys)) continue;
-    out[d.dim + off] = d.kind == DimKind::kFlatToken ? B_ * N_ : N_;
+    out[d.dim + off] = d.kind == DimKind::kFlatToken ? B_ * d.mult * N_ : N_;
   }
   return out;
 }
@@ -152,7 +152,9 @@ std::string TokenIndex::mismatch(const std::vector<int64_t>& sizes, const ShapeS
     return fmt::format("rank {} where the plan has {}", sizes.size(), spec.rank);
   }
   for (const auto& d : spec.dims) {
-    const int64_t want = d.kind == DimKind::kToken ? T_ : d.kind == DimKind::kFlatToken ? B_ * T_ : B_ * d.mult;
+    const int64_t want = d.kind == DimKind::kToken       ? T_
+                         : d.kind == DimKind::kFlatToken ? B_ * d.mult * T_
+                                                         : B_ * d.mult;
     if (sizes[d.dim] != want) {
       return fmt::format("size {} at dimension {} where the plan expects {} (B={}, T={})", sizes[d.dim], d.dim, want,
                          B_, T_);

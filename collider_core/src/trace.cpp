@@ -170,8 +170,9 @@ bool classify(const Observed& a, const Observed& b, Sizes sa, Sizes sb, ShapeSpe
     ds.dim = static_cast<int32_t>(d);
     if (x == sa.T && y == sb.T) {
       ds.kind = DimKind::kToken;
-    } else if (x == sa.B * sa.T && y == sb.B * sb.T) {
-      ds.kind = DimKind::kFlatToken;
+    } else if (x % (sa.B * sa.T) == 0 && y % (sb.B * sb.T) == 0 && x / (sa.B * sa.T) == y / (sb.B * sb.T)) {
+      ds.kind = DimKind::kFlatToken;  // [B, mult, T] flattened
+      ds.mult = x / (sa.B * sa.T);
     } else if (x == y) {
       continue;  // constant
     } else if (x % sa.B == 0 && y % sb.B == 0 && x / sa.B == y / sb.B) {

@@ -1,0 +1,156 @@
+// Plan life cycle and the rewriter's refusals: reuse over many steps with a new mask each step,
+// text round trip, rejection of another model's graph, and a clear error for every input the
+// rewriter cannot handle (DESIGN.md section 4: it never returns a graph with wrong gradients).
+// Run: build/tests/test_core_plan
+#include "collider_test_util.h"
+#include "gpt2_test_model.h"
+
+#include <gtest/gtest.h>
+
+using namespace collider;
+using namespace collider::testing;
+
+namespace {
+
+constexpr int64_t kVocab = 61, kDim = 16, kHeads = 2, kMaxT = 96;
+
+Gpt2 make_model(int64_t layers, uint64_t seed = 0) {
+  torch::manual_seed(seed);
+  return Gpt2(kVocab, kDim, kHeads, layers, kMaxT);
+}
+
+Plan plan_for(Gpt2& m) {
+  return trace_plan([&](int64_t B, int64_t T) {
+    return masked_ce(m->forward(torch::randint(kVocab, {B, T})), torch::randint(kVocab, {B, T}),
+                     torch::ones({B, T}, torch::kBool));
+  });
+}
+
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(Plan, ReusedOverTwentyStepsWithNewMasks) {
+  Gpt2 m = make_model(2);
+  Plan plan = plan_for(m);
+  for (int step = 0; step < 20; ++step) {
+    const int64_t B = 2, T = 48;
+    auto idx = torch::randint(kVocab, {B, T});
+    auto labels = torch::randint(kVocab, {B, T});
+    auto keep = random_keep(B, T, 0.4, 100 + step);
+    const auto attention = step % 2 ? AttentionGrad::kExactQuery : AttentionGrad::kKeptOnly;
+    zero_grads(*m);
+    auto loss = masked_ce(m->forward(idx), labels, keep);
+    filter_backward(loss, keep, plan, {attention});
+    loss.backward();
+    auto g = grads_of(*m);
+    zero_grads(*m);
+    m->oracle = Oracle{keep, attention == AttentionGrad::kExactQuery};
+    masked_ce(m->forward(idx), labels, keep).backward();
+    m->oracle.reset();
+    ASSERT_LE(max_rel_diff(g, grads_of(*m)), 1e-4) << "step " << step;
+  }
+}
+
+TEST(Plan, TextRoundTrip) {
+  Gpt2 m = make_model(1);
+  Plan plan = plan_for(m);
+  const std::string text = plan.to_string();
+  Plan back = Plan::from_string(text);
+  EXPECT_EQ(back.to_string(), text);
+  EXPECT_EQ(back.num_nodes(), plan.num_nodes());
+  // The restored plan drives a real rewrite.
+  auto keep = random_keep(2, 32, 0.5, 3);
+  auto loss = masked_ce(m->forward(torch::randint(kVocab, {2, 32})), torch::randint(kVocab, {2, 32}), keep);
+  EXPECT_GT(filter_backward(loss, keep, back).tensors_gathered, 0);
+  loss.backward();
+  EXPECT_NE(error_of([&] { Plan::from_string("not a plan"); }).find("not a collider plan"), std::string::npos);
+}
+
+TEST(Plan, AnotherModelsGraphIsRejected) {
+  Gpt2 small = make_model(1), big = make_model(2);
+  Plan plan = plan_for(small);
+  auto keep = random_keep(2, 32, 0.5, 3);
+  auto loss = masked_ce(big->forward(torch::randint(kVocab, {2, 32})), torch::randint(kVocab, {2, 32}), keep);
+  auto msg = error_of([&] { filter_backward(loss, keep, plan); });
+  EXPECT_NE(msg.find("does not match the plan"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("Re-trace"), std::string::npos) << msg;
+}
+
+TEST(Plan, BadInputsGiveClearErrors) {
+  Gpt2 m = make_model(1);
+  Plan plan = plan_for(m);
+  auto labels = torch::randint(kVocab, {2, 32});
+  auto fresh_loss = [&](const torch::Tensor& keep) {
+    return masked_ce(m->forward(torch::randint(kVocab, {2, 32})), labels, keep);
+  };
+  auto keep = random_keep(2, 32, 0.5, 3);
+  // Unequal kept counts per row.
+  auto ragged = keep.clone();
+  ragged[0][0] = !ragged[0][0].item<bool>();
+  EXPECT_NE(error_of([&] { filter_backward(fresh_loss(keep), ragged, plan); }).find("same number of tokens"),
+            std::string::npos);
+  // A mask whose T does not fit the graph.
+  auto wrong_T = random_keep(2, 40, 0.5, 3);
+  EXPECT_NE(error_of([&] { filter_backward(fresh_loss(keep), wrong_T, plan); }).find("does not match the plan"),
+            std::string::npos);
+  // Not a bool mask.
+  EXPECT_NE(error_of([&] { filter_backward(fresh_loss(keep), keep.to(torch::kFloat), plan); }).find("bool [B, T]"),
+            std::string::npos);
+  // A loss without grad_fn.
+  EXPECT_NE(error_of([&] { filter_backward(torch::zeros({}), keep, plan); }).find("no grad_fn"), std::string::npos);
+  // An empty plan.
+  EXPECT_NE(error_of([&] { filter_backward(fresh_loss(keep), keep, Plan()); }).find("empty plan"), std::string::npos);
+  // Twice on the same loss: the saved tensors are already cut; the sizes no longer match.
+  auto loss = fresh_loss(keep);
+  filter_backward(loss, keep, plan);
+  EXPECT_NE(error_of([&] { filter_backward(loss, keep, plan); }).find("does not match the plan"), std::string::npos);
+}
+
+// A custom autograd function the rewriter knows nothing about.
+struct Opaque : public torch::autograd::Function<Opaque> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, torch::Tensor x) { return x * 2; }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
+    return {g[0] * 2};
+  }
+};
+
+TEST(Plan, UnknownNodesAndTokenMixingOpsAreRefused) {
+  auto w = torch::randn({8, 8}, torch::requires_grad());
+  auto opaque = error_of([&] {
+    trace_plan([&](int64_t B, int64_t T) { return Opaque::apply(torch::randn({B, T, 8}).matmul(w)).sum(); });
+  });
+  EXPECT_NE(opaque.find("register_passthrough_node"), std::string::npos) << opaque;
+  // Declared safe (by the node's own name), the same graph traces.
+  register_passthrough_node(Opaque::apply(torch::randn({1}, torch::requires_grad())).grad_fn()->name());
+  auto ok = error_of([&] {
+    trace_plan([&](int64_t B, int64_t T) { return Opaque::apply(torch::randn({B, T, 8}).matmul(w)).sum(); });
+  });
+  EXPECT_EQ(ok, "(no error)");
+  // cumsum over the token dimension mixes positions.
+  auto mixing = error_of([&] {
+    trace_plan([&](int64_t B, int64_t T) { return torch::randn({B, T, 8}).matmul(w).cumsum(1).sum(); });
+  });
+  EXPECT_NE(mixing.find("CumsumBackward0"), std::string::npos) << mixing;
+}
+
+TEST(Plan, ExactQueryRefusesFusedAttention) {
+  auto w = torch::randn({8, 8}, torch::requires_grad());
+  Plan plan = trace_plan([&](int64_t B, int64_t T) {
+    auto x = torch::randn({B, 2, T, 8}).matmul(w);
+    return torch::scaled_dot_product_attention(x, x, x, {}, 0.0, /*is_causal=*/true).sum();
+  });
+  auto keep = random_keep(2, 16, 0.5, 1);
+  auto x = torch::randn({2, 2, 16, 8}).matmul(w);
+  auto loss = torch::scaled_dot_product_attention(x, x, x, {}, 0.0, true).sum();
+  auto msg = error_of([&] { filter_backward(loss, keep, plan, {AttentionGrad::kExactQuery}); });
+  EXPECT_NE(msg.find("exact_query"), std::string::npos) << msg;
+}
+
+}  // namespace
