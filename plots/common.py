@@ -1,0 +1,310 @@
+"""Shared helpers for the plot and table scripts in plots/ (one script per figure or table).
+
+Loads results (JSONL rows of DESIGN.md section 6, or Google Benchmark JSON), keeps rows with
+status "ok" (warns about the others), aggregates by median, draws with one fixed colour per
+method, and writes figures (PNG + PDF) and tables (Markdown + LaTeX booktabs).
+Every script runs as:  python plots/<stem>.py --results PATH [PATH...] --out DIR
+Tested by tests/test_plots.cpp on tests/fixtures/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from collections import defaultdict
+from typing import Callable, Iterable, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+# One fixed colour per method, the same in every figure (colour-blind-safe Okabe-Ito + greys).
+# Keys are method keys: `method`, or "collider <attention_grad>" for collider rows.
+METHOD_COLORS = {
+    "regular": "#000000",
+    "loss_only": "#E69F00",
+    "collider kept_only": "#0072B2",
+    "collider exact_query": "#009E73",
+    "masked": "#999999",
+    # micro-benchmarks (bench/bm_backward_gemm.cpp); dense is the regular backward GEMM
+    "dense": "#000000",
+    "sparse_coo": "#D55E00",
+    "sparse_csr": "#CC79A7",
+    "reduced": "#56B4E9",
+    "reduced+gather": "#0072B2",
+}
+METHOD_ORDER = list(METHOD_COLORS)
+METHOD_LABELS = {
+    "regular": "regular",
+    "loss_only": "loss only (RHO-1)",
+    "collider kept_only": "Collider (kept_only)",
+    "collider exact_query": "Collider (exact_query)",
+    "masked": "masked (oracle)",
+    "dense": "dense GEMM",
+    "sparse_coo": "sparse COO",
+    "sparse_csr": "sparse CSR",
+    "reduced": "reduced dense",
+    "reduced+gather": "reduced dense + gather",
+}
+FILTERING_METHODS = ["loss_only", "collider kept_only", "collider exact_query"]
+
+
+def warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr)
+
+
+def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None):
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--results", nargs="+", required=True, help="results files (JSONL rows)")
+    p.add_argument("--out", required=True, help="output directory (created if missing)")
+    if extra:
+        extra(p)
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    return args
+
+
+def method_key(row: dict) -> str:
+    """The method as figures name it: collider rows carry their attention semantics."""
+    m = row.get("method", "?")
+    if m == "collider":
+        return f"collider {row.get('attention_grad') or 'kept_only'}"
+    return m
+
+
+def color(key: str) -> str:
+    if key not in METHOD_COLORS:
+        warn(f"method '{key}' has no fixed colour; drawing it in grey")
+    return METHOD_COLORS.get(key, "#777777")
+
+
+def label(key: str) -> str:
+    return METHOD_LABELS.get(key, key)
+
+
+def method_rank(key: str) -> tuple:
+    return (METHOD_ORDER.index(key) if key in METHOD_ORDER else 99, key)
+
+
+def sort_methods(keys: Iterable[str]) -> list[str]:
+    return sorted(set(keys), key=method_rank)
+
+
+def load_rows(paths: Sequence[str], require: Sequence[str] = ()) -> list[dict]:
+    """JSONL rows with status ok. Other statuses, unparsable lines and rows missing a required
+    field are left out with one warning each (never silently)."""
+    rows: list[dict] = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    warn(f"{path}:{lineno}: not JSON ({e}); line ignored")
+                    continue
+                status = row.get("status")
+                if status != "ok":
+                    warn(f"{path}:{lineno}: point {row.get('point_id', '?')} has status {status!r}"
+                         f" ({row.get('error') or 'no message'}); ignored")
+                    continue
+                missing = [k for k in require if row.get(k) is None]
+                if missing:
+                    warn(f"{path}:{lineno}: point {row.get('point_id', '?')} lacks {missing}; ignored")
+                    continue
+                row["_key"] = method_key(row)
+                rows.append(row)
+    if not rows:
+        sys.exit(f"error: no usable rows (status ok, with fields {list(require)}) in {list(paths)}")
+    return rows
+
+
+def median(values: Iterable[float]) -> float:
+    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def group(rows: Iterable[dict], keys: Sequence[str]) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        out[tuple(r.get(k) for k in keys)].append(r)
+    return out
+
+
+def describe_device(rows: Sequence[dict]) -> str:
+    """'cpu, CPU scale' / 'NVIDIA H200 (cuda), paper scale', for captions."""
+    names = sorted({str(r.get("device_name") or r.get("device") or "?") for r in rows})
+    devices = sorted({str(r.get("device") or "?") for r in rows})
+    scales = sorted({str(r["scale"]) for r in rows if r.get("scale")})
+    if not scales:
+        # Rows do not name their scale: CPU runs use the -mini presets (CPU scale).
+        is_cpu = all(d.startswith("cpu") for d in devices) or all(
+            str(r.get("model", "")).endswith(("-mini", "-debug")) for r in rows)
+        scales = ["CPU scale" if is_cpu else "paper scale"]
+    else:
+        scales = [f"{s} scale" for s in scales]
+    dtypes = sorted({str(r.get("dtype")) for r in rows if r.get("dtype")})
+    return f"{', '.join(names)} ({', '.join(devices)}; {', '.join(dtypes) or '?'}), {', '.join(scales)}"
+
+
+def pct(x: float) -> str:
+    if x is None or math.isnan(x):
+        return "n/a"
+    return "0.0%" if abs(x) < 5e-4 else f"{100 * x:+.1f}%"
+
+
+def fmt_ms(x: float) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{x:.2f}"
+
+
+def fmt_ratio(x: float) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{x:.2f}"
+
+
+def save_figure(fig, out_dir: str, stem: str) -> list[str]:
+    paths = []
+    for ext in ("png", "pdf"):
+        path = os.path.join(out_dir, f"{stem}.{ext}")
+        fig.savefig(path, dpi=150, bbox_inches="tight")
+        paths.append(path)
+    plt.close(fig)
+    for p in paths:
+        print(f"wrote {p}")
+    return paths
+
+
+def panel_grid(n: int, width: float = 4.2, height: float = 3.4, max_cols: int = 3):
+    cols = max(1, min(n, max_cols))
+    nrows = max(1, math.ceil(n / cols))
+    fig, axes = plt.subplots(nrows, cols, figsize=(width * cols, height * nrows + 0.6), squeeze=False,
+                             layout="constrained")
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[n:]:
+        ax.set_visible(False)
+    return fig, flat[:n]
+
+
+def _latex_escape(s: str) -> str:
+    for a, b in (("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("$", r"\$"), ("#", r"\#"),
+                 ("_", r"\_"), ("{", r"\{"), ("}", r"\}"), ("~", r"\textasciitilde{}"), ("^", r"\^{}")):
+        s = s.replace(a, b)
+    return s
+
+
+def write_table(out_dir: str, stem: str, headers: Sequence[str], rows: Sequence[Sequence[str]],
+                caption: str, align: str | None = None) -> list[str]:
+    """Writes DIR/stem.md (GitHub Markdown, caption above) and DIR/stem.tex (booktabs)."""
+    align = align or ("l" * 1 + "r" * (len(headers) - 1))
+    md = [f"**{caption}**", "", "| " + " | ".join(headers) + " |",
+          "|" + "|".join(("---:" if a == "r" else ":---") for a in align) + "|"]
+    md += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    tex = [r"\begin{table}[t]", r"\centering", rf"\caption{{{_latex_escape(caption)}}}",
+           rf"\label{{tab:{stem}}}", rf"\begin{{tabular}}{{{align}}}", r"\toprule",
+           " & ".join(_latex_escape(h) for h in headers) + r" \\", r"\midrule"]
+    tex += [" & ".join(_latex_escape(str(c)) for c in r) + r" \\" for r in rows]
+    tex += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
+    paths = []
+    for ext, lines in (("md", md), ("tex", tex)):
+        path = os.path.join(out_dir, f"{stem}.{ext}")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+        paths.append(path)
+        print(f"wrote {path}")
+    return paths
+
+
+# ---- reductions against regular, the FLOP ideal and the T' floor (DESIGN.md section 7) ----
+
+def regular_index(rows: Sequence[dict], metric: str) -> dict[tuple, dict]:
+    """(model, batch_size, seq_len) -> {metric: median, flops_bwd, flops_fwd} over regular rows.
+    Regular ignores filter_ratio, so its rows at every ratio pool together."""
+    out = {}
+    for (model, batch, seq), grp in group([r for r in rows if r["_key"] == "regular"],
+                                          ["model", "batch_size", "seq_len"]).items():
+        out[(model, batch, seq)] = {
+            metric: median(r.get(metric) for r in grp),
+            "bwd_ms": median(r.get("bwd_ms") for r in grp),
+            "flops_bwd": median(r.get("flops_bwd") for r in grp),
+            "flops_fwd": median(r.get("flops_fwd") for r in grp),
+        }
+    return out
+
+
+def flop_ideal(row_flops_bwd: float, reg: dict, end_to_end: bool, row_flops_fwd: float = float("nan")) -> float:
+    """1 - analytic FLOPs of the method / those of regular (backward, or forward + backward)."""
+    try:
+        if end_to_end:
+            return 1.0 - (row_flops_fwd + row_flops_bwd) / (reg["flops_fwd"] + reg["flops_bwd"])
+        return 1.0 - row_flops_bwd / reg["flops_bwd"]
+    except (TypeError, ZeroDivisionError, KeyError):
+        return float("nan")
+
+
+def summarize_filtering(rows: Sequence[dict], metric: str, end_to_end: bool = False) -> list[dict]:
+    """One record per (model, batch, seq_len, filter_ratio, method) of the filtering methods,
+    with the regular baseline, the reduction, the FLOP ideal and the T' floor."""
+    reg = regular_index(rows, metric)
+    out = []
+    filt = [r for r in rows if r["_key"] != "regular"]
+    for (model, batch, seq, ratio, key), grp in group(
+            filt, ["model", "batch_size", "seq_len", "filter_ratio", "_key"]).items():
+        base = reg.get((model, batch, seq))
+        value = median(r.get(metric) for r in grp)
+        rec = {"model": model, "batch_size": batch, "seq_len": seq, "filter_ratio": ratio, "method": key,
+               "value": value, "regular": base[metric] if base else float("nan"),
+               "bwd_ms": median(r.get("bwd_ms") for r in grp)}
+        rec["reduction"] = 1.0 - value / rec["regular"] if base else float("nan")
+        rec["ideal"] = (flop_ideal(median(r.get("flops_bwd") for r in grp), base, end_to_end,
+                                   median(r.get("flops_fwd") for r in grp)) if base else float("nan"))
+        rec["of_ideal"] = (rec["reduction"] / rec["ideal"]
+                           if rec["ideal"] and not math.isnan(rec["ideal"]) else float("nan"))
+        # T' floor: regular on a batch of T' = tokens_kept / batch tokens per sequence, no gather.
+        kept = median(r.get("tokens_kept") for r in grp)
+        t_prime = kept / batch if batch and not math.isnan(kept) else float("nan")
+        rec["t_prime"] = t_prime
+        floor = float("nan")
+        if not math.isnan(t_prime) and abs(t_prime - round(t_prime)) < 1e-6:
+            fb = reg.get((model, batch, int(round(t_prime))))
+            if fb:
+                floor = fb["bwd_ms"]
+                if end_to_end:  # the step with its backward replaced by the floor backward
+                    floor = value - rec["bwd_ms"] + fb["bwd_ms"]
+        rec["floor"] = floor
+        out.append(rec)
+    out.sort(key=lambda r: (str(r["model"]), r["seq_len"], r["batch_size"], r["filter_ratio"],
+                            method_rank(r["method"])))
+    return out
+
+
+def plot_reduction_vs(recs: Sequence[dict], x: str, panel_by: Sequence[str], xlabel: str, ylabel: str,
+                      title: str, out_dir: str, stem: str, logx: bool = False) -> None:
+    """Line plot of reduction vs regular (%) against `x`, one panel per value of `panel_by`,
+    one line per method, the method's FLOP ideal dashed in the same colour."""
+    panels = group(recs, panel_by)
+    fig, axes = panel_grid(len(panels))
+    for ax, (pkey, grp) in zip(axes, sorted(panels.items(), key=lambda kv: tuple(map(str, kv[0])))):
+        for key in sort_methods(r["method"] for r in grp):
+            pts = sorted((r[x], r["reduction"], r["ideal"]) for r in grp if r["method"] == key)
+            xs = [p[0] for p in pts]
+            ax.plot(xs, [100 * p[1] for p in pts], marker="o", ms=3, color=color(key), label=label(key))
+            if any(not math.isnan(p[2]) for p in pts):
+                ax.plot(xs, [100 * p[2] for p in pts], ls="--", lw=1, color=color(key), alpha=0.8,
+                        label=f"{label(key)}: FLOP ideal")
+        ax.axhline(0, color=color("regular"), lw=0.8)
+        ax.set_title(", ".join(f"{k}={v}" if k != "model" else str(v) for k, v in zip(panel_by, pkey)),
+                     fontsize=9)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        if logx:
+            ax.set_xscale("log", base=2)
+        ax.grid(True, alpha=0.3)
+    if axes:
+        axes[0].legend(fontsize=6, loc="upper left")
+    fig.suptitle(title, fontsize=9)
+    save_figure(fig, out_dir, stem)
