@@ -93,10 +93,11 @@ template <typename Fn>
 void run_timed(benchmark::State& state, const torch::Device& device, Fn&& fn) {
   if (device.is_cuda()) {
     c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
+    const c10::Stream stream = guard.getStream(device);
+    // BACKEND_DEFAULT = cudaEventDefault (timing enabled); re-recorded every iteration.
+    c10::Event start(c10::DeviceType::CUDA, c10::EventFlag::BACKEND_DEFAULT);
+    c10::Event stop(c10::DeviceType::CUDA, c10::EventFlag::BACKEND_DEFAULT);
     for (auto _ : state) {
-      c10::Stream stream = guard.getStream(device);
-      c10::Event start(c10::DeviceType::CUDA, c10::EventFlag::BACKEND_DEFAULT);
-      c10::Event stop(c10::DeviceType::CUDA, c10::EventFlag::BACKEND_DEFAULT);
       start.record(stream);
       fn();
       stop.record(stream);

@@ -35,7 +35,7 @@ METHOD_COLORS = {
     "sparse_coo": "#D55E00",
     "sparse_csr": "#CC79A7",
     "reduced": "#56B4E9",
-    "reduced+gather": "#0072B2",
+    "reduced+gather": "#332288",
 }
 METHOD_ORDER = list(METHOD_COLORS)
 METHOD_LABELS = {
