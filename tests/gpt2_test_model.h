@@ -53,6 +53,7 @@ struct Gpt2Impl : torch::nn::Module {
   std::vector<torch::nn::Linear> qkv, proj, fc, fc_out;
   torch::nn::LayerNorm ln_f{nullptr};
   std::optional<Oracle> oracle;
+  bool use_sdpa = false;  // fused torch::scaled_dot_product_attention instead of the explicit graph
   std::function<torch::Tensor(const torch::Tensor&, int)> hook;  // on the residual after each block
 
   Gpt2Impl(int64_t vocab, int64_t dim, int64_t heads, int64_t layers, int64_t max_seq)
@@ -81,6 +82,8 @@ struct Gpt2Impl : torch::nn::Module {
     if (oracle && !oracle->exact_query) {
       auto keep = oracle->keep_BT.to(x_BTD.scalar_type()).view({B, 1, T, 1});
       o = KeptOnlyAttention::apply(q, k, v, keep);
+    } else if (use_sdpa && !oracle) {
+      o = torch::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
     } else {
       if (oracle) {  // exact_query: K and V of dropped tokens detached
         auto keep = oracle->keep_BT.view({B, 1, T, 1});

@@ -116,6 +116,48 @@ std::vector<Case> all_cases() {
 
 INSTANTIATE_TEST_SUITE_P(Semantics, Gpt2Grad, ::testing::ValuesIn(all_cases()), name_of);
 
+// Fused attention: the SDPA backward node is replaced by one computing the chosen semantics.
+class Gpt2SdpaGrad : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Gpt2SdpaGrad, MatchesOracle) {
+  const Case c = GetParam();
+  Gpt2 m = make_model();
+  m->use_sdpa = true;
+  Plan plan = make_plan(m);
+  torch::manual_seed(2);
+  auto idx = torch::randint(kVocab, {c.B, c.T});
+  auto labels = torch::randint(kVocab, {c.B, c.T});
+  auto keep = random_keep(c.B, c.T, c.ratio, 11);
+  zero_grads(*m);
+  auto loss = masked_ce(m->forward(idx), labels, keep);
+  filter_backward(loss, keep, plan, {c.attention});
+  loss.backward();
+  auto g_collider = grads_of(*m);
+  zero_grads(*m);
+  auto loss_m = masked_ce(m->forward(idx), labels, keep);
+  mask_backward(loss_m, keep, plan, {c.attention});
+  loss_m.backward();
+  auto g_masked = grads_of(*m);
+  zero_grads(*m);
+  m->oracle = Oracle{keep, c.attention == AttentionGrad::kExactQuery};
+  masked_ce(m->forward(idx), labels, keep).backward();
+  m->oracle.reset();
+  auto g_oracle = grads_of(*m);
+  std::string worst;
+  EXPECT_LE(max_rel_diff(g_collider, g_oracle, &worst), 1e-4) << "worst parameter: " << worst;
+  EXPECT_LE(max_rel_diff(g_masked, g_oracle, &worst), 1e-4) << "worst parameter: " << worst;
+}
+
+std::vector<Case> sdpa_cases() {
+  std::vector<Case> out;
+  for (auto a : {AttentionGrad::kKeptOnly, AttentionGrad::kExactQuery})
+    for (double r : {0.0, 0.5})
+      for (int64_t B : {1, 3}) out.push_back({a, r, B, 97});
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Fused, Gpt2SdpaGrad, ::testing::ValuesIn(sdpa_cases()), name_of);
+
 TEST(Gpt2Collider, RatioZeroEqualsRegular) {
   Gpt2 m = make_model();
   Plan plan = make_plan(m);

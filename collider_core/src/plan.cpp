@@ -1,6 +1,6 @@
 // Plan: construction, copying and its text form. The text form is line based:
 //   collider-plan 1 trace B=3,5 T=53,61 cores=<n>
-//   node <i> <Type> <core 0|1>
+//   node <i> <Type> <0 | 1 attention core | 2 fused attention>
 //   field <name> <kind> <item> <rank> <pad_rank> <bcast_dim> <bcast_mult> <dims>   dims: dim:kind:role:mult,...
 //   insert <node> <edge> <rank> <pad_rank> <bcast_dim> <bcast_mult> <dims>
 //   blocker <text to end of line>
@@ -81,7 +81,7 @@ std::string variant_text(const detail::PlanData& d) {
                                 d.seq_b, d.num_attention_cores);
   for (size_t i = 0; i < d.nodes.size(); ++i) {
     const auto& n = d.nodes[i];
-    out += fmt::format("node {} {} {}\n", i, n.type, n.attention_core ? 1 : 0);
+    out += fmt::format("node {} {} {}\n", i, n.type, n.fused_attention ? 2 : n.attention_core ? 1 : 0);
     for (const auto& f : n.fields) {
       out += fmt::format("field {} {} {} {}\n", f.name, static_cast<int>(f.kind), f.item, shape_text(f.shape));
     }
@@ -131,7 +131,8 @@ Plan Plan::from_string(const std::string& text) {
       if (!(in >> idx >> n.type >> core) || idx != d.nodes.size()) {
         throw Error(fmt::format("Plan::from_string: line {}: malformed node line", line_no));
       }
-      n.attention_core = core != 0;
+      n.attention_core = core == 1;
+      n.fused_attention = core == 2;
       d.nodes.push_back(std::move(n));
     } else if (tag == "field") {
       if (d.nodes.empty()) throw Error(fmt::format("Plan::from_string: line {}: field before any node", line_no));

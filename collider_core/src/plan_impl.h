@@ -69,6 +69,7 @@ struct FieldSpec {
 struct NodeSpec {
   std::string type;  // Node::name()
   bool attention_core = false;
+  bool fused_attention = false;  // an SDPA backward node: replaced, not rewritten (sdpa.h)
   std::vector<FieldSpec> fields;  // only fields with token dimensions
 };
 

@@ -10,6 +10,7 @@
 #include "node_fields.h"
 #include "nvtx.h"
 #include "plan_impl.h"
+#include "sdpa.h"
 #include "token_index.h"
 
 #include <fmt/format.h>
@@ -72,9 +73,23 @@ class Rewriter {
   void run(const Graph& g) {
     const auto& nodes = plan_.nodes;
     for (size_t i = 0; i < nodes.size(); ++i) {
+      if (nodes[i].fused_attention) {
+        replace_fused(g, static_cast<int>(i));
+        continue;
+      }
       if (nodes[i].fields.empty()) continue;
       rewrite_node(g.nodes[i], nodes[i], static_cast<int>(i));
     }
+  }
+
+  // Fused attention: every edge into the SDPA node now leads to its filtered replacement.
+  void replace_fused(const Graph& g, int i) {
+    auto node = make_filtered_attention(g.nodes[i], ix_, !cut_keys_, masked_);
+    for (const auto& [parent, edge] : g.parents[i]) {
+      auto& edges = const_cast<torch::autograd::edge_list&>(g.nodes[parent]->next_edges());
+      edges[edge] = Edge(node, edges[edge].input_nr);
+    }
+    ++stats_.nodes_rewritten;
   }
 
   torch::Tensor cut_saved(const torch::Tensor& t, const ShapeSpec& spec) {

@@ -9,6 +9,7 @@
 #include "graph.h"
 #include "node_fields.h"
 #include "plan_impl.h"
+#include "sdpa.h"
 
 #include <fmt/format.h>
 
@@ -385,8 +386,9 @@ void find_attention_cores(const Graph& g, PlanData& plan) {
   // Every two-token-dim field outside a recognised core, and every SDPA node, blocks exact_query.
   for (int i = 0; i < n; ++i) {
     if (plan.nodes[i].attention_core) continue;
+    if (plan.nodes[i].fused_attention) continue;
     if (is_sdpa(type(i))) {
-      problems.push_back(fmt::format("node #{} {} (fused attention) is not rewritten by this version", i, type(i)));
+      problems.push_back(fmt::format("node #{} {}: no filtered replacement for this fused attention", i, type(i)));
       continue;
     }
     for (const auto& f : plan.nodes[i].fields) {
@@ -429,6 +431,10 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
   for (size_t i = 0; i < n; ++i) {
     NodeSpec& ns = plan.nodes[i];
     ns.type = oa[i].type;
+    if (is_fused_attention_node(ns.type)) {
+      ns.fused_attention = true;  // replaced whole at filter time
+      continue;
+    }
     for (size_t k = 0; k < oa[i].fields.size(); ++k) {
       const Observed& a = oa[i].fields[k];
       const Observed& b = ob[i].fields[k];

@@ -1,0 +1,159 @@
+// Filtered backward of fused attention (DESIGN.md section 3), replacing the SDPA backward node.
+// From the forward's saved Q, K, V [B, H, T, E], output O and log-sum-exp L [B, H, T]:
+//   kept_only:   P = exp(Q_K K_K^T s - L_K) on kept rows and columns (causal by original
+//                positions, not renormalised); dV = P^T dO; dP = dO V_K^T;
+//                dS = P (dP - rowsum(dP P)); dQ = dS K_K s; dK = dS^T Q_K s.
+//   exact_query: P = exp(Q_K K^T s - L_K) over all keys; dS = P (dO V^T - rowsum(dO O_K));
+//                dQ = dS K s; dK, dV computed for all keys, kept rows returned.
+// Written with plain ATen ops (two GEMMs per gradient); a fused kernel is the GPU issue's work.
+#include "sdpa.h"
+
+#include <collider/collider.h>
+
+#include <torch/csrc/autograd/generated/Functions.h>
+
+#include <fmt/format.h>
+
+#include <cmath>
+
+namespace collider::detail {
+namespace {
+
+namespace gen = torch::autograd::generated;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+struct Saved {
+  torch::Tensor q, k, v, out, lse;  // [B, H, T, E] x4, [B, H, T(+pad)]
+  bool causal = false;
+  double scale = 0;
+};
+
+template <typename N>
+Saved read_common(N* n, const std::shared_ptr<Node>& self, const torch::Tensor& lse) {
+  Saved s;
+  s.q = n->query_.unpack(self);
+  s.k = n->key_.unpack(self);
+  s.v = n->value_.unpack(self);
+  s.out = n->output_.unpack(self);
+  s.lse = lse;
+  s.causal = n->is_causal;
+  s.scale = n->scale ? *n->scale : 1.0 / std::sqrt(static_cast<double>(s.q.size(-1)));
+  if (n->dropout_p != 0.0) {
+    throw Error(fmt::format("collider: {} with dropout_p={} cannot be filtered (no dropout in training runs)",
+                            n->name(), n->dropout_p));
+  }
+  return s;
+}
+
+Saved read_saved(const std::shared_ptr<Node>& node) {
+  Node* raw = node.get();
+  if (auto* n = dynamic_cast<gen::ScaledDotProductFlashAttentionForCpuBackward0*>(raw)) {
+    if (n->attn_mask_.unpack(node).defined()) throw Error("collider: fused attention with an explicit mask is not supported; use is_causal");
+    return read_common(n, node, n->logsumexp_.unpack(node));
+  }
+  if (auto* n = dynamic_cast<gen::ScaledDotProductFlashAttentionBackward0*>(raw)) {
+    return read_common(n, node, n->logsumexp_.unpack(node));
+  }
+  if (auto* n = dynamic_cast<gen::ScaledDotProductEfficientAttentionBackward0*>(raw)) {
+    if (n->attn_bias_.unpack(node).defined()) throw Error("collider: fused attention with an explicit bias is not supported; use is_causal");
+    return read_common(n, node, n->log_sumexp_.unpack(node));
+  }
+  if (auto* n = dynamic_cast<gen::ScaledDotProductCudnnAttentionBackward0*>(raw)) {
+    if (n->attn_bias_.unpack(node).defined()) throw Error("collider: fused attention with an explicit bias is not supported; use is_causal");
+    return read_common(n, node, n->logsumexp_.unpack(node));
+  }
+  throw Error(fmt::format("collider: no filtered replacement for fused attention node {}", node->name()));
+}
+
+ShapeSpec bhte_spec(int rank) {  // [B, H, T, (E)]: batch at 0, tokens at 2
+  ShapeSpec s;
+  s.rank = rank;
+  s.dims = {DimSpec{0, DimKind::kBatch, Role::kQuery, 1}, DimSpec{2, DimKind::kToken, Role::kQuery, 1}};
+  return s;
+}
+
+class FilteredAttentionNode final : public Node {
+ public:
+  FilteredAttentionNode(Saved saved, std::shared_ptr<TokenIndex> ix, bool exact, bool masked)
+      : s_(std::move(saved)), ix_(std::move(ix)), exact_(exact), masked_(masked) {}
+  std::string name() const override { return exact_ ? "collider::FilteredAttentionExactQuery" : "collider::FilteredAttentionKeptOnly"; }
+
+  variable_list apply(variable_list&& grads) override {
+    torch::NoGradGuard no_grad;
+    const auto spec4 = bhte_spec(4), spec3 = bhte_spec(3);
+    torch::Tensor dO = grads.at(0);
+    if (masked_) dO = ix_->cut(dO, spec4, true);  // full-size in, cut here
+    const int64_t T = s_.q.size(2);
+    const auto dtype = s_.q.scalar_type();
+    const auto f32 = [](const torch::Tensor& t) { return t.to(torch::kFloat); };
+    auto q = f32(ix_->cut(s_.q, spec4, true));
+    auto lse = f32(ix_->cut(s_.lse.narrow(2, 0, T), spec3, true)).unsqueeze(-1);  // [B, H, N, 1]
+    auto dOf = f32(dO);
+    auto pos = ix_->keep_BT().nonzero().select(1, 1).view({ix_->B(), 1, ix_->N(), 1});  // [B, 1, N, 1]
+    torch::Tensor dq, dk, dv;
+    if (!exact_) {
+      auto k = f32(ix_->cut(s_.k, spec4, true)), v = f32(ix_->cut(s_.v, spec4, true));
+      auto p = (q.matmul(k.transpose(-2, -1)) * s_.scale - lse).exp_();  // [B, H, N, N]
+      if (s_.causal) p.masked_fill_(pos.transpose(-2, -1) > pos, 0.0);
+      dv = p.transpose(-2, -1).matmul(dOf);
+      auto dp = dOf.matmul(v.transpose(-2, -1));
+      auto ds = p * (dp - (dp * p).sum(-1, true));
+      dq = ds.matmul(k) * s_.scale;
+      dk = ds.transpose(-2, -1).matmul(q) * s_.scale;
+    } else {
+      auto k = f32(s_.k), v = f32(s_.v);
+      auto o = f32(ix_->cut(s_.out, spec4, true));
+      auto p = (q.matmul(k.transpose(-2, -1)) * s_.scale - lse).exp_();  // [B, H, N, T]
+      if (s_.causal) {
+        auto cols = torch::arange(T, pos.options()).view({1, 1, 1, T});
+        p.masked_fill_(cols > pos, 0.0);
+      }
+      auto d = (dOf * o).sum(-1, true);  // rowsum(dO O): the exact softmax correction
+      auto ds = p * (dOf.matmul(v.transpose(-2, -1)) - d);
+      dq = ds.matmul(k) * s_.scale;
+      dk = ix_->cut(ds.transpose(-2, -1).matmul(q) * s_.scale, spec4, true);
+      dv = ix_->cut(p.transpose(-2, -1).matmul(dOf), spec4, true);
+    }
+    variable_list out = {dq.to(dtype), dk.to(dtype), dv.to(dtype)};
+    if (masked_) {
+      for (auto& g : out) g = scatter_full(g, T);
+    }
+    while (out.size() < num_outputs()) out.emplace_back();
+    return out;
+  }
+
+ private:
+  torch::Tensor scatter_full(const torch::Tensor& g_BHNE, int64_t T) const {
+    auto full = torch::zeros({g_BHNE.size(0), g_BHNE.size(1), T, g_BHNE.size(3)}, g_BHNE.options());
+    auto idx = ix_->keep_BT().nonzero().select(1, 1).view({ix_->B(), 1, ix_->N(), 1}).expand_as(g_BHNE);
+    return full.scatter_(2, idx, g_BHNE);
+  }
+  Saved s_;
+  std::shared_ptr<TokenIndex> ix_;
+  bool exact_, masked_;
+};
+
+}  // namespace
+
+bool is_fused_attention_node(const std::string& type) {
+  return type == "ScaledDotProductFlashAttentionForCpuBackward0" || type == "ScaledDotProductFlashAttentionBackward0" ||
+         type == "ScaledDotProductEfficientAttentionBackward0" || type == "ScaledDotProductCudnnAttentionBackward0";
+}
+
+std::shared_ptr<Node> make_filtered_attention(const std::shared_ptr<Node>& fused, std::shared_ptr<TokenIndex> index,
+                                              bool exact_query, bool masked) {
+  Saved saved = read_saved(fused);
+  const auto& meta = fused->input_metadata(0);  // the output O: [B, H, T, E]
+  auto shape = meta.shape_as_dim_vector().vec();
+  if (!masked) shape[2] = index->N();
+  auto node = std::make_shared<FilteredAttentionNode>(std::move(saved), index, exact_query, masked);
+  node->add_input_metadata(meta.options(), shape, false, false, std::nullopt);
+  for (uint32_t i = 1; i < fused->num_inputs(); ++i) {
+    node->add_input_metadata(torch::autograd::Node::undefined_input());  // logsumexp etc.: no gradient
+  }
+  for (const auto& e : fused->next_edges()) node->add_next_edge(e);
+  return node;
+}
+
+}  // namespace collider::detail

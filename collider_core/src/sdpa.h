@@ -1,0 +1,23 @@
+// Internal: replacing a fused scaled_dot_product_attention backward node (flash, memory-efficient,
+// cuDNN, CPU flash) by one that computes the chosen filtered semantics on kept tokens.
+#pragma once
+
+#include "token_index.h"
+
+#include <torch/csrc/autograd/function.h>
+
+#include <memory>
+#include <string>
+
+namespace collider::detail {
+
+bool is_fused_attention_node(const std::string& type);
+
+// A node computing dQ, dK, dV of kept tokens ([B, H, N, E]) from the gradient of the kept
+// output rows, with the fused node's next edges. masked: the same values scattered into
+// full-size zero tensors, for full-size gradients (the `masked` method).
+std::shared_ptr<torch::autograd::Node> make_filtered_attention(const std::shared_ptr<torch::autograd::Node>& fused,
+                                                               std::shared_ptr<TokenIndex> index, bool exact_query,
+                                                               bool masked);
+
+}  // namespace collider::detail
