@@ -14,6 +14,11 @@
 
 namespace collider::models {
 
+namespace detail {
+class DecoderStackImpl;  // models/common/blocks.h
+class LinearImpl;
+}  // namespace detail
+
 enum class Family { kLlama, kQwen2, kPhi };
 const char* to_string(Family f);
 
@@ -76,6 +81,9 @@ class CausalLMImpl : public torch::nn::Module {
   void set_attention_impl(AttentionImpl a) { attn_ = a; }
   void set_boundary_hook(BoundaryHook hook) { hook_ = std::move(hook); }
   void set_attention_oracle(std::optional<AttentionOracle> oracle) { oracle_ = std::move(oracle); }
+  // Re-initialises every parameter deterministically from `seed` (see build_model); the
+  // constructor calls it with seed 0.
+  void reset_parameters(uint64_t seed);
 
  protected:
   ModelConfig cfg_;
@@ -86,10 +94,15 @@ class CausalLMImpl : public torch::nn::Module {
     return hook_ ? hook_(x_BTD, name) : x_BTD;
   }
   friend struct ModelInternals;
+
+ private:
+  std::shared_ptr<detail::DecoderStackImpl> model_;  // HF "model.": embed_tokens, layers, final norm
+  std::shared_ptr<detail::LinearImpl> lm_head_;      // HF "lm_head"; null when tied to embed_tokens
 };
 TORCH_MODULE(CausalLM);
 
-// Builds the family's model with deterministic init from `seed` (GPT-2 style: normal(0, 0.02)).
+// Builds the family's model with deterministic init from `seed` (GPT-2 style: normal(0, 0.02)
+// for linear and embedding weights, zeros for biases, ones for norm weights), fp32 on CPU.
 CausalLM build_model(const ModelConfig& cfg, AttentionImpl attn = AttentionImpl::kEager, uint64_t seed = 0);
 
 // Per-token cross-entropy in nats: logits_BTV [B, T, V], labels_BT int64 [B, T] (pre-shifted:

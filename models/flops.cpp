@@ -1,0 +1,80 @@
+// Analytic GEMM FLOPs (formulas in flops.h, next to the declarations).
+// Tested by tests/test_flops.cpp.
+// Legend: B batch, T sequence, N kept tokens per row, D hidden, H heads, G kv-heads, E head dim,
+// F ffn, V vocab, L layers.
+#include "models/flops.h"
+
+#include "models/common/architecture.h"
+
+#include <fmt/format.h>
+
+#include <stdexcept>
+
+namespace collider::models {
+
+const char* to_string(BackwardMode m) {
+  switch (m) {
+    case BackwardMode::kDense: return "dense";
+    case BackwardMode::kKeptOnly: return "kept_only";
+    case BackwardMode::kExactQuery: return "exact_query";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// Forward FLOPs of the decoder projections per token, summed over layers.
+double linear_flops_per_token(const ModelConfig& c) {
+  const double D = c.hidden_size, F = c.intermediate_size, H = c.num_heads, G = c.num_kv_heads, E = c.head_dim;
+  const double mlp_mats = detail::architecture(c.family).mlp == detail::MlpKind::kSwiGLU ? 3 : 2;
+  return 2.0 * c.num_layers * (D * H * E + 2 * D * G * E + H * E * D + mlp_mats * D * F);
+}
+
+// One GEMM of the attention core (Q K^T or P V) with Tq query rows and Tk key rows, all layers.
+double attention_gemm_flops(const ModelConfig& c, int64_t B, int64_t Tq, int64_t Tk) {
+  return 2.0 * c.num_layers * static_cast<double>(B) * c.num_heads * static_cast<double>(Tq) * Tk * c.head_dim;
+}
+
+void check_sizes(int64_t B, int64_t T) {
+  if (B <= 0 || T <= 0)
+    throw std::invalid_argument(fmt::format("FLOP count needs positive batch and sequence length, got B={} T={}", B, T));
+}
+
+}  // namespace
+
+FlopCount forward_flops(const ModelConfig& cfg, int64_t B, int64_t T) {
+  check_sizes(B, T);
+  const double tokens = static_cast<double>(B) * T;
+  FlopCount f;
+  f.linear = tokens * linear_flops_per_token(cfg);
+  f.attention = 2 * attention_gemm_flops(cfg, B, T, T);
+  f.lm_head = 2.0 * tokens * cfg.hidden_size * cfg.vocab_size;
+  return f;
+}
+
+FlopCount backward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N, BackwardMode mode) {
+  check_sizes(B, T);
+  FlopCount f;
+  if (mode == BackwardMode::kDense) {
+    const FlopCount fwd = forward_flops(cfg, B, T);
+    f.linear = 2 * fwd.linear;
+    f.attention = 2 * fwd.attention;
+    f.lm_head = 2 * fwd.lm_head;
+    return f;
+  }
+  if (N <= 0 || N > T)
+    throw std::invalid_argument(fmt::format("kept count N must be in [1, T={}], got {}", T, N));
+  const FlopCount kept = forward_flops(cfg, B, N);  // token-wise GEMMs on the kept rows
+  f.linear = 2 * kept.linear;
+  f.lm_head = 2 * kept.lm_head;
+  f.attention = mode == BackwardMode::kKeptOnly ? 4 * attention_gemm_flops(cfg, B, N, N)
+                                                : 4 * attention_gemm_flops(cfg, B, N, T);
+  return f;
+}
+
+double attention_linear_ratio(const ModelConfig& cfg, int64_t T) {
+  const FlopCount f = forward_flops(cfg, 1, T);
+  return f.attention / f.linear;
+}
+
+}  // namespace collider::models

@@ -1,0 +1,54 @@
+// Analytic GEMM FLOPs of the causal LMs (forward, and backward per method), counted from the
+// config the way the implementation executes them: 2*m*n*k per GEMM, eager attention computes
+// the full T x T scores (not the causal half), the LM head is included, element-wise work
+// (norms, softmax, activations, RoPE) and the embedding lookup count 0. Used for the FLOP ideal
+// (DESIGN.md section 7), result rows (flops_fwd, flops_bwd) and `build/collider models`.
+// Tested by tests/test_flops.cpp.
+// Legend: B batch, T sequence, N kept tokens per row, D hidden, H heads, G kv-heads, E head dim,
+// F ffn, V vocab, L layers.
+#pragma once
+
+#include "models/model.h"
+
+#include <cstdint>
+
+namespace collider::models {
+
+enum class BackwardMode {
+  kDense,       // regular / loss_only / masked: every backward GEMM at full size
+  kKeptOnly,    // collider, attention_grad = kept_only
+  kExactQuery,  // collider, attention_grad = exact_query
+};
+const char* to_string(BackwardMode m);
+
+struct FlopCount {
+  double linear = 0;     // decoder projections: q, k, v, o (dense), MLP
+  double attention = 0;  // attention core: Q K^T and P V (and their gradients)
+  double lm_head = 0;    // LM head (tied or not)
+  double total() const { return linear + attention + lm_head; }
+};
+
+// Forward, per batch of B x T tokens:
+//   linear    = 2 * B*T * L * [D*H*E (q) + 2*D*G*E (k, v) + H*E*D (o) + M*D*F], M = 3 SwiGLU, 2 GELU
+//   attention = L * 2 GEMMs * 2 * B*H*T*T*E          (full T x T scores)
+//   lm_head   = 2 * B*T * D*V
+FlopCount forward_flops(const ModelConfig& cfg, int64_t B, int64_t T);
+
+// Backward, N = kept tokens per row (ignored by kDense; 0 < N <= T otherwise):
+//   kDense:      every GEMM twice (dX and dW): 2 x forward_flops(B, T).
+//   kKeptOnly:   token-wise GEMMs on N rows: linear, lm_head = 2 x forward at N; attention core
+//                as if only the N kept tokens existed: 4 GEMMs (dP = dO V^T, dV = P^T dO,
+//                dQ = dS K, dK = dS^T Q) of 2*B*H*N*N*E = 2 x forward attention at N.
+//   kExactQuery: token-wise GEMMs on N rows as above; attention: dP = dO V^T is N x T, dQ = dS K
+//                contracts over T, dV = P^T dO and dK = dS^T Q are computed T x N and gathered:
+//                4 GEMMs of 2*B*H*N*T*E, per layer.
+//   The embedding backward is a scatter-add: 0 GEMM FLOPs.
+FlopCount backward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N, BackwardMode mode);
+
+// Forward attention-core FLOPs over forward decoder linear-layer FLOPs (LM head excluded) at
+// sequence length T = 4*T*H*E / (2*[D*H*E + 2*D*G*E + H*E*D + M*D*F]); independent of B.
+// Paper models at T = 2048: TinyLlama-1.1B 0.190, Qwen2.5-1.5B 0.134, Phi-1.5 0.167.
+// DESIGN.md section 7: CPU presets keep this within 2x of the paper model's at T = 2048.
+double attention_linear_ratio(const ModelConfig& cfg, int64_t T);
+
+}  // namespace collider::models

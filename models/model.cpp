@@ -1,0 +1,128 @@
+// The causal LM shared by every family (model.h): construction from an Architecture, forward with
+// boundary hooks, deterministic init, per-token loss, masked mean loss, analytic parameter count.
+// Tested by tests/test_models.cpp.
+// Legend: B batch, T sequence, D hidden, H heads, G kv-heads, E head dim, F ffn, V vocab.
+#include "models/model.h"
+
+#include "models/common/architecture.h"
+#include "models/common/rotary.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <fmt/format.h>
+
+#include <stdexcept>
+
+namespace collider::models {
+
+const char* to_string(Family f) {
+  switch (f) {
+    case Family::kLlama: return "llama";
+    case Family::kQwen2: return "qwen2";
+    case Family::kPhi: return "phi";
+  }
+  return "unknown";
+}
+
+// Analytic count from the config; must equal the instantiated module's (tests/test_models.cpp).
+int64_t ModelConfig::num_params() const {
+  const auto& arch = detail::architecture(family);
+  const int64_t D = hidden_size, F = intermediate_size, V = vocab_size;
+  const int64_t qd = num_heads * head_dim, kvd = num_kv_heads * head_dim;
+  const bool qkvb = qkv_bias || linear_bias;
+  int64_t attn = D * qd + 2 * D * kvd + qd * D + (qkvb ? qd + 2 * kvd : 0) + (linear_bias ? D : 0);
+  int64_t mlp = arch.mlp == detail::MlpKind::kSwiGLU ? 3 * D * F + (linear_bias ? 2 * F + D : 0)
+                                                     : 2 * D * F + (linear_bias ? F + D : 0);
+  int64_t norm = arch.norm == detail::NormKind::kRMSNorm ? D : 2 * D;
+  int64_t norms_per_layer = arch.block == detail::BlockKind::kSequential ? 2 : 1;
+  int64_t layer = attn + mlp + norms_per_layer * norm;
+  int64_t head = tie_embeddings ? 0 : V * D + (lm_head_bias ? V : 0);
+  return V * D + num_layers * layer + norm + head;
+}
+
+CausalLMImpl::CausalLMImpl(const ModelConfig& cfg, AttentionImpl attn) : cfg_(cfg), attn_(attn) {
+  detail::validate_config(cfg_);
+  const auto& arch = detail::architecture(cfg_.family);
+  model_ = register_module("model", std::make_shared<detail::DecoderStackImpl>());
+  model_->embed_tokens = model_->register_module("embed_tokens", detail::Embedding(cfg_.vocab_size, cfg_.hidden_size));
+  model_->layers_list = model_->register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < cfg_.num_layers; ++i) {
+    auto layer = detail::build_decoder_layer(cfg_);
+    model_->layers_list->push_back(layer);
+    model_->layers.push_back(layer);
+  }
+  model_->final_norm = model_->register_module(arch.final_norm_name, detail::build_norm(cfg_));
+  if (!cfg_.tie_embeddings)
+    lm_head_ = register_module("lm_head",
+                               std::make_shared<detail::LinearImpl>(cfg_.hidden_size, cfg_.vocab_size, cfg_.lm_head_bias));
+  reset_parameters(0);
+}
+
+void CausalLMImpl::reset_parameters(uint64_t seed) {
+  torch::NoGradGuard no_grad;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  for (auto& item : named_parameters(/*recurse=*/true)) {
+    auto& p = item.value();
+    const std::string& name = item.key();
+    const bool is_bias = name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
+    if (is_bias) {
+      p.zero_();
+    } else if (p.dim() == 1) {
+      p.fill_(1.0);  // norm weights
+    } else if (p.device().is_cpu()) {
+      p.normal_(0.0, 0.02, gen);
+    } else {  // draw on CPU so that every device gets the same values
+      p.copy_(torch::empty(p.sizes(), p.options().device(torch::kCPU)).normal_(0.0, 0.02, gen));
+    }
+  }
+}
+
+torch::Tensor CausalLMImpl::forward(const torch::Tensor& input_ids_BT) {
+  TORCH_CHECK(input_ids_BT.dim() == 2, "input_ids must be [B, T], got shape ", input_ids_BT.sizes());
+  const int64_t T = input_ids_BT.size(1);
+  TORCH_CHECK(T > 0, "input_ids must hold at least one position per sequence");
+  auto x_BTD = boundary(model_->embed_tokens->forward(input_ids_BT), "embedding");
+
+  detail::ForwardContext ctx;
+  ctx.attn = attn_;
+  ctx.oracle = oracle_ ? &*oracle_ : nullptr;
+  {
+    torch::NoGradGuard no_grad;
+    ctx.causal_mask_TT = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x_BTD.device())).triu(1);
+    std::tie(ctx.cos_TR, ctx.sin_TR) =
+        detail::rotary_tables(T, detail::rotary_dim(cfg_), cfg_.rope_theta, x_BTD.scalar_type(), x_BTD.device());
+  }
+  for (size_t i = 0; i < model_->layers.size(); ++i)
+    x_BTD = boundary(model_->layers[i]->forward(x_BTD, ctx), fmt::format("layer.{:02d}", i));
+  x_BTD = boundary(model_->final_norm->forward(x_BTD), "final_norm");
+  if (lm_head_) return lm_head_->forward(x_BTD);
+  return torch::nn::functional::linear(x_BTD, model_->embed_tokens->weight);  // tied head
+}
+
+CausalLM build_model(const ModelConfig& cfg, AttentionImpl attn, uint64_t seed) {
+  CausalLM model(cfg, attn);
+  if (seed != 0) model->reset_parameters(seed);
+  return model;
+}
+
+torch::Tensor token_losses(const torch::Tensor& logits_BTV, const torch::Tensor& labels_BT) {
+  TORCH_CHECK(logits_BTV.dim() == 3, "logits must be [B, T, V], got shape ", logits_BTV.sizes());
+  TORCH_CHECK(labels_BT.dim() == 2 && labels_BT.size(0) == logits_BTV.size(0) && labels_BT.size(1) == logits_BTV.size(1),
+              "labels must be [B, T] matching logits ", logits_BTV.sizes(), ", got ", labels_BT.sizes());
+  TORCH_CHECK(labels_BT.scalar_type() == torch::kLong, "labels must be int64, got ", labels_BT.scalar_type());
+  const int64_t B = logits_BTV.size(0), T = logits_BTV.size(1), V = logits_BTV.size(2);
+  auto logp_BTV = torch::log_softmax(logits_BTV, -1, detail::compute_dtype(logits_BTV.scalar_type()));
+  auto loss_N = torch::nll_loss(logp_BTV.reshape({B * T, V}), labels_BT.reshape({B * T}), {}, at::Reduction::None,
+                                /*ignore_index=*/-100);
+  return loss_N.view({B, T});
+}
+
+torch::Tensor masked_mean_loss(const torch::Tensor& loss_BT, const torch::Tensor& keep_BT) {
+  TORCH_CHECK(keep_BT.scalar_type() == torch::kBool, "keep mask must be bool, got ", keep_BT.scalar_type());
+  TORCH_CHECK(keep_BT.sizes() == loss_BT.sizes(), "keep mask ", keep_BT.sizes(), " must match the loss ",
+              loss_BT.sizes());
+  // No check that keep has a true entry: that would synchronise the device every step; an
+  // all-false mask gives NaN, and select_tokens never returns one.
+  return (loss_BT * keep_BT.to(loss_BT.scalar_type())).sum() / keep_BT.sum();
+}
+
+}  // namespace collider::models

@@ -1,0 +1,89 @@
+// Unit tests of the analytic FLOP counts (models/flops.h): hand-computed paper-model values,
+// dense backward = 2x forward, the filtered modes at N = T equal dense and grow with N, the
+// attention/linear ratio of the paper models and the -mini sizing rule of DESIGN.md section 7.
+// Run: build/tests/test_flops
+// Legend: B batch, T sequence, N kept tokens per row.
+#include "models/flops.h"
+
+#include <gtest/gtest.h>
+
+using namespace collider::models;
+
+TEST(Flops, TinyLlamaForwardByHand) {
+  const auto& c = preset("tinyllama-1.1b");
+  const double T = 2048;
+  // per layer per token: 2 * (2048*2048 q + 2*2048*256 k,v + 2048*2048 o + 3*2048*5632 MLP)
+  const double lin_tok = 2.0 * (2048.0 * 2048 * 2 + 2 * 2048.0 * 256 + 3 * 2048.0 * 5632);
+  auto f = forward_flops(c, 3, 2048);
+  EXPECT_DOUBLE_EQ(f.linear, 3 * T * 22 * lin_tok);
+  EXPECT_DOUBLE_EQ(f.attention, 22 * 2 * 2.0 * 3 * 32 * T * T * 64);
+  EXPECT_DOUBLE_EQ(f.lm_head, 2.0 * 3 * T * 2048 * 32000);
+  EXPECT_DOUBLE_EQ(f.total(), f.linear + f.attention + f.lm_head);
+}
+
+TEST(Flops, PhiCountsTwoMlpMatrices) {
+  const auto& c = preset("phi-1.5");
+  auto f = forward_flops(c, 1, 1);
+  EXPECT_DOUBLE_EQ(f.linear, 24 * 2.0 * (4 * 2048.0 * 2048 + 2 * 2048.0 * 8192));
+}
+
+TEST(Flops, DenseBackwardIsTwiceForward) {
+  for (const auto& c : presets()) {
+    auto f = forward_flops(c, 2, 300);
+    auto b = backward_flops(c, 2, 300, 300, BackwardMode::kDense);
+    EXPECT_DOUBLE_EQ(b.linear, 2 * f.linear) << c.name;
+    EXPECT_DOUBLE_EQ(b.attention, 2 * f.attention) << c.name;
+    EXPECT_DOUBLE_EQ(b.lm_head, 2 * f.lm_head) << c.name;
+  }
+}
+
+TEST(Flops, FilteredModesAtFullKeepEqualDenseAndGrowWithN) {
+  for (const auto& c : presets()) {
+    const int64_t T = 512;
+    auto dense = backward_flops(c, 2, T, T, BackwardMode::kDense);
+    for (auto mode : {BackwardMode::kKeptOnly, BackwardMode::kExactQuery}) {
+      auto full = backward_flops(c, 2, T, T, mode);
+      EXPECT_DOUBLE_EQ(full.total(), dense.total()) << c.name << " " << to_string(mode);
+      double prev = 0;
+      for (int64_t N = 8; N <= T; N += 8) {
+        auto b = backward_flops(c, 2, T, N, mode);
+        EXPECT_GT(b.total(), prev) << c.name << " N=" << N;
+        EXPECT_LE(b.total(), dense.total());
+        prev = b.total();
+      }
+    }
+    // exact_query keeps the T-long key side: more attention work than kept_only below N = T.
+    auto ko = backward_flops(c, 2, T, T / 2, BackwardMode::kKeptOnly);
+    auto eq = backward_flops(c, 2, T, T / 2, BackwardMode::kExactQuery);
+    EXPECT_DOUBLE_EQ(eq.attention, 2 * ko.attention);
+    EXPECT_DOUBLE_EQ(eq.linear, ko.linear);
+    EXPECT_DOUBLE_EQ(ko.attention, 2 * forward_flops(c, 2, T / 2).attention);
+  }
+}
+
+TEST(Flops, RejectsBadSizes) {
+  const auto& c = preset("tinyllama-debug");
+  EXPECT_THROW(forward_flops(c, 0, 8), std::invalid_argument);
+  EXPECT_THROW(backward_flops(c, 1, 8, 9, BackwardMode::kKeptOnly), std::invalid_argument);
+  EXPECT_THROW(backward_flops(c, 1, 8, 0, BackwardMode::kExactQuery), std::invalid_argument);
+}
+
+TEST(Flops, PaperAttentionLinearRatios) {
+  EXPECT_NEAR(attention_linear_ratio(preset("tinyllama-1.1b"), 2048), 0.1905, 1e-3);
+  EXPECT_NEAR(attention_linear_ratio(preset("qwen2.5-1.5b"), 2048), 0.1345, 1e-3);
+  EXPECT_NEAR(attention_linear_ratio(preset("phi-1.5"), 2048), 0.1667, 1e-3);
+}
+
+// DESIGN.md section 7: at the CPU sequence lengths 512 and 1024 the -mini presets keep the
+// attention/linear FLOP ratio within 2x of their paper model's at T = 2048.
+TEST(Flops, MiniPresetsStayRepresentative) {
+  for (auto [paper, mini] : {std::pair{"tinyllama-1.1b", "tinyllama-mini"}, std::pair{"qwen2.5-1.5b", "qwen2.5-mini"},
+                             std::pair{"phi-1.5", "phi-1.5-mini"}}) {
+    const double ref = attention_linear_ratio(preset(paper), 2048);
+    for (int64_t T : {512, 1024}) {
+      const double r = attention_linear_ratio(preset(mini), T);
+      EXPECT_GE(r, ref / 2) << mini << " T=" << T;
+      EXPECT_LE(r, ref * 2) << mini << " T=" << T;
+    }
+  }
+}
