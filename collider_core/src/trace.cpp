@@ -265,6 +265,18 @@ const std::set<std::string>& token_mixing_nodes() {
   return k;
 }
 
+// For an op that indexes or mixes along `dim`: does `dim` address a token dimension of the
+// field? Ops without a `dim` field (convolutions) count as mixing.
+bool along_token_dim(const ObservedNode& node, const Observed& field, const ShapeSpec& spec) {
+  if (!node.dim) return true;
+  if (field.kind == FieldKind::kSaved) return true;  // conservative: index tensors over tokens
+  const int64_t rank = static_cast<int64_t>(field.values.size());
+  const int64_t d = *node.dim < 0 ? *node.dim + rank : *node.dim;
+  for (const auto& ds : spec.dims)
+    if (ds.dim == d && ds.kind != DimKind::kBatch) return true;
+  return false;
+}
+
 bool is_softmax(const std::string& t) { return t == "SoftmaxBackward0"; }
 bool is_bmm(const std::string& t) { return t == "BmmBackward0"; }
 bool is_shape_or_scale(const std::string& t) {
@@ -464,10 +476,10 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
                                 "gradients row for row and saves nothing token-shaped, declare it with "
                                 "collider::register_passthrough_node(\"{}\").", ns.type, i, ns.type));
       }
-      if (token_mixing_nodes().count(ns.type)) {
+      if (token_mixing_nodes().count(ns.type) && along_token_dim(oa[i], a, spec)) {
         throw Error(fmt::format("collider cannot rewrite node {} (#{}): it mixes or indexes positions along a "
-                                "dimension of a token-shaped tensor (field {}); filtering rows would change its "
-                                "result", ns.type, i, a.name));
+                                "token dimension (field {}); filtering rows would change its result",
+                                ns.type, i, a.name));
       }
       ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
       values[i].push_back(a.values);
