@@ -67,7 +67,7 @@ struct StepResult {
   double select_ms = 0.0;      // scores + select_tokens
   double rewrite_ms = 0.0;     // filter_backward / mask_backward (collider, masked)
   double bwd_ms = 0.0;         // loss.backward()
-  double optim_ms = 0.0;       // grad clipping + AdamW step + zero_grad
+  double optim_ms = 0.0;       // grad clipping + AdamW step
   double step_ms = 0.0;        // all of the above
   std::vector<LayerTime> layers;  // when StepConfig::layer_timing
   collider::FilterStats filter;   // collider / masked
@@ -80,6 +80,7 @@ class Trainer {
           RangeRecorder* ranges = nullptr);
   ~Trainer();
 
+  // One step. Parameter gradients of this step stay in .grad() until the next step starts.
   StepResult step(const Batch& batch);
 
   models::CausalLM& model() { return model_; }

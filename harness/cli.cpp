@@ -1,0 +1,254 @@
+// `collider` subcommands (cli.h).
+#include "harness/cli.h"
+
+#include "harness/manifest.h"
+#include "harness/score.h"
+#include "harness/sweep.h"
+#include "models/flops.h"
+#include "models/model.h"
+
+#include <collider/select.h>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <iostream>
+
+namespace collider::harness {
+
+std::string usage() {
+  return "usage:\n"
+         "  collider models [--json]\n"
+         "      every model preset: parameters, analytic FLOPs per token (forward; backward dense and with\n"
+         "      40% of tokens filtered) at T = 512 and 2048, attention-core / linear FLOP ratio\n"
+         "  collider run MANIFEST.toml [--set key=value]... [--out DIR] [--dry-run] [--resume]\n"
+         "                             [--trace FILE] [--profile-steps a:b]\n"
+         "      sweep a manifest; rows go to DIR/results.jsonl (default DIR: results/<name>/<date-time>)\n"
+         "      --set run.measure_steps=10 / axes.method=[\"regular\",\"collider\"]  (TOML value or bare word)\n"
+         "      --resume     skip the points already ok in DIR/results.jsonl (without --out: the newest\n"
+         "                   directory under results/<name>/)\n"
+         "      --trace FILE Chrome/Perfetto trace JSON of every range (layer.07.bwd, filter, ...)\n"
+         "      --profile-steps a:b  cudaProfilerStart before step a and Stop after step b-1 of every\n"
+         "                   point (steps counted from 0, warm-up included; nsys --capture-range=cudaProfilerApi)\n"
+         "  collider score --checkpoint DIR --tokens FILE [--out FILE]\n"
+         "      per-token losses of a Hugging Face-layout checkpoint (RHO-1 reference scores)\n";
+}
+
+int run_models_command(const std::vector<std::string>& args, std::ostream& out) {
+  bool json = false;
+  for (const auto& a : args) {
+    if (a == "--json") {
+      json = true;
+    } else {
+      std::cerr << "collider models: unknown argument '" << a << "'\n" << usage();
+      return 2;
+    }
+  }
+  const double kRatio = 0.4;
+  const std::vector<int64_t> kSeqLens = {512, 2048};
+  nlohmann::json all = nlohmann::json::array();
+  for (const auto& cfg : models::presets()) {
+    nlohmann::json j = {{"name", cfg.name},
+                        {"family", models::to_string(cfg.family)},
+                        {"num_params", cfg.num_params()},
+                        {"num_layers", cfg.num_layers},
+                        {"hidden_size", cfg.hidden_size},
+                        {"intermediate_size", cfg.intermediate_size},
+                        {"num_heads", cfg.num_heads},
+                        {"num_kv_heads", cfg.num_kv_heads},
+                        {"head_dim", cfg.head_dim},
+                        {"vocab_size", cfg.vocab_size},
+                        {"tie_embeddings", cfg.tie_embeddings}};
+    nlohmann::json per_t = nlohmann::json::array();
+    for (int64_t T : kSeqLens) {
+      const int64_t N = collider::kept_count(T, kRatio, 8);
+      const double t = static_cast<double>(T);
+      auto fwd = models::forward_flops(cfg, 1, T);
+      auto dense = models::backward_flops(cfg, 1, T, T, models::BackwardMode::kDense);
+      auto kept = models::backward_flops(cfg, 1, T, N, models::BackwardMode::kKeptOnly);
+      auto exact = models::backward_flops(cfg, 1, T, N, models::BackwardMode::kExactQuery);
+      per_t.push_back({{"seq_len", T},
+                       {"filter_ratio", kRatio},
+                       {"kept", N},
+                       {"fwd_flops_per_token", fwd.total() / t},
+                       {"bwd_flops_per_token_dense", dense.total() / t},
+                       {"bwd_flops_per_token_kept_only", kept.total() / t},
+                       {"bwd_flops_per_token_exact_query", exact.total() / t},
+                       {"attention_linear_ratio", models::attention_linear_ratio(cfg, T)}});
+    }
+    j["flops"] = per_t;
+    all.push_back(j);
+  }
+  if (json) {
+    out << all.dump(2) << "\n";
+    return 0;
+  }
+  out << "FLOPs per token (models/flops.h; GEMMs only, 2*m*n*k each, per token of a B x T batch):\n"
+         "  fwd  = 2*L*[D*H*E + 2*D*G*E + H*E*D + M*D*F]  +  4*L*H*E*T  +  2*D*V\n"
+         "         (projections + MLP, M = 3 SwiGLU / 2 GELU;  eager attention's full T x T QK^T and PV;  LM head)\n"
+         "  bwd dense (regular, loss_only, masked) = 2 x fwd at T\n"
+         "  bwd collider kept_only   = (N/T) * 2 x (linear + LM head) + 2 x attention core at N   (N kept per row)\n"
+         "  bwd collider exact_query = (N/T) * 2 x (linear + LM head) + 4 GEMMs of N x T attention core\n"
+         "  N = kept count for filter_ratio 0.4 (drop count rounded up to a multiple of 8); attn/lin = forward\n"
+         "  attention-core FLOPs over decoder linear FLOPs (DESIGN.md section 7).\n\n";
+  out << fmt::format("{:<18} {:>14} {:>6} | {:>9} {:>9} {:>9} {:>9} {:>7} | {:>9} {:>9} {:>9} {:>9} {:>7}\n", "preset",
+                     "params", "layers", "fwd@512", "bwd@512", "bwdC@512", "bwdX@512", "attn/lin", "fwd@2048",
+                     "bwd@2048", "bwdC@2048", "bwdX@2048", "attn/lin");
+  out << fmt::format("{:<18} {:>14} {:>6} | {:>47} | {:>47}\n", "", "", "",
+                     "GFLOP/token: fwd, bwd dense, collider kept/exact", "same at T = 2048");
+  for (const auto& j : all) {
+    std::string line = fmt::format("{:<18} {:>14} {:>6} |", j["name"].get<std::string>(), j["num_params"].get<int64_t>(),
+                                   j["num_layers"].get<int64_t>());
+    for (const auto& f : j["flops"]) {
+      line += fmt::format(" {:>9.4f} {:>9.4f} {:>9.4f} {:>9.4f} {:>7.3f} |", f["fwd_flops_per_token"].get<double>() / 1e9,
+                          f["bwd_flops_per_token_dense"].get<double>() / 1e9,
+                          f["bwd_flops_per_token_kept_only"].get<double>() / 1e9,
+                          f["bwd_flops_per_token_exact_query"].get<double>() / 1e9,
+                          f["attention_linear_ratio"].get<double>());
+    }
+    line.resize(line.size() - 2);  // drop the last " |"
+    out << line << "\n";
+  }
+  return 0;
+}
+
+namespace {
+
+namespace fs = std::filesystem;
+
+bool parse_steps(const std::string& s, int64_t* a, int64_t* b) {
+  const auto c = s.find(':');
+  if (c == std::string::npos) return false;
+  try {
+    size_t i = 0, j = 0;
+    *a = std::stoll(s.substr(0, c), &i);
+    *b = std::stoll(s.substr(c + 1), &j);
+    return i == c && j == s.size() - c - 1 && *a >= 0 && *b > *a;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+}  // namespace
+
+int run_run_command(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
+  std::string manifest_path, out_dir, trace_path;
+  std::vector<std::string> sets;
+  bool dry_run = false, resume = false;
+  int64_t prof_a = -1, prof_b = -1;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    auto value = [&](const char* flag) -> std::string {
+      if (i + 1 >= args.size()) throw std::invalid_argument(fmt::format("{} needs a value", flag));
+      return args[++i];
+    };
+    try {
+      if (a == "--set") sets.push_back(value("--set"));
+      else if (a.rfind("--set=", 0) == 0) sets.push_back(a.substr(6));
+      else if (a == "--out") out_dir = value("--out");
+      else if (a == "--trace") trace_path = value("--trace");
+      else if (a == "--dry-run") dry_run = true;
+      else if (a == "--resume") resume = true;
+      else if (a == "--profile-steps") {
+        const std::string v = value("--profile-steps");
+        if (!parse_steps(v, &prof_a, &prof_b)) {
+          throw std::invalid_argument("--profile-steps '" + v + "' must be a:b with 0 <= a < b (steps [a, b))");
+        }
+      } else if (!a.empty() && a[0] == '-') {
+        throw std::invalid_argument("unknown option '" + a + "'");
+      } else if (manifest_path.empty()) {
+        manifest_path = a;
+      } else {
+        throw std::invalid_argument("more than one manifest given ('" + manifest_path + "' and '" + a + "')");
+      }
+    } catch (const std::invalid_argument& e) {
+      err << "collider run: " << e.what() << "\n" << usage();
+      return 2;
+    }
+  }
+  if (manifest_path.empty()) {
+    err << "collider run: no manifest given\n" << usage();
+    return 2;
+  }
+
+  Manifest m;
+  try {
+    m = load_manifest(manifest_path, sets);
+  } catch (const ManifestError& e) {
+    err << "collider run: error: " << e.what() << "\n";
+    return 2;
+  }
+  for (const auto& o : m.overrides) err << o << "\n";
+  for (const auto& n : m.notes) err << "note: " << n << "\n";
+
+  if (dry_run) {
+    out << fmt::format("{}: {} points ({} expanded, {} excluded); device {}, dtype {}, {} warm-up + {} measured "
+                       "steps x {} repetitions\n",
+                       m.name, m.points.size(), m.num_expanded, m.num_excluded, m.run.device, m.run.dtype,
+                       m.run.warmup_steps, m.run.measure_steps, m.run.repetitions);
+    for (size_t i = 0; i < m.points.size(); ++i) out << fmt::format("{:>4}  {}\n", i + 1, m.points[i].id());
+    return 0;
+  }
+
+  if (out_dir.empty()) {
+    const fs::path base = fs::path("results") / m.name;
+    if (resume) {
+      std::string newest;
+      if (fs::is_directory(base)) {
+        for (const auto& e : fs::directory_iterator(base)) {
+          if (e.is_directory() && e.path().filename().string() > newest) newest = e.path().filename().string();
+        }
+      }
+      if (newest.empty()) {
+        err << "collider run: --resume without --out needs an earlier run under " << base.string()
+            << "/; none found (pass --out DIR)\n";
+        return 2;
+      }
+      out_dir = (base / newest).string();
+    } else {
+      out_dir = (base / local_stamp()).string();
+    }
+  }
+
+  err << fmt::format("collider run: {} ({} points) -> {}\n", m.name, m.points.size(), out_dir);
+  SweepOptions so;
+  so.out_dir = out_dir;
+  so.resume = resume;
+  so.trace_path = trace_path;
+  so.profile_begin = prof_a;
+  so.profile_end = prof_b;
+  so.log = &err;
+  SweepSummary s;
+  try {
+    s = run_sweep(m, so);
+  } catch (const std::exception& e) {
+    err << "collider run: error: " << e.what() << "\n";
+    return 1;
+  }
+  err << fmt::format("collider run: {} points: {} ok, {} failed, {} already ok (resumed); rows in {}\n", s.points,
+                     s.ok, s.failed, s.resumed, s.results_path);
+  if (!trace_path.empty()) err << "collider run: trace written to " << trace_path << "\n";
+  return s.failed > 0 ? 1 : 0;
+}
+
+int cli_main(const std::vector<std::string>& args) {
+  if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
+    std::cout << usage();
+    return args.empty() ? 2 : 0;
+  }
+  const std::string cmd = args[0];
+  const std::vector<std::string> rest(args.begin() + 1, args.end());
+  try {
+    if (cmd == "models") return run_models_command(rest, std::cout);
+    if (cmd == "run") return run_run_command(rest, std::cout, std::cerr);
+    if (cmd == "score") return run_score(args);
+  } catch (const std::exception& e) {
+    std::cerr << "collider " << cmd << ": error: " << e.what() << "\n";
+    return 1;
+  }
+  std::cerr << "collider: unknown command '" << cmd << "'\n" << usage();
+  return 2;
+}
+
+}  // namespace collider::harness

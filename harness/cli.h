@@ -1,0 +1,22 @@
+// The `collider` command line (DESIGN.md section 5):
+//   collider models [--json]
+//   collider run MANIFEST.toml [--set key=value]... [--out DIR] [--dry-run] [--resume]
+//                              [--trace FILE] [--profile-steps a:b]
+//   collider score ...          (harness/score.h)
+// Exit codes: 0 success; 1 a point failed or a run-time error; 2 a usage or manifest error
+// (nothing computed, no rows written).
+// Tests: tests/test_sweep.cpp (run), tests/test_manifest.cpp (errors via the CLI entry).
+#pragma once
+
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+namespace collider::harness {
+
+int cli_main(const std::vector<std::string>& args);  // args without the program name
+int run_models_command(const std::vector<std::string>& args, std::ostream& out);
+int run_run_command(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
+std::string usage();
+
+}  // namespace collider::harness

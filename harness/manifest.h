@@ -1,0 +1,85 @@
+// Experiment manifests (TOML): what `collider run MANIFEST.toml` sweeps.
+//
+//   name = "smoke"                 # results go to results/<name>/<date-time>/ unless --out
+//   description = "..."
+//   [run]                          # every key optional; defaults in default_manifest_toml()
+//   device = "auto"                # cpu | cuda | auto (cuda when available)
+//   dtype = "auto"                 # fp32 | bf16 | auto (bf16 autocast on cuda, fp32 on cpu)
+//   warmup_steps = 2; measure_steps = 5; repetitions = 1; seed = 0; threads = 0 (torch default)
+//   lr, weight_decay, beta1, beta2, eps, grad_clip, align, policy, score, attention_impl, layer_timing
+//   [axes]                         # each a scalar or an array; cartesian product in this order
+//   model = ["tinyllama-mini"]; seq_len = [512]; batch_size = [1]; filter_ratio = [0.0, 0.4]
+//   method = ["regular", "loss_only", "collider", "masked"]; attention_grad = ["kept_only"]
+//   [[exclude]]                    # drop the points that match every key given (arrays = any of)
+//   method = "regular"; filter_ratio = 0.4
+//
+// attention_grad multiplies only collider and masked points; regular / loss_only points carry
+// attention_grad = "none". Precedence: built-in defaults, then the file, then --set key=value
+// (each override echoed). Every problem (unknown key, wrong type, unknown model or method, ratio
+// outside [0, 1), a ratio that keeps no token) is a ManifestError naming the file, the key, the
+// value and what is allowed, raised before any compute.
+// Tests: tests/test_manifest.cpp.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace collider::harness {
+
+class ManifestError : public std::runtime_error {
+ public:
+  explicit ManifestError(const std::string& what) : std::runtime_error(what) {}
+};
+
+struct RunSettings {
+  std::string device = "auto";  // resolved: "cpu" | "cuda"
+  std::string dtype = "auto";   // resolved: "fp32" | "bf16"
+  int64_t warmup_steps = 2;
+  int64_t measure_steps = 5;
+  int64_t repetitions = 1;      // independent repeats of warm-up + measurement (fresh model each)
+  int64_t seed = 0;
+  int64_t threads = 0;          // torch intra-op threads; 0 = torch's default
+  double lr = 3e-4, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, grad_clip = 1.0;
+  int64_t align = 8;
+  std::string policy = "per_sequence";  // per_sequence | batch_topk (loss_only only)
+  std::string score = "self";           // self | random
+  std::string attention_impl = "eager"; // eager | sdpa
+  bool layer_timing = true;             // per-layer marker timings in every row
+  std::string fail_point;               // tests: points whose point_id contains this fail
+};
+
+struct Point {
+  std::string model;
+  int64_t seq_len = 0;
+  int64_t batch_size = 0;
+  double filter_ratio = 0.0;
+  std::string method;
+  std::string attention_grad;  // "none" for regular / loss_only
+  // Stable id from the axis values, e.g. "tinyllama-debug/T64/B2/f0.4/collider/kept_only".
+  std::string id() const;
+};
+
+struct Manifest {
+  std::string path;         // the file (or the name given to load_manifest_text)
+  std::string name, description;
+  RunSettings run;
+  std::vector<Point> points;    // after exclusion, in sweep order
+  int64_t num_expanded = 0;     // before exclusion
+  int64_t num_excluded = 0;
+  std::vector<std::string> overrides;  // one echo line per --set
+  std::vector<std::string> notes;      // warnings (an exclude that matches nothing)
+  std::string resolved_toml;    // defaults + file + --set, as TOML
+};
+
+// The built-in defaults, as TOML (what a manifest overrides).
+std::string default_manifest_toml();
+
+// Loads, merges --set overrides ("key=value", key like run.measure_steps or axes.method; value in
+// TOML syntax, or a bare word taken as a string), validates and expands. Throws ManifestError.
+Manifest load_manifest(const std::string& path, const std::vector<std::string>& sets = {});
+Manifest load_manifest_text(const std::string& text, const std::string& source_name,
+                            const std::vector<std::string>& sets = {});
+
+}  // namespace collider::harness

@@ -1,0 +1,300 @@
+// Result rows: schema, JSONL writer/reader, provenance (results.h).
+#include "harness/results.h"
+
+#include "harness/ranges.h"
+
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <torch/headeronly/version.h>
+
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <array>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+#ifndef COLLIDER_SOURCE_DIR
+#define COLLIDER_SOURCE_DIR "."
+#endif
+
+namespace collider::harness {
+
+const std::vector<RowField>& required_row_fields() {
+  using T = JsonType;
+  static const std::vector<RowField> f = {
+      // identity
+      {"experiment", T::kString, false}, {"point_id", T::kString, false}, {"status", T::kString, false},
+      {"error", T::kString, false},  // null when ok (checked separately)
+      {"model", T::kString, false}, {"seq_len", T::kInteger, false}, {"batch_size", T::kInteger, false},
+      {"filter_ratio", T::kNumber, false}, {"method", T::kString, false}, {"attention_grad", T::kString, false},
+      {"dtype", T::kString, false}, {"device", T::kString, false},
+      // timing (ms, medians over measured steps)
+      {"fwd_ms", T::kNumber, true}, {"bwd_ms", T::kNumber, true}, {"filter_ms", T::kNumber, true},
+      {"optim_ms", T::kNumber, true}, {"step_ms", T::kNumber, true}, {"samples_step_ms", T::kArray, true},
+      {"layers", T::kArray, true},
+      // work
+      {"tokens", T::kInteger, false}, {"tokens_kept", T::kInteger, true}, {"flops_fwd", T::kNumber, false},
+      {"flops_bwd", T::kNumber, true}, {"tokens_per_s", T::kNumber, true}, {"peak_mem_bytes", T::kInteger, true},
+      // provenance
+      {"git_sha", T::kString, false}, {"git_dirty", T::kBool, false}, {"torch_version", T::kString, false},
+      {"cuda_version", T::kString, false}, {"device_name", T::kString, false}, {"num_threads", T::kInteger, false},
+      {"timestamp", T::kString, false},
+  };
+  return f;
+}
+
+namespace {
+bool has_type(const nlohmann::json& v, JsonType t) {
+  switch (t) {
+    case JsonType::kString: return v.is_string();
+    case JsonType::kInteger: return v.is_number_integer();
+    case JsonType::kNumber: return v.is_number();
+    case JsonType::kBool: return v.is_boolean();
+    case JsonType::kArray: return v.is_array();
+    case JsonType::kObject: return v.is_object();
+  }
+  return false;
+}
+const char* type_name(JsonType t) {
+  switch (t) {
+    case JsonType::kString: return "string";
+    case JsonType::kInteger: return "integer";
+    case JsonType::kNumber: return "number";
+    case JsonType::kBool: return "boolean";
+    case JsonType::kArray: return "array";
+    case JsonType::kObject: return "object";
+  }
+  return "?";
+}
+}  // namespace
+
+std::vector<std::string> validate_row(const nlohmann::json& row) {
+  std::vector<std::string> problems;
+  if (!row.is_object()) return {"row is not a JSON object"};
+  const std::string status = row.value("status", std::string());
+  const bool ok = status == "ok";
+  if (status != "ok" && status != "oom" && status != "error" && status != "skipped") {
+    problems.push_back("status '" + status + "' is not one of ok, oom, error, skipped");
+  }
+  for (const auto& f : required_row_fields()) {
+    if (!row.contains(f.key)) {
+      problems.push_back(std::string("missing key '") + f.key + "'");
+      continue;
+    }
+    const auto& v = row.at(f.key);
+    if (std::string(f.key) == "error") {
+      if (ok ? !v.is_null() : !v.is_string()) {
+        problems.push_back(ok ? "key 'error' must be null in an ok row" : "key 'error' must be a message string");
+      }
+      continue;
+    }
+    if (std::string(f.key) == "cuda_version" && v.is_null()) continue;  // no CUDA
+    if (v.is_null() && f.null_if_failed && !ok) continue;
+    if (!has_type(v, f.type)) {
+      problems.push_back(std::string("key '") + f.key + "' must be " + type_name(f.type) + ", got " + v.type_name());
+    }
+  }
+  if (ok && row.contains("samples_step_ms") && row["samples_step_ms"].is_array()) {
+    if (row["samples_step_ms"].empty()) problems.push_back("samples_step_ms is empty in an ok row");
+    for (const auto& s : row["samples_step_ms"]) {
+      if (!s.is_number()) problems.push_back("samples_step_ms holds a non-number");
+    }
+  }
+  if (row.contains("layers") && row["layers"].is_array()) {
+    for (const auto& l : row["layers"]) {
+      if (!l.is_object() || !l.contains("name") || !l["name"].is_string() || !l.contains("fwd_ms") ||
+          !l["fwd_ms"].is_number() || !l.contains("bwd_ms") || !l["bwd_ms"].is_number()) {
+        problems.push_back("layers entry is not {name: string, fwd_ms: number, bwd_ms: number}: " + l.dump());
+      }
+    }
+  }
+  return problems;
+}
+
+JsonlWriter::JsonlWriter(const std::string& path) : path_(path) {
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd_ < 0) {
+    throw std::runtime_error("results: cannot open '" + path + "' for appending: " + std::strerror(errno));
+  }
+}
+
+JsonlWriter::~JsonlWriter() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void JsonlWriter::append(const nlohmann::json& row) {
+  // One buffer, one write: with O_APPEND a reader never sees half of a row from a finished
+  // write, and a kill leaves at worst one torn last line (which read_results cuts).
+  const std::string line = row.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+  size_t done = 0;
+  while (done < line.size()) {
+    const ssize_t n = ::write(fd_, line.data() + done, line.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw std::runtime_error("results: write to '" + path_ + "' failed: " + std::strerror(errno));
+    }
+    done += static_cast<size_t>(n);
+  }
+  ::fsync(fd_);
+}
+
+ExistingResults read_results(const std::string& path, bool repair) {
+  ExistingResults out;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return out;
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string text = ss.str();
+  size_t pos = 0, good_end = 0;
+  while (pos < text.size()) {
+    const size_t nl = text.find('\n', pos);
+    if (nl == std::string::npos) break;  // torn tail
+    const std::string line = text.substr(pos, nl - pos);
+    pos = nl + 1;
+    if (line.empty()) {
+      good_end = pos;
+      continue;
+    }
+    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object()) {
+      if (pos == text.size()) break;  // a torn last line that happens to end in a newline
+      ++out.bad_lines;
+      good_end = pos;
+      continue;
+    }
+    if (j.value("status", std::string()) == "ok" && j.contains("point_id") && j["point_id"].is_string()) {
+      out.ok_point_ids.insert(j["point_id"].get<std::string>());
+    }
+    out.rows.push_back(std::move(j));
+    good_end = pos;
+  }
+  out.torn_bytes = static_cast<int64_t>(text.size() - good_end);
+  if (repair && out.torn_bytes > 0) {
+    if (::truncate(path.c_str(), static_cast<off_t>(good_end)) != 0) {
+      throw std::runtime_error("results: cannot cut the torn last line of '" + path + "': " + std::strerror(errno));
+    }
+  }
+  return out;
+}
+
+namespace {
+
+std::string run_command(const std::string& cmd, bool* ok) {
+  std::array<char, 512> buf{};
+  std::string out;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) {
+    if (ok) *ok = false;
+    return out;
+  }
+  while (fgets(buf.data(), buf.size(), p)) out += buf.data();
+  const int rc = ::pclose(p);
+  if (ok) *ok = rc == 0;
+  while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
+  return out;
+}
+
+std::string cpu_model_name() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      auto c = line.find(':');
+      if (c != std::string::npos) return line.substr(line.find_first_not_of(' ', c + 1));
+    }
+  }
+  return "unknown CPU";
+}
+
+// GPU name through the CUDA driver API, looked up at run time (no CUDA headers needed).
+std::string cuda_device_name(int ordinal) {
+  void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (!h) h = dlopen("libcuda.so.1", RTLD_NOW);
+  if (!h) return "unknown CUDA device";
+  using GetFn = int (*)(int*, int);
+  using NameFn = int (*)(char*, int, int);
+  auto get = reinterpret_cast<GetFn>(dlsym(h, "cuDeviceGet"));
+  auto name = reinterpret_cast<NameFn>(dlsym(h, "cuDeviceGetName"));
+  int dev = 0;
+  std::array<char, 256> buf{};
+  if (!get || !name || get(&dev, ordinal) != 0 || name(buf.data(), static_cast<int>(buf.size()), dev) != 0) {
+    return "unknown CUDA device";
+  }
+  return buf.data();
+}
+
+}  // namespace
+
+Provenance collect_provenance(const torch::Device& device) {
+  Provenance p;
+  const std::string src = COLLIDER_SOURCE_DIR;
+  bool ok = false;
+  p.git_sha = run_command("git -C '" + src + "' rev-parse HEAD 2>/dev/null", &ok);
+  if (!ok || p.git_sha.empty()) p.git_sha = "unknown";
+  bool ok2 = false;
+  const std::string dirty = run_command("git -C '" + src + "' status --porcelain --untracked-files=no 2>/dev/null", &ok2);
+  p.git_dirty = ok2 && !dirty.empty();
+  p.torch_version = TORCH_VERSION;
+  if (torch::cuda::is_available()) {
+    try {
+      const long v = at::detail::getCUDAHooks().versionCUDART();
+      p.cuda_version = std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
+    } catch (const std::exception&) {
+      p.cuda_version = "unknown";
+    }
+  }
+  p.device_name = device.is_cuda() ? cuda_device_name(device.has_index() ? device.index() : 0) : cpu_model_name();
+  p.num_threads = at::get_num_threads();
+  std::array<char, 256> host{};
+  if (::gethostname(host.data(), host.size() - 1) == 0) p.hostname = host.data();
+  return p;
+}
+
+nlohmann::json to_json(const Provenance& p) {
+  return {{"git_sha", p.git_sha},
+          {"git_dirty", p.git_dirty},
+          {"torch_version", p.torch_version},
+          {"cuda_version", p.cuda_version.empty() ? nlohmann::json(nullptr) : nlohmann::json(p.cuda_version)},
+          {"device_name", p.device_name},
+          {"num_threads", p.num_threads},
+          {"hostname", p.hostname}};
+}
+
+nlohmann::json environment_record(const Provenance& p) {
+  auto j = to_json(p);
+  j["time"] = utc_timestamp();
+  j["cuda_available"] = torch::cuda::is_available();
+  j["cuda_device_count"] = torch::cuda::is_available() ? static_cast<int64_t>(torch::cuda::device_count()) : 0;
+  j["nvtx"] = nvtx_enabled();
+  j["interop_threads"] = at::get_num_interop_threads();
+  j["parallel_info"] = at::get_parallel_info();
+  j["source_dir"] = COLLIDER_SOURCE_DIR;
+  return j;
+}
+
+std::string utc_timestamp() {
+  std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+std::string local_stamp() {
+  std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  localtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y%m%d-%H%M%S", &tm);
+  return buf;
+}
+
+}  // namespace collider::harness

@@ -1,0 +1,355 @@
+// Sweep runner and per-point measurement (sweep.h).
+#include "harness/sweep.h"
+
+#include "harness/memory.h"
+#include "harness/timer.h"
+#include "harness/train_step.h"
+#include "models/flops.h"
+#include "models/model.h"
+
+#include <c10/core/CachingDeviceAllocator.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+
+namespace collider::harness {
+namespace {
+
+namespace fs = std::filesystem;
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::string hms(double seconds) {
+  const int64_t s = static_cast<int64_t>(seconds + 0.5);
+  return fmt::format("{}:{:02d}:{:02d}", s / 3600, (s / 60) % 60, s % 60);
+}
+
+bool looks_like_oom(const std::string& msg) {
+  return msg.find("out of memory") != std::string::npos || msg.find("not enough memory") != std::string::npos ||
+         msg.find("can't allocate memory") != std::string::npos;
+}
+
+models::BackwardMode backward_mode(Method m, collider::AttentionGrad ag) {
+  if (m != Method::kCollider) return models::BackwardMode::kDense;
+  return ag == collider::AttentionGrad::kKeptOnly ? models::BackwardMode::kKeptOnly
+                                                  : models::BackwardMode::kExactQuery;
+}
+
+nlohmann::json identity_row(const Manifest& m, const Point& p, const Provenance& prov) {
+  nlohmann::json row = {
+      {"experiment", m.name},
+      {"point_id", p.id()},
+      {"status", "ok"},
+      {"error", nullptr},
+      {"model", p.model},
+      {"seq_len", p.seq_len},
+      {"batch_size", p.batch_size},
+      {"filter_ratio", p.filter_ratio},
+      {"method", p.method},
+      {"attention_grad", p.attention_grad},
+      {"dtype", m.run.dtype},
+      {"device", m.run.device},
+  };
+  for (const char* k : {"fwd_ms", "bwd_ms", "filter_ms", "optim_ms", "step_ms", "tokens_kept", "flops_bwd",
+                        "tokens_per_s", "peak_mem_bytes", "mfu"}) {
+    row[k] = nullptr;
+  }
+  row["samples_step_ms"] = nlohmann::json::array();
+  row["layers"] = nlohmann::json::array();
+  row["tokens"] = p.batch_size * p.seq_len;
+  row["flops_fwd"] = nullptr;
+  const nlohmann::json prov_json = to_json(prov);
+  for (auto it = prov_json.begin(); it != prov_json.end(); ++it) row[it.key()] = it.value();
+  row["warmup_steps"] = m.run.warmup_steps;
+  row["measure_steps"] = m.run.measure_steps;
+  row["repetitions"] = m.run.repetitions;
+  row["seed"] = m.run.seed;
+  row["policy"] = m.run.policy;
+  row["score"] = m.run.score;
+  row["attention_impl"] = m.run.attention_impl;
+  row["align"] = m.run.align;
+  return row;
+}
+
+}  // namespace
+
+double device_peak_flops(const std::string& device_name, const std::string& dtype) {
+  if (dtype != "bf16") return 0.0;
+  if (device_name.find("H100") != std::string::npos || device_name.find("H200") != std::string::npos) return 989e12;
+  return 0.0;
+}
+
+nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance& prov, RangeRecorder* ranges,
+                             int64_t profile_begin, int64_t profile_end) {
+  nlohmann::json row = identity_row(m, p, prov);
+  const int64_t t_begin_ns = host_now_ns();
+  const torch::Device device(m.run.device == "cuda" ? torch::kCUDA : torch::kCPU);
+  ScopedRange point_range(ranges, "point " + p.id());
+  try {
+    const models::ModelConfig& cfg = models::preset(p.model);
+    const Method method = method_from_string(p.method);
+    const auto ag = uses_attention_grad(method) ? collider::attention_grad_from_string(p.attention_grad)
+                                                : collider::AttentionGrad::kKeptOnly;
+    // Work known before running: forward FLOPs, attention/linear ratio.
+    row["flops_fwd"] = models::forward_flops(cfg, p.batch_size, p.seq_len).total();
+    row["attention_linear_ratio"] = models::attention_linear_ratio(cfg, p.seq_len);
+    row["num_params"] = cfg.num_params();
+
+    if (!m.run.fail_point.empty() && p.id().find(m.run.fail_point) != std::string::npos) {
+      throw std::runtime_error("injected failure (run.fail_point = \"" + m.run.fail_point + "\")");
+    }
+
+    StepConfig sc;
+    sc.method = method;
+    sc.filter_ratio = p.filter_ratio;
+    sc.attention_grad = ag;
+    sc.policy = collider::select_policy_from_string(m.run.policy);
+    sc.align = m.run.align;
+    sc.lr = m.run.lr;
+    sc.weight_decay = m.run.weight_decay;
+    sc.beta1 = m.run.beta1;
+    sc.beta2 = m.run.beta2;
+    sc.eps = m.run.eps;
+    sc.grad_clip = m.run.grad_clip;
+    sc.score = m.run.score;
+    sc.bf16_autocast = m.run.dtype == "bf16";
+    sc.layer_timing = m.run.layer_timing;
+    const auto attn = m.run.attention_impl == "sdpa" ? models::AttentionImpl::kSdpa : models::AttentionImpl::kEager;
+
+    MemoryProbe probe(device);
+    std::vector<double> fwd, bwd, filt, sel, rew, opt, step, losses;
+    std::map<std::string, std::vector<double>> layer_fwd, layer_bwd;
+    std::vector<std::string> layer_names;
+    std::vector<double> rep_step_medians, bwd_coverage;
+    int64_t peak = -1, tokens_kept = -1, kept_per_seq = -1;
+    collider::FilterStats fstats;
+    std::string timer_kind;
+    int64_t global_step = 0;
+    for (int64_t rep = 0; rep < m.run.repetitions; ++rep) {
+      const uint64_t seed = static_cast<uint64_t>(m.run.seed + rep);
+      Trainer trainer(models::build_model(cfg, attn, seed), sc, device, seed, ranges);
+      timer_kind = trainer.timer().kind();
+      torch::Generator data_gen = at::detail::createCPUGenerator(seed * 7919 + 17);
+      std::vector<double> rep_step;
+      for (int64_t s = 0; s < m.run.warmup_steps + m.run.measure_steps; ++s, ++global_step) {
+        const bool measured = s >= m.run.warmup_steps;
+        if (s == m.run.warmup_steps) {
+          if (device.is_cuda()) torch::cuda::synchronize();
+          probe.reset_peak();
+        }
+        if (global_step == profile_begin) cuda_profiler_start();
+        Batch batch = random_batch(p.batch_size, p.seq_len, cfg.vocab_size, data_gen, device);
+        StepResult r;
+        {
+          ScopedRange sr(ranges, measured ? fmt::format("measure.{:03d}", s - m.run.warmup_steps)
+                                          : fmt::format("warmup.{:03d}", s));
+          r = trainer.step(batch);
+        }
+        if (global_step + 1 == profile_end) cuda_profiler_stop();
+        losses.push_back(r.loss);
+        if (!measured) continue;
+        fwd.push_back(r.fwd_ms);
+        bwd.push_back(r.bwd_ms);
+        filt.push_back(r.filter_ms);
+        sel.push_back(r.select_ms);
+        rew.push_back(r.rewrite_ms);
+        opt.push_back(r.optim_ms);
+        step.push_back(r.step_ms);
+        rep_step.push_back(r.step_ms);
+        tokens_kept = r.tokens_kept;
+        kept_per_seq = r.kept_per_seq;
+        fstats = r.filter;
+        double step_layers_bwd = 0.0;
+        for (const auto& l : r.layers) step_layers_bwd += l.bwd_ms;
+        if (!r.layers.empty() && r.bwd_ms > 0) bwd_coverage.push_back(step_layers_bwd / r.bwd_ms);
+        for (const auto& l : r.layers) {
+          if (!layer_fwd.count(l.name)) layer_names.push_back(l.name);
+          layer_fwd[l.name].push_back(l.fwd_ms);
+          layer_bwd[l.name].push_back(l.bwd_ms);
+        }
+      }
+      if (device.is_cuda()) torch::cuda::synchronize();
+      peak = std::max(peak, probe.peak_bytes());
+      rep_step_medians.push_back(median(rep_step));
+    }
+    if (profile_end > global_step && profile_begin >= 0 && profile_begin < global_step) cuda_profiler_stop();
+
+    row["fwd_ms"] = median(fwd);
+    row["bwd_ms"] = median(bwd);
+    row["filter_ms"] = median(filt);
+    row["optim_ms"] = median(opt);
+    row["step_ms"] = median(step);
+    row["select_ms"] = median(sel);
+    row["rewrite_ms"] = median(rew);
+    row["samples_step_ms"] = step;
+    row["samples_fwd_ms"] = fwd;
+    row["samples_bwd_ms"] = bwd;
+    row["repetition_step_ms"] = rep_step_medians;
+    row["timer"] = timer_kind;
+    double layers_fwd_sum = 0, layers_bwd_sum = 0;
+    nlohmann::json layers = nlohmann::json::array();
+    for (const auto& name : layer_names) {
+      const double f = median(layer_fwd[name]), b = median(layer_bwd[name]);
+      layers_fwd_sum += f;
+      layers_bwd_sum += b;
+      layers.push_back({{"name", name}, {"fwd_ms", f}, {"bwd_ms", b}});
+    }
+    row["layers"] = layers;
+    if (!layer_names.empty()) {
+      // How much of the backward the per-layer segments account for (1.0 = all of bwd_ms).
+      row["layers_fwd_sum_ms"] = layers_fwd_sum;
+      row["layers_bwd_sum_ms"] = layers_bwd_sum;
+      // Per step: the sum of the per-layer backward times over bwd_ms; the row keeps the median.
+      row["layers_bwd_coverage"] = median(bwd_coverage);
+    }
+    row["tokens_kept"] = tokens_kept;
+    row["kept_per_seq"] = kept_per_seq;
+    const int64_t N = method == Method::kCollider ? kept_per_seq : p.seq_len;
+    const auto bwd_flops = models::backward_flops(cfg, p.batch_size, p.seq_len, N, backward_mode(method, ag));
+    const auto bwd_dense = models::backward_flops(cfg, p.batch_size, p.seq_len, p.seq_len, models::BackwardMode::kDense);
+    row["flops_bwd"] = bwd_flops.total();
+    row["flops_bwd_dense"] = bwd_dense.total();
+    row["flop_ideal_bwd_reduction"] = 1.0 - bwd_flops.total() / bwd_dense.total();
+    const double step_s = median(step) / 1e3;
+    row["tokens_per_s"] = step_s > 0 ? static_cast<double>(p.batch_size * p.seq_len) / step_s : 0.0;
+    const double peak_flops = device_peak_flops(prov.device_name, m.run.dtype);
+    row["device_peak_flops"] = peak_flops > 0 ? nlohmann::json(peak_flops) : nlohmann::json(nullptr);
+    row["mfu"] = peak_flops > 0 && step_s > 0
+                     ? nlohmann::json((row["flops_fwd"].get<double>() + bwd_flops.total()) / step_s / peak_flops)
+                     : nlohmann::json(nullptr);
+    row["peak_mem_bytes"] = peak;
+    row["peak_mem_method"] = probe.method();
+    row["loss_first"] = losses.empty() ? 0.0 : losses.front();
+    row["loss_last"] = losses.empty() ? 0.0 : losses.back();
+    row["filter_stats"] = {{"nodes_visited", fstats.nodes_visited},
+                           {"nodes_rewritten", fstats.nodes_rewritten},
+                           {"tensors_gathered", fstats.tensors_gathered},
+                           {"bytes_before", fstats.bytes_before},
+                           {"bytes_gathered", fstats.bytes_gathered},
+                           {"gather_nodes_inserted", fstats.gather_nodes_inserted},
+                           {"rewrite_ms", fstats.rewrite_ms}};
+  } catch (const c10::OutOfMemoryError& e) {
+    row["status"] = "oom";
+    row["error"] = e.what_without_backtrace();
+  } catch (const std::bad_alloc& e) {
+    row["status"] = "oom";
+    row["error"] = std::string("std::bad_alloc: ") + e.what();
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    row["status"] = looks_like_oom(msg) ? "oom" : "error";
+    row["error"] = msg;
+  } catch (const std::exception& e) {
+    const std::string msg = e.what();
+    row["status"] = looks_like_oom(msg) ? "oom" : "error";
+    row["error"] = msg;
+  }
+  if (row["status"] != "ok") {
+    // A failed point leaves no partial timings behind.
+    for (const char* k : {"fwd_ms", "bwd_ms", "filter_ms", "optim_ms", "step_ms", "tokens_kept", "flops_bwd",
+                          "tokens_per_s", "peak_mem_bytes", "mfu"}) {
+      row[k] = nullptr;
+    }
+    row["samples_step_ms"] = nlohmann::json::array();
+    row["layers"] = nlohmann::json::array();
+    if (device.is_cuda() && row["status"] == "oom") {
+      c10::getDeviceAllocator(c10::DeviceType::CUDA)->emptyCache();
+    }
+  }
+  row["point_wall_s"] = static_cast<double>(host_now_ns() - t_begin_ns) * 1e-9;
+  row["timestamp"] = utc_timestamp();
+  return row;
+}
+
+SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
+  std::ostream& log = opts.log ? *opts.log : std::cerr;
+  SweepSummary sum;
+  sum.points = static_cast<int64_t>(m.points.size());
+  if (opts.out_dir.empty()) throw std::runtime_error("run_sweep: no output directory given");
+  fs::create_directories(opts.out_dir);
+  const std::string results_path = (fs::path(opts.out_dir) / "results.jsonl").string();
+  sum.results_path = results_path;
+
+  ExistingResults existing = read_results(results_path, /*repair=*/opts.resume);
+  if (!opts.resume && !existing.rows.empty()) {
+    throw std::runtime_error(fmt::format(
+        "{} already holds {} rows; pass --resume to continue that run, or choose another --out directory",
+        results_path, existing.rows.size()));
+  }
+  if (opts.resume && existing.torn_bytes > 0) {
+    log << fmt::format("resume: cut an incomplete last line ({} bytes) from {}\n", existing.torn_bytes, results_path);
+  }
+
+  const std::string resolved_path = (fs::path(opts.out_dir) / "manifest.resolved.toml").string();
+  if (opts.resume && fs::exists(resolved_path)) {
+    std::ifstream in(resolved_path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    if (ss.str() != m.resolved_toml) {
+      log << "resume: the resolved manifest differs from the one saved in " << resolved_path
+          << "; the new one replaces it (rows keep their own settings)\n";
+    }
+  }
+  {
+    std::ofstream out(resolved_path, std::ios::trunc);
+    out << m.resolved_toml;
+  }
+
+  if (m.run.threads > 0) at::set_num_threads(static_cast<int>(m.run.threads));
+  const torch::Device device(m.run.device == "cuda" ? torch::kCUDA : torch::kCPU);
+  if (!device.is_cuda()) install_cpu_memory_tracking();
+  const Provenance prov = collect_provenance(device);
+  {
+    const std::string env_name = opts.resume && fs::exists(fs::path(opts.out_dir) / "env.json")
+                                     ? "env.resume-" + local_stamp() + ".json"
+                                     : std::string("env.json");
+    std::ofstream out(fs::path(opts.out_dir) / env_name, std::ios::trunc);
+    out << environment_record(prov).dump(2) << "\n";
+  }
+
+  std::unique_ptr<TraceWriter> trace;
+  if (!opts.trace_path.empty()) trace = std::make_unique<TraceWriter>(opts.trace_path);
+  RangeRecorder ranges(trace.get());
+
+  JsonlWriter writer(results_path);
+  const int64_t t0 = host_now_ns();
+  int64_t to_run = 0;
+  for (const auto& p : m.points) to_run += opts.resume && existing.ok_point_ids.count(p.id()) ? 0 : 1;
+  int64_t i = 0;
+  for (const auto& p : m.points) {
+    ++i;
+    const std::string id = p.id();
+    if (opts.resume && existing.ok_point_ids.count(id)) {
+      ++sum.resumed;
+      log << fmt::format("[{}/{}] {}: already ok in results.jsonl, skipped\n", i, sum.points, id);
+      continue;
+    }
+    nlohmann::json row = measure_point(m, p, prov, &ranges, opts.profile_begin, opts.profile_end);
+    writer.append(row);
+    if (trace) trace->write();
+    ++sum.ran;
+    const bool ok = row["status"] == "ok";
+    ok ? ++sum.ok : ++sum.failed;
+    const double elapsed = static_cast<double>(host_now_ns() - t0) * 1e-9;
+    const double eta = sum.ran > 0 ? elapsed / static_cast<double>(sum.ran) * static_cast<double>(to_run - sum.ran) : 0;
+    std::string what = ok ? fmt::format("ok  step {:.2f} ms (fwd {:.2f}, filter {:.2f}, bwd {:.2f}, optim {:.2f})",
+                                        row["step_ms"].get<double>(), row["fwd_ms"].get<double>(),
+                                        row["filter_ms"].get<double>(), row["bwd_ms"].get<double>(),
+                                        row["optim_ms"].get<double>())
+                          : fmt::format("{}: {}", row["status"].get<std::string>(), row["error"].get<std::string>());
+    log << fmt::format("[{}/{}] {}: {} | elapsed {} ETA {}\n", i, sum.points, id, what, hms(elapsed), hms(eta));
+    log.flush();
+  }
+  if (trace) trace->write();
+  return sum;
+}
+
+}  // namespace collider::harness

@@ -1,0 +1,51 @@
+// Runs a manifest's points: per point, `repetitions` x (warm-up steps, then measured steps) on a
+// fresh model, medians of every timing, per-layer medians, peak memory, analytic FLOPs, one
+// JSONL row appended to DIR/results.jsonl (DESIGN.md section 6). A failing point (error, OOM)
+// becomes a row with its status and message and the sweep goes on; --resume skips points whose
+// row is already "ok". One progress line per point on stderr (i/n, elapsed, ETA).
+// Tests: tests/test_sweep.cpp, tests/test_layer_timing_slow.cpp.
+#pragma once
+
+#include "harness/manifest.h"
+#include "harness/ranges.h"
+#include "harness/results.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+
+namespace collider::harness {
+
+struct SweepOptions {
+  std::string out_dir;           // required: where results.jsonl, manifest.resolved.toml, env.json go
+  bool resume = false;           // skip points already ok in out_dir/results.jsonl
+  std::string trace_path;        // Chrome/Perfetto trace of every range; empty = none
+  int64_t profile_begin = -1;    // steps [begin, end) of every point bracketed by cudaProfilerStart/Stop
+  int64_t profile_end = -1;
+  std::ostream* log = nullptr;   // progress lines (default std::cerr)
+};
+
+struct SweepSummary {
+  int64_t points = 0;    // in the manifest after exclusion
+  int64_t ran = 0;       // measured in this invocation
+  int64_t resumed = 0;   // skipped: already ok in results.jsonl
+  int64_t ok = 0;
+  int64_t failed = 0;    // rows with status oom / error written in this invocation
+  std::string results_path;
+};
+
+// Throws std::runtime_error for set-up problems (results.jsonl already holds rows and resume is
+// off, the directory cannot be created); point failures become rows instead.
+SweepSummary run_sweep(const Manifest& manifest, const SweepOptions& opts);
+
+// Measures one point and returns its row (never throws for a failing point: the row carries
+// status and error). `ranges` may be null.
+nlohmann::json measure_point(const Manifest& manifest, const Point& point, const Provenance& prov,
+                             RangeRecorder* ranges, int64_t profile_begin = -1, int64_t profile_end = -1);
+
+// Peak dense bf16 FLOP/s of a known device (H100/H200: 989e12), else 0 (MFU left null).
+double device_peak_flops(const std::string& device_name, const std::string& dtype);
+
+}  // namespace collider::harness
