@@ -7,6 +7,10 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -19,6 +23,30 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
+
+// File-system queries through POSIX: libtorch.so (2.11 wheel) exports its own copies of several
+// std::filesystem functions that shadow libstdc++'s, and some crash (remove_all calls a null
+// pointer), so we only use std::filesystem::path's member functions here.
+bool is_dir(const std::string& p) {
+  struct stat st {};
+  return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+bool exists(const std::string& p) {
+  struct stat st {};
+  return ::stat(p.c_str(), &st) == 0;
+}
+
+void make_dirs(const std::string& dir) {
+  std::string partial;
+  for (const auto& part : fs::path(dir).lexically_normal()) {
+    partial = partial.empty() ? part.string() : (fs::path(partial) / part).string();
+    if (part.empty() || is_dir(partial)) continue;
+    if (::mkdir(partial.c_str(), 0777) != 0 && errno != EEXIST)
+      throw std::runtime_error(fmt::format("cannot create directory '{}': {}", partial, std::strerror(errno)));
+  }
+  if (!is_dir(dir)) throw std::runtime_error(fmt::format("cannot create directory '{}'", dir));
+}
 
 [[noreturn]] void config_fail(const std::string& source, const std::string& what) {
   throw std::invalid_argument(fmt::format("config '{}': {}", source, what));
@@ -186,7 +214,7 @@ ModelConfig config_from_hf_json(const json& j, const std::string& source) {
                                         act));
       require_false(j, "qk_layernorm", source, "Phi's optional q/k LayerNorm is not implemented");
       c.norm_eps = get_number(j, "layer_norm_eps", 1e-5, source);
-      c.qkv_bias = true;
+      c.qkv_bias = false;  // implied by linear_bias (as in the phi presets)
       c.linear_bias = true;
       c.lm_head_bias = true;
       if (c.tie_embeddings)
@@ -197,15 +225,15 @@ ModelConfig config_from_hf_json(const json& j, const std::string& source) {
 }
 
 ModelConfig read_hf_config(const std::string& path) {
-  std::string file = fs::is_directory(path) ? (fs::path(path) / "config.json").string() : path;
-  if (!fs::exists(file))
+  std::string file = is_dir(path) ? (fs::path(path) / "config.json").string() : path;
+  if (!exists(file))
     throw std::runtime_error(fmt::format("checkpoint config '{}' does not exist (a Hugging Face checkpoint "
                                          "directory holds config.json and model.safetensors)",
                                          file));
   ModelConfig c = config_from_hf_json(read_json_file(file, "checkpoint config"), file);
   if (c.name.rfind("hf-", 0) == 0) {
-    fs::path dir = fs::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
-    std::string base = fs::weakly_canonical(dir).filename().string();
+    fs::path dir = is_dir(path) ? fs::path(path) : fs::path(path).parent_path();
+    std::string base = (dir / "x").lexically_normal().parent_path().filename().string();
     if (!base.empty()) c.name = "hf:" + base;
   }
   return c;
@@ -272,11 +300,11 @@ json config_to_hf_json(const ModelConfig& c, torch::ScalarType dtype) {
 // ---- checkpoint files ------------------------------------------------------------------------
 
 HfCheckpoint::HfCheckpoint(const std::string& dir) : dir_(dir) {
-  if (!fs::is_directory(dir))
+  if (!is_dir(dir))
     throw SafetensorsError(fmt::format("checkpoint directory '{}' does not exist or is not a directory", dir));
   const fs::path index_path = fs::path(dir) / "model.safetensors.index.json";
   const fs::path single_path = fs::path(dir) / "model.safetensors";
-  if (fs::exists(index_path)) {
+  if (exists(index_path.string())) {
     json index = read_json_file(index_path.string(), "checkpoint index");
     const json* wm = index.is_object() ? get(index, "weight_map") : nullptr;
     if (!wm || !wm->is_object() || wm->empty())
@@ -312,7 +340,7 @@ HfCheckpoint::HfCheckpoint(const std::string& dir) : dir_(dir) {
           throw SafetensorsError(fmt::format("shard '{}' holds tensor '{}' that checkpoint index '{}' does not "
                                              "place there",
                                              f.source(), e.name, index_path.string()));
-  } else if (fs::exists(single_path)) {
+  } else if (exists(single_path.string())) {
     files_.push_back(SafetensorsFile::open(single_path.string()));
     for (const auto& e : files_[0].entries()) where_[e.name] = 0;
   } else {
@@ -453,9 +481,9 @@ LoadOptions options_for(const ModelConfig& cfg) {
 void check_same_shapes(const ModelConfig& a, const ModelConfig& b, const std::string& source) {
   auto same = a.family == b.family && a.vocab_size == b.vocab_size && a.hidden_size == b.hidden_size &&
               a.intermediate_size == b.intermediate_size && a.num_layers == b.num_layers &&
-              a.num_heads == b.num_heads && a.num_kv_heads == b.num_kv_heads && a.qkv_bias == b.qkv_bias &&
-              a.linear_bias == b.linear_bias && a.tie_embeddings == b.tie_embeddings &&
-              a.lm_head_bias == b.lm_head_bias;
+              a.num_heads == b.num_heads && a.num_kv_heads == b.num_kv_heads &&
+              (a.qkv_bias || a.linear_bias) == (b.qkv_bias || b.linear_bias) && a.linear_bias == b.linear_bias &&
+              a.tie_embeddings == b.tie_embeddings && a.lm_head_bias == b.lm_head_bias;
   if (!same)
     throw std::invalid_argument(fmt::format("checkpoint '{}' ({}: {} layers, hidden {}, vocab {}) does not have the "
                                             "shapes of model '{}' ({}: {} layers, hidden {}, vocab {})",
@@ -493,7 +521,7 @@ void load_hf_weights(CausalLM& model, const std::string& dir) {
 }
 
 void save_hf_model(const CausalLM& model, const std::string& dir) {
-  fs::create_directories(dir);
+  make_dirs(dir);
   const torch::nn::Module& m = *model;
   json cfg = config_to_hf_json(model->config(), parameter_dtype(m));
   write_file_atomic((fs::path(dir) / "config.json").string(), cfg.dump(2) + "\n");
@@ -511,7 +539,7 @@ void save_training_checkpoint(const std::string& dir, const CausalLM& model,
 
 TrainingState load_training_checkpoint(const std::string& dir, CausalLM& model) {
   const fs::path state_path = fs::path(dir) / "trainer_state.json";
-  if (!fs::exists(state_path))
+  if (!exists(state_path.string()))
     throw std::runtime_error(fmt::format("training checkpoint '{}' has no trainer_state.json (it is written last: "
                                          "the checkpoint is incomplete or not a training checkpoint)",
                                          dir));
