@@ -22,11 +22,12 @@ std::pair<torch::Tensor, torch::Tensor> rotary_tables(int64_t T, int64_t rotary_
 }
 
 namespace {
+// HF: cat(-x[..., R/2:], x[..., :R/2]). Split (chunk) instead of slicing: the same values, and a
+// SplitBackward node that the token-dimension rewriter accepts (it refuses every SliceBackward on
+// a token-shaped tensor, whatever the sliced dimension).
 torch::Tensor rotate_half(const torch::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  auto x1 = x.narrow(-1, 0, half);
-  auto x2 = x.narrow(-1, half, x.size(-1) - half);
-  return torch::cat({-x2, x1}, -1);
+  auto halves = x.chunk(2, -1);
+  return torch::cat({-halves[1], halves[0]}, -1);
 }
 }  // namespace
 
@@ -38,10 +39,10 @@ torch::Tensor apply_rotary(const torch::Tensor& x_BHTE, const torch::Tensor& cos
   // [1, 1, T, R], as HF's cos.unsqueeze(1): the token dim sits where it sits in x.
   auto cos = cos_TR.unsqueeze(0).unsqueeze(0), sin = sin_TR.unsqueeze(0).unsqueeze(0);
   if (R == E) return x_BHTE * cos + rotate_half(x_BHTE) * sin;
-  // Phi: slices along the head dim only (never the token dim).
-  auto rot = x_BHTE.narrow(-1, 0, R);
-  auto pass = x_BHTE.narrow(-1, R, E - R);
-  return torch::cat({rot * cos + rotate_half(rot) * sin, pass}, -1);
+  // Phi: split along the head dim only (never the token dim).
+  auto parts = x_BHTE.split_with_sizes({R, E - R}, -1);
+  const auto& rot = parts[0];
+  return torch::cat({rot * cos + rotate_half(rot) * sin, parts[1]}, -1);
 }
 
 }  // namespace collider::models::detail
