@@ -1,6 +1,7 @@
 // `collider` subcommands (cli.h).
 #include "harness/cli.h"
 
+#include "harness/fsutil.h"
 #include "harness/manifest.h"
 #include "harness/score.h"
 #include "harness/sweep.h"
@@ -12,7 +13,6 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include <filesystem>
 #include <iostream>
 
 namespace collider::harness {
@@ -115,8 +115,6 @@ int run_models_command(const std::vector<std::string>& args, std::ostream& out) 
 
 namespace {
 
-namespace fs = std::filesystem;
-
 bool parse_steps(const std::string& s, int64_t* a, int64_t* b) {
   const auto c = s.find(':');
   if (c == std::string::npos) return false;
@@ -192,22 +190,17 @@ int run_run_command(const std::vector<std::string>& args, std::ostream& out, std
   }
 
   if (out_dir.empty()) {
-    const fs::path base = fs::path("results") / m.name;
+    const std::string base = fsutil::join("results", m.name);
     if (resume) {
-      std::string newest;
-      if (fs::is_directory(base)) {
-        for (const auto& e : fs::directory_iterator(base)) {
-          if (e.is_directory() && e.path().filename().string() > newest) newest = e.path().filename().string();
-        }
-      }
-      if (newest.empty()) {
-        err << "collider run: --resume without --out needs an earlier run under " << base.string()
+      const auto runs = fsutil::list_subdirs(base);  // date-time names sort chronologically
+      if (runs.empty()) {
+        err << "collider run: --resume without --out needs an earlier run under " << base
             << "/; none found (pass --out DIR)\n";
         return 2;
       }
-      out_dir = (base / newest).string();
+      out_dir = fsutil::join(base, runs.back());
     } else {
-      out_dir = (base / local_stamp()).string();
+      out_dir = fsutil::join(base, local_stamp());
     }
   }
 

@@ -1,12 +1,12 @@
 // NVTX ranges, the Chrome/Perfetto trace writer and the CUDA profiler capture range (ranges.h).
 #include "harness/ranges.h"
 
+#include "harness/fsutil.h"
 #include "harness/timer.h"
 
 #include <dlfcn.h>
 
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <stdexcept>
 
@@ -71,7 +71,7 @@ void TraceWriter::write() const {
     out << doc.dump() << "\n";
     if (!out) throw std::runtime_error("trace: write to '" + tmp + "' failed (disk full?)");
   }
-  std::filesystem::rename(tmp, path_);
+  fsutil::rename_path(tmp, path_);
 }
 
 uint64_t RangeRecorder::begin(const std::string& name) {

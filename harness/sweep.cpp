@@ -1,6 +1,7 @@
 // Sweep runner and per-point measurement (sweep.h).
 #include "harness/sweep.h"
 
+#include "harness/fsutil.h"
 #include "harness/memory.h"
 #include "harness/timer.h"
 #include "harness/train_step.h"
@@ -11,15 +12,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
 
 namespace collider::harness {
 namespace {
-
-namespace fs = std::filesystem;
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0.0;
@@ -274,8 +272,8 @@ SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
   SweepSummary sum;
   sum.points = static_cast<int64_t>(m.points.size());
   if (opts.out_dir.empty()) throw std::runtime_error("run_sweep: no output directory given");
-  fs::create_directories(opts.out_dir);
-  const std::string results_path = (fs::path(opts.out_dir) / "results.jsonl").string();
+  fsutil::make_dirs(opts.out_dir);
+  const std::string results_path = fsutil::join(opts.out_dir, "results.jsonl");
   sum.results_path = results_path;
 
   ExistingResults existing = read_results(results_path, /*repair=*/opts.resume);
@@ -288,32 +286,22 @@ SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
     log << fmt::format("resume: cut an incomplete last line ({} bytes) from {}\n", existing.torn_bytes, results_path);
   }
 
-  const std::string resolved_path = (fs::path(opts.out_dir) / "manifest.resolved.toml").string();
-  if (opts.resume && fs::exists(resolved_path)) {
-    std::ifstream in(resolved_path);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    if (ss.str() != m.resolved_toml) {
-      log << "resume: the resolved manifest differs from the one saved in " << resolved_path
-          << "; the new one replaces it (rows keep their own settings)\n";
-    }
+  const std::string resolved_path = fsutil::join(opts.out_dir, "manifest.resolved.toml");
+  if (opts.resume && fsutil::exists(resolved_path) && fsutil::read_file(resolved_path) != m.resolved_toml) {
+    log << "resume: the resolved manifest differs from the one saved in " << resolved_path
+        << "; the new one replaces it (rows keep their own settings)\n";
   }
-  {
-    std::ofstream out(resolved_path, std::ios::trunc);
-    out << m.resolved_toml;
-  }
+  fsutil::write_file(resolved_path, m.resolved_toml);
 
   if (m.run.threads > 0) at::set_num_threads(static_cast<int>(m.run.threads));
   const torch::Device device(m.run.device == "cuda" ? torch::kCUDA : torch::kCPU);
   if (!device.is_cuda()) install_cpu_memory_tracking();
   const Provenance prov = collect_provenance(device);
-  {
-    const std::string env_name = opts.resume && fs::exists(fs::path(opts.out_dir) / "env.json")
-                                     ? "env.resume-" + local_stamp() + ".json"
-                                     : std::string("env.json");
-    std::ofstream out(fs::path(opts.out_dir) / env_name, std::ios::trunc);
-    out << environment_record(prov).dump(2) << "\n";
-  }
+  // On resume the first run's env.json stays; this invocation's record goes beside it.
+  const std::string env_name = opts.resume && fsutil::exists(fsutil::join(opts.out_dir, "env.json"))
+                                   ? "env.resume-" + local_stamp() + ".json"
+                                   : std::string("env.json");
+  fsutil::write_file(fsutil::join(opts.out_dir, env_name), environment_record(prov).dump(2) + "\n");
 
   std::unique_ptr<TraceWriter> trace;
   if (!opts.trace_path.empty()) trace = std::make_unique<TraceWriter>(opts.trace_path);
