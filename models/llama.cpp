@@ -35,7 +35,7 @@ const Architecture& llama_architecture() {
           // CPU scale: head dim 64 and GQA ratio 8 kept (8 heads, 1 KV head); D = 512 puts the
           // attention/linear FLOP ratio at T = 512 and 1024 within 2x of the paper's at T = 2048
           // (see flops.h); FFN 3 D (paper 2.75 D) centres the ratio in that window.
-          llama("tinyllama-mini", 6, 512, 1536, 8, 1, 8192),
+          llama("tinyllama-mini", 4, 512, 1536, 8, 1, 8192),
           // Unit tests: GQA ratio 8, head dim 8.
           llama("tinyllama-debug", 2, 64, 176, 8, 1, 256),
       }};

@@ -35,10 +35,10 @@ const Architecture& phi_architecture() {
       {
           // microsoft/phi-1_5: 1,418,270,720 parameters.
           phi("phi-1.5", 24, 2048, 8192, 32, 51200),
-          // CPU scale: head dim 64 with 32 rotary dims, FFN 4 D, biases, parallel block; D = 640
-          // puts the attention/linear FLOP ratio at T = 512 and 1024 within 2x of the paper's at
-          // T = 2048 (see flops.h).
-          phi("phi-1.5-mini", 4, 640, 2560, 10, 8192),
+          // CPU scale: head dim 64 with 32 rotary dims, FFN 4 D, biases, parallel block; D = 576
+          // (9 heads) puts the attention/linear FLOP ratio at T = 512 and 1024 within 2x of the
+          // paper's at T = 2048 (see flops.h).
+          phi("phi-1.5-mini", 4, 576, 2304, 9, 8192),
           phi("phi-1.5-debug", 2, 64, 256, 4, 256),
       }};
   return arch;

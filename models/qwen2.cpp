@@ -35,9 +35,9 @@ const Architecture& qwen2_architecture() {
           // Qwen/Qwen2.5-1.5B: 1,543,714,304 parameters (head dim 128, GQA ratio 6).
           qwen2("qwen2.5-1.5b", 28, 1536, 8960, 12, 2, 128, 151936),
           // CPU scale: GQA ratio 6 (6 heads, 1 KV head), QKV bias, tied head, FFN 35/6 D as the
-          // paper model; D = 576 (head dim 96) puts the attention/linear FLOP ratio at T = 512
+          // paper model; D = 480 (head dim 80) puts the attention/linear FLOP ratio at T = 512
           // and 1024 within 2x of the paper's at T = 2048 (see flops.h).
-          qwen2("qwen2.5-mini", 4, 576, 3360, 6, 1, 96, 8192),
+          qwen2("qwen2.5-mini", 4, 480, 2800, 6, 1, 80, 8192),
           qwen2("qwen2.5-debug", 2, 48, 128, 6, 1, 8, 256),
       }};
   return arch;
