@@ -1,0 +1,229 @@
+// Collider's backward vs regular and loss_only, measured side by side in one process (issue 3's
+// benchmark). For each model and T: regular, loss_only, collider kept_only, collider exact_query
+// and the T' floor (regular on a batch of T' = N tokens) run interleaved, repetition by
+// repetition, so machine drift hits all methods alike; medians are reported with the FLOP ideal
+// (1 - analytic backward FLOPs / regular's), the rewrite overhead and the live-tensor peak.
+//   build/bench/bm_collider_backward [--models tinyllama-mini,qwen2.5-mini,phi-1.5-mini]
+//       [--seq 512,1024] [--ratio 0.4] [--batch 1] [--reps 7] [--warmup 2] [--json FILE]
+//       [--device cpu|cuda] [--bf16]
+// CPU timings are relative figures only (DESIGN.md section 7); absolute times count on a GPU
+// (there: --device cuda --bf16, timed with device synchronisation around each backward).
+#include "harness/memory.h"
+#include "harness/train_step.h"
+#include "models/flops.h"
+#include "models/model.h"
+
+#include <collider/collider.h>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using collider::AttentionGrad;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::vector<std::string> models = {"tinyllama-mini", "qwen2.5-mini", "phi-1.5-mini"};
+  std::vector<int64_t> seqs = {512, 1024};
+  double ratio = 0.4;
+  int64_t batch = 1;
+  int reps = 7, warmup = 2;
+  std::string json;
+  std::string device = "cpu";
+  bool bf16 = false;
+};
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(item);
+  return out;
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--models") o.models = split(next());
+    else if (a == "--seq") { o.seqs.clear(); for (auto& s : split(next())) o.seqs.push_back(std::stoll(s)); }
+    else if (a == "--ratio") o.ratio = std::stod(next());
+    else if (a == "--batch") o.batch = std::stoll(next());
+    else if (a == "--reps") o.reps = std::stoi(next());
+    else if (a == "--warmup") o.warmup = std::stoi(next());
+    else if (a == "--json") o.json = next();
+    else if (a == "--device") o.device = next();
+    else if (a == "--bf16") o.bf16 = true;
+    else throw std::invalid_argument("unknown option " + a + " (see the header of bench/bm_collider_backward.cpp)");
+  }
+  return o;
+}
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+struct Sample {
+  double bwd_ms = 0, rewrite_ms = 0;
+  int64_t peak_bytes = 0;
+};
+
+enum class Kind { kRegular, kLossOnly, kKeptOnly, kExactQuery, kFloor };
+const char* name_of(Kind k) {
+  switch (k) {
+    case Kind::kRegular: return "regular";
+    case Kind::kLossOnly: return "loss_only";
+    case Kind::kKeptOnly: return "collider kept_only";
+    case Kind::kExactQuery: return "collider exact_query";
+    case Kind::kFloor: return "floor (regular at T')";
+  }
+  return "?";
+}
+
+// One forward + (rewrite) + backward; times the backward alone.
+void sync(const torch::Tensor& t) {
+  if (t.is_cuda()) torch::cuda::synchronize();
+}
+
+Sample run_once(collider::models::CausalLM& m, const collider::Plan& plan, Kind kind, const torch::Tensor& idx,
+                const torch::Tensor& labels, const torch::Tensor& keep, collider::harness::MemoryProbe& mem,
+                bool bf16) {
+  for (auto& p : m->parameters()) p.mutable_grad() = torch::Tensor();
+  sync(idx);
+  mem.reset_peak();
+  Sample s;
+  torch::Tensor loss_BT;
+  {
+    collider::harness::AutocastScope autocast(bf16);
+    loss_BT = collider::models::token_losses(m->forward(idx), labels);
+  }
+  const bool dense_keep = kind == Kind::kRegular || kind == Kind::kFloor;
+  auto loss = collider::models::masked_mean_loss(loss_BT, dense_keep ? torch::ones_like(keep) : keep);
+  if (kind == Kind::kKeptOnly || kind == Kind::kExactQuery) {
+    collider::FilterOptions opts;
+    opts.attention = kind == Kind::kKeptOnly ? AttentionGrad::kKeptOnly : AttentionGrad::kExactQuery;
+    sync(idx);
+    auto t0 = Clock::now();
+    collider::filter_backward(loss, keep, plan, opts);
+    sync(idx);
+    s.rewrite_ms = ms_since(t0);
+  }
+  sync(idx);
+  auto t0 = Clock::now();
+  loss.backward();
+  sync(idx);
+  s.bwd_ms = ms_since(t0);
+  s.peak_bytes = mem.peak_bytes();
+  return s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  Options o = parse(argc, argv);
+  torch::Device dev(o.device);
+  if (dev.is_cuda() && !torch::cuda::is_available()) throw std::invalid_argument("--device cuda: no CUDA device");
+  if (o.bf16 && !dev.is_cuda()) throw std::invalid_argument("--bf16 needs --device cuda (CPU runs are fp32)");
+  if (dev.is_cpu()) collider::harness::install_cpu_memory_tracking();
+  collider::harness::MemoryProbe mem(dev);
+  nlohmann::json rows = nlohmann::json::array();
+  std::printf("Collider backward benchmark: filter_ratio %.2f, batch %ld, %d reps (+%d warm-up), %d threads, CPU "
+              "%s\n", o.ratio, static_cast<long>(o.batch), o.reps, o.warmup,
+              torch::get_num_threads(), dev.is_cuda() ? (o.bf16 ? "CUDA bf16" : "CUDA fp32") : "scale (relative figures)");
+  for (const auto& name : o.models) {
+    const auto& cfg = collider::models::preset(name);
+    auto m = collider::models::build_model(cfg, collider::models::AttentionImpl::kEager, 0);
+    m->to(dev);
+    collider::Plan plan = collider::trace_plan([&](int64_t B, int64_t T) {
+      auto ids = torch::randint(cfg.vocab_size, {B, T}).to(dev);
+      torch::Tensor loss_BT;
+      {
+        collider::harness::AutocastScope autocast(o.bf16);
+        loss_BT = collider::models::token_losses(m->forward(ids), torch::randint(cfg.vocab_size, {B, T}).to(dev));
+      }
+      return collider::models::masked_mean_loss(loss_BT, torch::ones({B, T}, ids.options().dtype(torch::kBool)));
+    });
+    for (int64_t T : o.seqs) {
+      torch::manual_seed(0);
+      auto idx = torch::randint(cfg.vocab_size, {o.batch, T}).to(dev);
+      auto labels = torch::randint(cfg.vocab_size, {o.batch, T}).to(dev);
+      auto keep = collider::select_tokens(torch::rand({o.batch, T}), o.ratio).to(dev);
+      const int64_t N = keep.sum(1)[0].item<int64_t>();
+      auto idx_N = idx.narrow(1, 0, N), labels_N = labels.narrow(1, 0, N), keep_N = torch::ones({o.batch, N}, keep.options());
+      const std::vector<Kind> kinds = {Kind::kRegular, Kind::kLossOnly, Kind::kKeptOnly, Kind::kExactQuery, Kind::kFloor};
+      std::map<Kind, std::vector<Sample>> samples;
+      for (int r = 0; r < o.warmup + o.reps; ++r) {
+        for (Kind k : kinds) {
+          Sample s = k == Kind::kFloor ? run_once(m, plan, k, idx_N, labels_N, keep_N, mem, o.bf16)
+                                       : run_once(m, plan, k, idx, labels, keep, mem, o.bf16);
+          if (r >= o.warmup) samples[k].push_back(s);
+        }
+      }
+      using collider::models::BackwardMode;
+      const double f_dense = collider::models::backward_flops(cfg, o.batch, T, T, BackwardMode::kDense).total();
+      const double ideal_kept = 1 - collider::models::backward_flops(cfg, o.batch, T, N, BackwardMode::kKeptOnly).total() / f_dense;
+      const double ideal_exact = 1 - collider::models::backward_flops(cfg, o.batch, T, N, BackwardMode::kExactQuery).total() / f_dense;
+      auto med = [&](Kind k, double Sample::*f) {
+        std::vector<double> v;
+        for (const auto& s : samples[k]) v.push_back(s.*f);
+        return median(v);
+      };
+      auto peak = [&](Kind k) {
+        int64_t p = 0;
+        for (const auto& s : samples[k]) p = std::max(p, s.peak_bytes);
+        return p;
+      };
+      const double reg = med(Kind::kRegular, &Sample::bwd_ms), floor_ms = med(Kind::kFloor, &Sample::bwd_ms);
+      std::printf("\n%s  T=%ld  T'=%ld  attention/linear FLOPs %.3f\n", name.c_str(), static_cast<long>(T),
+                  static_cast<long>(N), collider::models::attention_linear_ratio(cfg, T));
+      std::printf("  %-24s %9s %10s %8s %9s %10s %9s %10s\n", "method", "bwd_ms", "reduction", "ideal", "of ideal",
+                  "rewrite%", "vs floor", "peak_MiB");
+      for (Kind k : kinds) {
+        const double b = med(k, &Sample::bwd_ms), rw = med(k, &Sample::rewrite_ms);
+        const double red = 1 - b / reg;
+        const double ideal = k == Kind::kKeptOnly ? ideal_kept : k == Kind::kExactQuery ? ideal_exact : 0.0;
+        const bool collider_kind = k == Kind::kKeptOnly || k == Kind::kExactQuery;
+        std::printf("  %-24s %9.2f %9.1f%% %7.1f%% %9s %9.2f%% %9.2fx %10.1f\n", name_of(k), b, 100 * red, 100 * ideal,
+                    collider_kind ? std::to_string(red / ideal).substr(0, 5).c_str() : "-", 100 * rw / b, b / floor_ms,
+                    peak(k) / 1048576.0);
+        rows.push_back({{"model", name}, {"seq_len", T}, {"batch_size", o.batch}, {"filter_ratio", o.ratio},
+                        {"kept", N}, {"method", name_of(k)}, {"bwd_ms", b}, {"rewrite_ms", rw},
+                        {"reduction", red}, {"ideal", ideal}, {"floor_ms", floor_ms}, {"peak_mem_bytes", peak(k)},
+                        {"attention_linear_ratio", collider::models::attention_linear_ratio(cfg, T)},
+                        {"num_threads", torch::get_num_threads()}, {"torch_version", TORCH_VERSION},
+                        {"device", o.device}, {"dtype", o.bf16 ? "bf16" : "fp32"},
+                        {"samples_bwd_ms", [&] { std::vector<double> v; for (auto& s : samples[k]) v.push_back(s.bwd_ms); return v; }()}});
+      }
+    }
+  }
+  if (!o.json.empty()) {
+    std::ofstream f(o.json);
+    for (const auto& r : rows) f << r.dump() << "\n";
+    std::printf("\nrows: %s\n", o.json.c_str());
+  }
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "bm_collider_backward: %s\n", e.what());
+  return 2;
+}
