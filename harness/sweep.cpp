@@ -123,6 +123,7 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
     sc.layer_timing = m.run.layer_timing;
     const auto attn = m.run.attention_impl == "sdpa" ? models::AttentionImpl::kSdpa : models::AttentionImpl::kEager;
 
+    if (!device.is_cuda()) install_cpu_memory_tracking();  // before the model's tensors exist
     MemoryProbe probe(device);
     std::vector<double> fwd, bwd, filt, sel, rew, opt, step, losses;
     std::map<std::string, std::vector<double>> layer_fwd, layer_bwd;

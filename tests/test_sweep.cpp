@@ -1,0 +1,279 @@
+// Sweeps end to end through `collider run` (harness/cli.h, harness/sweep.h): rows for every
+// point, each valid against the schema; the resolved manifest and env.json saved; a forced
+// failing point yields a status row, the sweep goes on, the exit code is non-zero; --resume after
+// a killed run (a real SIGKILL of the CLI, and a torn last line) completes the sweep with no
+// duplicate rows; a directory holding rows is refused without --resume; the CPU peak-memory
+// probe grows with the batch; the smoke manifest (all four methods) runs.
+// Run: OMP_NUM_THREADS=1 build-harness/tests/test_sweep
+#include "harness/cli.h"
+#include "harness/fsutil.h"
+#include "harness/results.h"
+
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <map>
+#include <sstream>
+#include <thread>
+
+extern char** environ;
+
+namespace ch = collider::harness;
+namespace fsu = collider::harness::fsutil;
+
+namespace {
+
+struct TempDir {
+  std::string path;
+  TempDir() {
+    static int counter = 0;
+    path = "/tmp/collider_test_sweep_" + std::to_string(::getpid()) + "_" + std::to_string(counter++);
+    fsu::remove_tree(path);
+    fsu::make_dirs(path);
+  }
+  ~TempDir() { fsu::remove_tree(path); }
+  std::string operator/(const std::string& name) const { return fsu::join(path, name); }
+};
+
+const char* kManifest = R"(
+name = "sweep-test"
+[run]
+device = "cpu"
+warmup_steps = 1
+measure_steps = 2
+threads = 1
+[axes]
+model = "tinyllama-debug"
+seq_len = [16, 32]
+batch_size = 1
+filter_ratio = [0.0, 0.5]
+method = ["regular", "loss_only"]
+[[exclude]]
+method = "regular"
+filter_ratio = 0.5
+)";
+
+struct Run {
+  int rc;
+  std::string out, err;
+};
+
+Run run(const std::vector<std::string>& args) {
+  std::ostringstream out, err;
+  const int rc = ch::run_run_command(args, out, err);
+  return {rc, out.str(), err.str()};
+}
+
+std::vector<nlohmann::json> rows_of(const std::string& dir) {
+  return ch::read_results(fsu::join(dir, "results.jsonl"), false).rows;
+}
+
+}  // namespace
+
+TEST(Sweep, WritesOneValidRowPerPointAndTheRunRecords) {
+  TempDir tmp;
+  fsu::write_file(tmp / "m.toml", kManifest);
+  const auto r = run({tmp / "m.toml", "--out", tmp / "out", "--set", "run.seed=3"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const auto rows = rows_of(tmp / "out");
+  ASSERT_EQ(rows.size(), 6u);  // 2 seq_len x (regular@0, loss_only@0, loss_only@0.5)
+  std::set<std::string> ids;
+  for (const auto& row : rows) {
+    const auto problems = ch::validate_row(row);
+    EXPECT_TRUE(problems.empty()) << row["point_id"] << ": " << problems.front();
+    EXPECT_EQ(row["experiment"], "sweep-test");
+    EXPECT_EQ(row["seed"], 3);
+    ids.insert(row["point_id"].get<std::string>());
+  }
+  EXPECT_EQ(ids.size(), rows.size());
+  const std::string resolved = fsu::read_file(tmp / "out/manifest.resolved.toml");
+  EXPECT_NE(resolved.find("seed = 3"), std::string::npos) << resolved;
+  EXPECT_NE(resolved.find("override run.seed = 3"), std::string::npos);
+  const auto env = nlohmann::json::parse(fsu::read_file(tmp / "out/env.json"));
+  EXPECT_EQ(env["torch_version"], "2.11.0");
+  EXPECT_NE(r.err.find("[6/6]"), std::string::npos) << "progress lines: " << r.err;
+  EXPECT_NE(r.err.find("ETA"), std::string::npos);
+  EXPECT_NE(r.err.find("override run.seed = 3"), std::string::npos) << "overrides are echoed";
+}
+
+TEST(Sweep, AFailingPointBecomesARowAndTheSweepGoesOn) {
+  TempDir tmp;
+  fsu::write_file(tmp / "m.toml", kManifest);
+  const auto r = run({tmp / "m.toml", "--out", tmp / "out", "--set", "run.fail_point=T16/B1/f0.5"});
+  EXPECT_EQ(r.rc, 1) << "a failed point must make the exit code non-zero";
+  const auto rows = rows_of(tmp / "out");
+  ASSERT_EQ(rows.size(), 6u);
+  int failed = 0;
+  for (const auto& row : rows) {
+    EXPECT_TRUE(ch::validate_row(row).empty()) << row.dump();
+    if (row["status"] != "ok") {
+      ++failed;
+      EXPECT_EQ(row["status"], "error");
+      EXPECT_EQ(row["point_id"], "tinyllama-debug/T16/B1/f0.5/loss_only/none");
+      EXPECT_NE(row["error"].get<std::string>().find("injected failure"), std::string::npos);
+    }
+  }
+  EXPECT_EQ(failed, 1);
+  EXPECT_NE(r.err.find("5 ok, 1 failed"), std::string::npos) << r.err;
+  // Resuming without the injected failure re-runs only the failed point.
+  const auto again = run({tmp / "m.toml", "--out", tmp / "out", "--resume"});
+  EXPECT_EQ(again.rc, 0) << again.err;
+  const auto rows2 = rows_of(tmp / "out");
+  ASSERT_EQ(rows2.size(), 7u);  // append-only: the error row stays, one ok row is added
+  EXPECT_EQ(rows2.back()["point_id"], "tinyllama-debug/T16/B1/f0.5/loss_only/none");
+  EXPECT_EQ(rows2.back()["status"], "ok");
+}
+
+TEST(Sweep, ResumeAfterATornLastLineGivesNoDuplicates) {
+  TempDir tmp;
+  fsu::write_file(tmp / "m.toml", kManifest);
+  ASSERT_EQ(run({tmp / "m.toml", "--out", tmp / "out"}).rc, 0);
+  // Simulate a kill in the middle of the fifth row: keep four rows and half of the fifth.
+  const std::string path = tmp / "out/results.jsonl";
+  const std::string text = fsu::read_file(path);
+  size_t pos = 0;
+  for (int i = 0; i < 4; ++i) pos = text.find('\n', pos) + 1;
+  fsu::write_file(path, text.substr(0, pos + 40));
+  // Without --resume the directory is refused (it holds rows), and nothing is appended.
+  const auto refused = run({tmp / "m.toml", "--out", tmp / "out"});
+  EXPECT_EQ(refused.rc, 1);
+  EXPECT_NE(refused.err.find("--resume"), std::string::npos) << refused.err;
+  const auto r = run({tmp / "m.toml", "--out", tmp / "out", "--resume"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.err.find("cut an incomplete last line"), std::string::npos) << r.err;
+  const auto res = ch::read_results(path, false);
+  EXPECT_EQ(res.torn_bytes, 0);
+  EXPECT_EQ(res.bad_lines, 0);
+  ASSERT_EQ(res.rows.size(), 6u);
+  std::map<std::string, int> count;
+  for (const auto& row : res.rows) ++count[row["point_id"].get<std::string>()];
+  EXPECT_EQ(count.size(), 6u);
+  for (const auto& [id, n] : count) EXPECT_EQ(n, 1) << id;
+  // Running it once more does nothing.
+  const auto noop = run({tmp / "m.toml", "--out", tmp / "out", "--resume"});
+  EXPECT_EQ(noop.rc, 0);
+  EXPECT_NE(noop.err.find("0 ok, 0 failed, 6 already ok"), std::string::npos) << noop.err;
+  EXPECT_EQ(rows_of(tmp / "out").size(), 6u);
+}
+
+// A real interruption: SIGKILL the CLI while it writes rows, then resume.
+TEST(Sweep, ResumeAfterAKilledProcessGivesNoDuplicates) {
+  TempDir tmp;
+  fsu::write_file(tmp / "m.toml", R"(
+name = "killed"
+[run]
+device = "cpu"
+warmup_steps = 0
+measure_steps = 2
+threads = 1
+layer_timing = false
+[axes]
+model = "tinyllama-debug"
+seq_len = [16, 24, 32, 40, 48, 56, 64, 72, 80, 88]
+batch_size = [1, 2, 3]
+method = "regular"
+)");
+  const std::string bin = std::string(COLLIDER_BINARY_DIR) + "/collider";
+  ASSERT_TRUE(fsu::exists(bin)) << bin << " (build the collider_cli target)";
+  const std::string out = tmp / "out", path = tmp / "out/results.jsonl";
+  std::vector<std::string> argv_s = {bin, "run", tmp / "m.toml", "--out", out};
+  std::vector<char*> argv;
+  for (auto& a : argv_s) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 2, (tmp / "stderr.txt").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  pid_t pid = 0;
+  ASSERT_EQ(posix_spawn(&pid, bin.c_str(), &fa, nullptr, argv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&fa);
+  // Kill it once two rows exist (or give up waiting after 60 s).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < deadline) {
+    const std::string t = fsu::read_file(path);
+    if (std::count(t.begin(), t.end(), '\n') >= 2) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ::kill(pid, SIGKILL);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  const auto before = ch::read_results(path, false);
+  EXPECT_EQ(before.bad_lines, 0);
+  EXPECT_GE(before.rows.size(), 2u);
+  if (WIFSIGNALED(status)) {
+    EXPECT_LT(before.rows.size(), 30u) << "killed before the end";
+  }
+
+  const auto r = run({tmp / "m.toml", "--out", out, "--resume"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const auto after = ch::read_results(path, false);
+  ASSERT_EQ(after.rows.size(), 30u);
+  std::set<std::string> ids;
+  for (const auto& row : after.rows) {
+    EXPECT_TRUE(ids.insert(row["point_id"].get<std::string>()).second) << "duplicate " << row["point_id"];
+    EXPECT_EQ(row["status"], "ok");
+  }
+}
+
+TEST(Sweep, CpuPeakMemoryGrowsWithTheBatch) {
+  TempDir tmp;
+  fsu::write_file(tmp / "m.toml", R"(
+name = "mem"
+[run]
+device = "cpu"
+warmup_steps = 0
+measure_steps = 1
+threads = 1
+[axes]
+model = "tinyllama-debug"
+seq_len = 64
+batch_size = [1, 8]
+)");
+  ASSERT_EQ(run({tmp / "m.toml", "--out", tmp / "out"}).rc, 0);
+  const auto rows = rows_of(tmp / "out");
+  ASSERT_EQ(rows.size(), 2u);
+  const int64_t b1 = rows[0]["peak_mem_bytes"], b8 = rows[1]["peak_mem_bytes"];
+  // Activations of B = 8 (logits alone: 8 x 64 x 256 floats = 512 KiB) on top of the same weights.
+  EXPECT_GT(b8 - b1, 512 * 1024) << b1 << " vs " << b8;
+}
+
+TEST(Sweep, ResumeWithoutOutPicksTheNewestRunOfTheManifest) {
+  TempDir tmp;
+  fsu::write_file(tmp / "m.toml", kManifest);
+  char cwd[4096];
+  ASSERT_NE(::getcwd(cwd, sizeof cwd), nullptr);
+  ASSERT_EQ(::chdir(tmp.path.c_str()), 0);
+  const auto none = run({"m.toml", "--resume"});
+  EXPECT_EQ(none.rc, 2);
+  EXPECT_NE(none.err.find("none found"), std::string::npos) << none.err;
+  fsu::make_dirs("results/sweep-test/20000101-000000");
+  const auto r = run({"m.toml", "--resume"});
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(rows_of("results/sweep-test/20000101-000000").size(), 6u);
+  ASSERT_EQ(::chdir(cwd), 0);
+}
+
+// Every method, both attention gradients, through the CLI (needs Collider's rewriter).
+TEST(Sweep, SmokeManifestRunsEveryMethod) {
+  TempDir tmp;
+  const std::string smoke = std::string(COLLIDER_SOURCE_DIR) + "/experiments/smoke.toml";
+  const auto r = run({smoke, "--out", tmp / "out", "--set", "run.measure_steps=1", "--trace", tmp / "trace.json"});
+  EXPECT_EQ(r.rc, 0) << r.err;
+  const auto rows = rows_of(tmp / "out");
+  ASSERT_EQ(rows.size(), 11u);
+  for (const auto& row : rows) {
+    EXPECT_EQ(row["status"], "ok") << row["point_id"] << ": " << row["error"];
+    EXPECT_TRUE(ch::validate_row(row).empty()) << row["point_id"];
+    if (row["method"] == "collider" && row["filter_ratio"] == 0.5) {
+      EXPECT_LT(row["flops_bwd"].get<double>(), row["flops_bwd_dense"].get<double>()) << row["point_id"];
+      EXPECT_GT(row["filter_stats"]["nodes_rewritten"].get<int64_t>(), 0);
+      EXPECT_EQ(row["kept_per_seq"], 32);
+    }
+  }
+  EXPECT_TRUE(fsu::exists(tmp / "trace.json"));
+}
