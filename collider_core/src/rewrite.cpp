@@ -14,6 +14,7 @@
 #include "token_index.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <chrono>
 #include <map>
@@ -105,8 +106,15 @@ class Rewriter {
     if (it != cache_.end() && it->second.numel() == want_numel && spec.pad_rank == 0) {
       return it->second.view(want);
     }
+    const auto g0 = std::chrono::steady_clock::now();
     torch::Tensor out = ix_->cut(t, spec, cut_keys_);
     if (!out.is_contiguous()) out = out.contiguous();
+    const double dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - g0).count();
+    stats_.gather_ms += dt;
+    if (debug_gather_) {  // COLLIDER_DEBUG_GATHER=1: one line per gather, to find slow copies
+      fmt::print(stderr, "collider gather {:7.2f} ms [{}] strides [{}] contiguous {} {} -> [{}]\n", dt, fmt::join(t.sizes(), ","),
+                 fmt::join(t.strides(), ","), t.is_contiguous(), std::string(c10::toString(t.scalar_type())), fmt::join(out.sizes(), ","));
+    }
     ++stats_.tensors_gathered;
     stats_.bytes_before += static_cast<int64_t>(t.numel() * t.element_size());
     stats_.bytes_gathered += static_cast<int64_t>(out.numel() * out.element_size());
@@ -125,6 +133,7 @@ class Rewriter {
   bool masked_;
   FilterStats& stats_;
   std::map<CacheKey, torch::Tensor> cache_;
+  bool debug_gather_ = std::getenv("COLLIDER_DEBUG_GATHER") != nullptr;
 };
 
 // Applies one node's FieldSpecs through the generated field handlers.

@@ -53,7 +53,8 @@ struct FilterStats {
   int64_t bytes_gathered = 0;       // bytes of the cut copies
   int64_t gather_nodes_inserted = 0;  // exact_query: nodes that cut dK/dV to kept rows
   int64_t batch = 0, seq_len = 0, kept = 0;  // B, T, T'
-  double rewrite_ms = 0.0;
+  double rewrite_ms = 0.0;          // whole call
+  double gather_ms = 0.0;           // of which: copying saved tensors to kept rows
 };
 
 // Per-node record of which dimensions of which fields are token dimensions, found by tracing.
