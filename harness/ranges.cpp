@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include <nlohmann/json.hpp>
+#include <torch/torch.h>
 
 #ifdef COLLIDER_HAVE_NVTX
 #include <nvtx3/nvToolsExt.h>
@@ -126,11 +127,13 @@ CudaProfilerFn find_cudart(const char* symbol) {
 }  // namespace
 
 bool cuda_profiler_start() {
+  if (!torch::cuda::is_available()) return false;
   auto f = find_cudart("cudaProfilerStart");
   return f && f() == 0;
 }
 
 bool cuda_profiler_stop() {
+  if (!torch::cuda::is_available()) return false;
   auto f = find_cudart("cudaProfilerStop");
   return f && f() == 0;
 }
