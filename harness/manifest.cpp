@@ -219,12 +219,17 @@ class Loader {
     else {
       const auto dot = key.find('.');
       const std::string section = dot == std::string::npos ? std::string() : key.substr(0, dot);
-      if (section == "run") fail(where, key, fmt::format("is unknown; allowed keys in [run]: {}", join(kRunKeys)));
-      if (section == "axes") fail(where, key, fmt::format("is unknown; allowed keys in [axes]: {}", join(kAxisKeys)));
+      const std::string val = render(n);
+      if (section == "run") {
+        fail(where, key, fmt::format("(= {}) is unknown; allowed keys in [run]: {}", val, join(kRunKeys)));
+      }
+      if (section == "axes") {
+        fail(where, key, fmt::format("(= {}) is unknown; allowed keys in [axes]: {}", val, join(kAxisKeys)));
+      }
       fail(where, key,
-           fmt::format("is unknown; allowed top-level keys: {}; [run] and [axes] keys are written run.KEY / axes.KEY "
-                       "with --set",
-                       join(kTopKeys)));
+           fmt::format("(= {}) is unknown; allowed top-level keys: {}; [run] and [axes] keys are written run.KEY / "
+                       "axes.KEY with --set",
+                       val, join(kTopKeys)));
     }
     sources_[key] = where;
     current_[key] = render(n);

@@ -151,7 +151,7 @@ TEST(Manifest, ResolvedManifestRoundTrips) {
 TEST(Manifest, UnknownKeys) {
   expect_mentions(error_of(std::string(kBase) + "[run]\n"), {});  // sanity: duplicate table is a TOML error
   expect_mentions(error_of("name = \"x\"\n[run]\nmeasure_step = 3\n"),
-                  {"bad.toml", "run.measure_step", "unknown", "measure_steps"});
+                  {"bad.toml", "run.measure_step", "(= 3)", "unknown", "measure_steps"});
   expect_mentions(error_of("name = \"x\"\nepochs = 3\n"), {"bad.toml", "epochs", "unknown", "name, description"});
   expect_mentions(error_of("[axes]\nlayers = 3\n"), {"bad.toml", "axes.layers", "seq_len"});
   expect_mentions(error_of("[[exclude]]\nlr = 0.1\n"), {"bad.toml", "[[exclude]] #1", "lr", "not an axis"});
