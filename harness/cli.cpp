@@ -172,7 +172,7 @@ int run_run_command(const std::vector<std::string>& args, std::ostream& out, std
 
   Manifest m;
   try {
-    m = load_manifest(manifest_path, sets);
+    m = load_manifest(manifest_path, sets, /*check_device=*/!dry_run);
   } catch (const ManifestError& e) {
     err << "collider run: error: " << e.what() << "\n";
     return 2;

@@ -69,7 +69,7 @@ struct Exclude {
 
 class Loader {
  public:
-  explicit Loader(std::string path) : path_(std::move(path)) { m_.path = path_; }
+  Loader(std::string path, bool check_device) : path_(std::move(path)), check_device_(check_device) { m_.path = path_; }
 
   void apply_file(const toml::table& tbl) {
     for (auto&& [k, v] : tbl) {
@@ -292,7 +292,7 @@ class Loader {
     }
     check_in("run.device", r.device, {"cpu", "cuda", "auto"});
     if (r.device == "auto") r.device = torch::cuda::is_available() ? "cuda" : "cpu";
-    if (r.device == "cuda" && !torch::cuda::is_available()) {
+    if (check_device_ && r.device == "cuda" && !torch::cuda::is_available()) {
       throw ManifestError(fmt::format("{}: key 'run.device' = \"cuda\" but no CUDA device is available on this "
                                       "machine; allowed here: cpu, auto",
                                       src("run.device")));
@@ -468,6 +468,7 @@ class Loader {
   }
 
   std::string path_;
+  bool check_device_;
   Manifest m_;
   Axes axes_;
   std::vector<Exclude> excludes_;
@@ -489,13 +490,13 @@ std::string Point::id() const {
 }
 
 std::string default_manifest_toml() {
-  Loader l("<defaults>");
+  Loader l("<defaults>", /*check_device=*/false);
   Manifest m = l.finish("defaults");
   return m.resolved_toml;
 }
 
 Manifest load_manifest_text(const std::string& text, const std::string& source_name,
-                            const std::vector<std::string>& sets) {
+                            const std::vector<std::string>& sets, bool check_device) {
   toml::table tbl;
   try {
     tbl = toml::parse(text, source_name);
@@ -503,18 +504,18 @@ Manifest load_manifest_text(const std::string& text, const std::string& source_n
     throw ManifestError(fmt::format("{}:{}:{}: not valid TOML: {}", source_name, e.source().begin.line,
                                     e.source().begin.column, e.description()));
   }
-  Loader l(source_name);
+  Loader l(source_name, check_device);
   l.apply_file(tbl);
   for (const auto& s : sets) l.apply_set(s);
   return l.finish(stem_of(source_name));
 }
 
-Manifest load_manifest(const std::string& path, const std::vector<std::string>& sets) {
+Manifest load_manifest(const std::string& path, const std::vector<std::string>& sets, bool check_device) {
   std::ifstream in(path);
   if (!in) throw ManifestError(fmt::format("{}: cannot open the manifest (no such file or not readable)", path));
   std::stringstream ss;
   ss << in.rdbuf();
-  return load_manifest_text(ss.str(), path, sets);
+  return load_manifest_text(ss.str(), path, sets, check_device);
 }
 
 }  // namespace collider::harness

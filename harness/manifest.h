@@ -78,8 +78,10 @@ std::string default_manifest_toml();
 
 // Loads, merges --set overrides ("key=value", key like run.measure_steps or axes.method; value in
 // TOML syntax, or a bare word taken as a string), validates and expands. Throws ManifestError.
-Manifest load_manifest(const std::string& path, const std::vector<std::string>& sets = {});
+// check_device = false skips the "is CUDA available here" check (--dry-run lists a GPU manifest's
+// points on any machine).
+Manifest load_manifest(const std::string& path, const std::vector<std::string>& sets = {}, bool check_device = true);
 Manifest load_manifest_text(const std::string& text, const std::string& source_name,
-                            const std::vector<std::string>& sets = {});
+                            const std::vector<std::string>& sets = {}, bool check_device = true);
 
 }  // namespace collider::harness

@@ -247,4 +247,14 @@ TEST(Manifest, DryRunListsPointsAndWritesNothing) {
   EXPECT_NE(out.str().find("11 points (12 expanded, 1 excluded)"), std::string::npos) << out.str();
   EXPECT_NE(out.str().find("tinyllama-debug/T64/B2/f0.5/masked/exact_query"), std::string::npos);
   EXPECT_FALSE(fsu::exists(tmp / "o"));
+  // A GPU manifest lists its points on any machine; running it needs the GPU.
+  fsu::write_file(tmp / "gpu.toml", "name = \"g\"\n[run]\ndevice = \"cuda\"\n[axes]\nmodel = \"tinyllama-debug\"\n");
+  std::ostringstream o2, e2;
+  EXPECT_EQ(ch::run_run_command({tmp / "gpu.toml", "--dry-run"}, o2, e2), 0) << e2.str();
+  EXPECT_NE(o2.str().find("device cuda, dtype bf16"), std::string::npos) << o2.str();
+  if (!torch::cuda::is_available()) {
+    std::ostringstream o3, e3;
+    EXPECT_EQ(ch::run_run_command({tmp / "gpu.toml", "--out", tmp / "g"}, o3, e3), 2);
+    EXPECT_NE(e3.str().find("no CUDA device"), std::string::npos) << e3.str();
+  }
 }
