@@ -235,7 +235,8 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
                            {"bytes_before", fstats.bytes_before},
                            {"bytes_gathered", fstats.bytes_gathered},
                            {"gather_nodes_inserted", fstats.gather_nodes_inserted},
-                           {"rewrite_ms", fstats.rewrite_ms}};
+                           {"rewrite_ms", fstats.rewrite_ms},
+                           {"gather_ms", fstats.gather_ms}};
   } catch (const c10::OutOfMemoryError& e) {
     row["status"] = "oom";
     row["error"] = e.what_without_backtrace();
