@@ -65,6 +65,7 @@ LAUNCHER=()
 if command -v ccache >/dev/null; then
   say "optional ccache: $(command -v ccache)"
   LAUNCHER=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+  export CCACHE_BASEDIR="$ROOT"  # relative paths in the cache key: a fresh clone reuses the cache
 else
   say "optional ccache: not found"
 fi
