@@ -13,7 +13,7 @@
 # --quick writes everything under out/reproduce-quick/ (ignored by git) instead.
 # One failing experiment does not stop the others; the exit code is non-zero if any failed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 ROOT=$(pwd)
 
 SCALE=cpu
@@ -154,12 +154,12 @@ if ((!PLOTS_ONLY)); then
     mapfile -t sets < <(quick_sets "$e")
     sets+=("${USER_SETS[@]}")
     npts=$("$COLLIDER" run "$manifest" --dry-run "${sets[@]}" 2>/dev/null | head -1 | sed -n 's/^[^:]*: \([0-9]*\) points.*/\1/p')
-    say "($i/$n) $e: ${npts:-?} points from $manifest -> ${out#$ROOT/}"
+    say "($i/$n) $e: ${npts:-?} points from $manifest -> ${out#"$ROOT"/}"
     t_e=$(date +%s)
     "$COLLIDER" run "$manifest" --out "$out" "${sets[@]}" 2>&1 | tee "$out/run.log" | sed -u "s/^/    /"
     rc=${PIPESTATUS[0]}
     if ((rc != 0)); then
-      say "($i/$n) $e: FAILED (exit $rc; see ${out#$ROOT/}/run.log); going on"
+      say "($i/$n) $e: FAILED (exit $rc; see ${out#"$ROOT"/}/run.log); going on"
       FAILED+=("$e")
     else
       say "($i/$n) $e: done in $(( $(date +%s) - t_e )) s"
@@ -186,7 +186,7 @@ if ((!PLOTS_ONLY)); then
       say "fig_sparse_gemm: FAILED: $BENCH not built (COLLIDER_BUILD_BENCH=OFF?)"
       FAILED+=(fig_sparse_gemm)
     else
-      say "fig_sparse_gemm: $BENCH at scale $SCALE -> ${out#$ROOT/}"
+      say "fig_sparse_gemm: $BENCH at scale $SCALE -> ${out#"$ROOT"/}"
       t_e=$(date +%s)
       bench_env=(COLLIDER_BENCH_SCALE="$SCALE")
       [[ "$SCALE" == cpu ]] && bench_env+=(OMP_NUM_THREADS=2)
@@ -195,7 +195,7 @@ if ((!PLOTS_ONLY)); then
       rc=$?
       tail -3 "$out/run.log" | sed "s/^/    /"
       if ((rc != 0)) || [[ ! -s "$out/bm_backward_gemm.json" ]]; then
-        say "fig_sparse_gemm: FAILED (exit $rc; see ${out#$ROOT/}/run.log)"
+        say "fig_sparse_gemm: FAILED (exit $rc; see ${out#"$ROOT"/}/run.log)"
         FAILED+=(fig_sparse_gemm)
       else
         say "fig_sparse_gemm: $(grep -c '"run_name"' "$out/bm_backward_gemm.json") benchmarks in $(( $(date +%s) - t_e )) s"
@@ -208,40 +208,40 @@ else
     wanted "$e" || continue
     file=results.jsonl; [[ "$e" == fig_sparse_gemm ]] && file=bm_backward_gemm.json
     d=$(newest_run_dir "$e" "$file")
-    if [[ -z "$d" ]]; then say "$e: no results under ${RESULTS_ROOT#$ROOT/}/$e/$SCALE-*/"; continue; fi
+    if [[ -z "$d" ]]; then say "$e: no results under ${RESULTS_ROOT#"$ROOT"/}/$e/$SCALE-*/"; continue; fi
     RESULT_FILE[$e]="$d/$file"
-    say "$e: newest results ${RESULT_FILE[$e]#$ROOT/}"
+    say "$e: newest results ${RESULT_FILE[$e]#"$ROOT"/}"
   done
 fi
 
 # ---- 5. tables and figures ----------------------------------------------------------------------
 mkdir -p "$PLOT_DIR"
 SOURCES="$PLOT_DIR/SOURCES.md"
-{
-  echo "# Sources of the tables and figures in this folder"
-  echo
-  echo "Drawn by scripts/reproduce.sh --scale $SCALE$( ((QUICK)) && echo ' --quick') on $(date -u +%Y-%m-%dT%H:%M:%SZ), git $(git rev-parse --short HEAD 2>/dev/null || echo '?')."
-  echo
-} >"$SOURCES"
+# One line per table/figure; a redraw replaces its line, the others (e.g. after --only) stay.
+OLD_SOURCES=$(grep '^- `plots/' "$SOURCES" 2>/dev/null || true)
+NEW_SOURCES=""
 plot() {  # plot STEM SCRIPT [ARGS...]: one plot script on the results of experiment STEM
   local stem=$1 script=$2; shift 2
   local f=${RESULT_FILE[$stem]:-}
   if [[ -z "$f" ]]; then
+    wanted "$stem" || return 0   # not asked for (--only)
     say "plot $script: skipped (no results for $stem)"
-    wanted "$stem" && FAILED+=("plot:$script")
+    FAILED+=("plot:$script")
     return
   fi
   if (cd /tmp && "$PY" "$ROOT/plots/$script" --results "$f" --out "$PLOT_DIR" "$@") >"$PLOT_DIR/.plot.log" 2>&1; then
     say "plot $script${*:+ $*}: $(grep -c '^wrote' "$PLOT_DIR/.plot.log") files"
     grep -i '^warning' "$PLOT_DIR/.plot.log" | head -5 | sed 's/^/    /'
-    echo "- \`plots/$script${*:+ $*}\` <- \`${f#$ROOT/}\`" >>"$SOURCES"
+    local key="- \`plots/$script${*:+ $*}\`"
+    OLD_SOURCES=$(grep -vF -e "$key <-" <<<"$OLD_SOURCES" || true)
+    NEW_SOURCES+="$key <- \`${f#"$ROOT"/}\` ($(date -u +%Y-%m-%dT%H:%MZ), git $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"$'\n'
   else
     say "plot $script: FAILED:"; sed 's/^/    /' "$PLOT_DIR/.plot.log" | tail -8
     FAILED+=("plot:$script")
   fi
   rm -f "$PLOT_DIR/.plot.log"
 }
-say "tables and figures -> ${PLOT_DIR#$ROOT/}/"
+say "tables and figures -> ${PLOT_DIR#"$ROOT"/}/"
 plot tab_backward_time tab_backward_time.py
 plot tab_backward_time tab_end_to_end.py
 plot fig_filter_ratio fig_filter_ratio.py
@@ -251,9 +251,18 @@ plot fig_context_length fig_context_length.py --metric step_ms
 plot fig_layer_breakdown fig_layer_breakdown.py
 ((RUN_BENCH)) && plot fig_sparse_gemm fig_sparse_gemm.py
 
+{
+  echo "# Sources of the tables and figures in this folder"
+  echo
+  echo "Drawn by scripts/reproduce.sh --scale $SCALE; each line: plot script <- results file (when, commit)."
+  echo
+  [[ -n "$OLD_SOURCES" ]] && echo "$OLD_SOURCES"
+  printf '%s' "$NEW_SOURCES"
+} >"$SOURCES"
+
 # ---- 6. summary ---------------------------------------------------------------------------------
 if ((${#FAILED[@]})); then
   say "done with FAILURES: ${FAILED[*]} (total $(( $(date +%s) - T0 )) s)"
   exit 1
 fi
-say "done: every experiment and plot succeeded (total $(( $(date +%s) - T0 )) s); tables and figures in ${PLOT_DIR#$ROOT/}/"
+say "done: every experiment and plot succeeded (total $(( $(date +%s) - T0 )) s); tables and figures in ${PLOT_DIR#"$ROOT"/}/"

@@ -22,7 +22,7 @@
 # tab_backward_time_sdpa.jsonl, tables.md (backward + end-to-end tables), bm_backward_gemm.json,
 # details.tar.gz (resolved manifests, env.json, sweep logs, LaTeX tables, CMake summary).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 ROOT=$(pwd)
 T0=$(date +%s)
 BUDGET=${COLLIDER_DEVICE_BUDGET_S:-500}
