@@ -471,3 +471,55 @@ TEST(Models, DISABLED_MiniPresetTiming) {
                attention_linear_ratio(c, 512), attention_linear_ratio(c, 1024), torch::get_num_threads());
   }
 }
+
+// The models are graphs Collider's rewriter accepts (requirement of the eager path: no slicing or
+// indexing along the token dimension): trace_plan + filter_backward on every family, eager and
+// sdpa, both attention semantics, give the oracle's gradients (fp32), and differ from loss_only.
+TEST(Models, ColliderRewriterMatchesOraclesOnEveryFamily) {
+  auto max_rel = [](const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+    double w = 0;
+    for (size_t i = 0; i < a.size(); ++i)
+      w = std::max(w, (a[i] - b[i]).abs().max().item<double>() / (b[i].abs().max().item<double>() + 1e-12));
+    return w;
+  };
+  for (const auto& name : kDebugPresets) {
+    for (auto impl : {AttentionImpl::kEager, AttentionImpl::kSdpa}) {
+      SCOPED_TRACE(name + (impl == AttentionImpl::kEager ? " eager" : " sdpa"));
+      const auto& c = preset(name);
+      auto m = build_model(c, impl, 1);
+      auto plan = collider::trace_plan([&](int64_t B, int64_t T) {
+        auto ids = torch::randint(c.vocab_size, {B, T});
+        auto labels = torch::randint(c.vocab_size, {B, T});
+        return masked_mean_loss(token_losses(m->forward(ids), labels), torch::ones({B, T}, torch::kBool));
+      });
+      const int64_t B = 2, T = 40;
+      auto ids = random_ids(c, B, T, 41), labels = random_ids(c, B, T, 42);
+      auto keep = torch::ones({B, T}, torch::kBool);
+      for (int64_t b = 0; b < B; ++b) keep[b].index_fill_(0, torch::randperm(T).narrow(0, 0, 16), false);
+      for (auto sem : {collider::AttentionGrad::kKeptOnly, collider::AttentionGrad::kExactQuery}) {
+        m->zero_grad();
+        auto loss = masked_mean_loss(token_losses(m->forward(ids), labels), keep);
+        collider::FilterOptions opts;
+        opts.attention = sem;
+        auto st = collider::filter_backward(loss, keep, plan, opts);
+        EXPECT_EQ(st.kept, T - 16);
+        loss.backward();
+        auto g_collider = grads_of(m);
+
+        m->set_attention_impl(AttentionImpl::kEager);
+        m->set_attention_oracle(AttentionOracle{keep, sem == collider::AttentionGrad::kExactQuery});
+        m->zero_grad();
+        masked_mean_loss(token_losses(m->forward(ids), labels), keep).backward();
+        auto g_oracle = grads_of(m);
+        m->set_attention_oracle(std::nullopt);
+        m->set_attention_impl(impl);
+
+        m->zero_grad();
+        masked_mean_loss(token_losses(m->forward(ids), labels), keep).backward();
+        auto g_loss_only = grads_of(m);
+        EXPECT_LT(max_rel(g_collider, g_oracle), 1e-4) << collider::to_string(sem);
+        EXPECT_GT(max_rel(g_loss_only, g_oracle), 1e-2) << collider::to_string(sem);
+      }
+    }
+  }
+}
