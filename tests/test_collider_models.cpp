@@ -23,6 +23,12 @@ struct Case {
   bool sdpa;
 };
 
+// Readable parameter in CTest's listing (instead of a byte dump).
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.preset << (c.sdpa ? " sdpa " : " eager ") << to_string(c.attention) << " r=" << c.ratio << " B=" << c.B
+      << " T=" << c.T;
+}
+
 std::string name_of(const ::testing::TestParamInfo<Case>& info) {
   const auto& c = info.param;
   std::string p = c.preset;

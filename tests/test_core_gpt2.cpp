@@ -46,6 +46,11 @@ struct Case {
   int64_t B, T;
 };
 
+// Readable parameter in CTest's listing (instead of a byte dump).
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << to_string(c.attention) << " r=" << c.ratio << " B=" << c.B << " T=" << c.T;
+}
+
 std::string name_of(const ::testing::TestParamInfo<Case>& info) {
   const auto& c = info.param;
   return std::string(to_string(c.attention)) + "_r" + std::to_string(static_cast<int>(c.ratio * 100)) + "_B" +

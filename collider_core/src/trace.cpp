@@ -261,7 +261,8 @@ const std::set<std::string>& token_mixing_nodes() {
       "SortBackward0", "TopkBackward0", "SliceBackward0", "SelectBackward0", "NarrowBackward0",
       "IndexSelectBackward0", "GatherBackward0", "UnfoldBackward0", "ConstantPadNdBackward0",
       "ConvolutionBackward0", "CumulativeTrapezoidBackward0", "DiffBackward0", "MaxBackward0",
-      "MinBackward0", "MaxBackward1", "MinBackward1"};
+      "MinBackward0", "MaxBackward1", "MinBackward1", "SplitBackward0", "SplitWithSizesBackward0",
+      "UnsafeSplitBackward0", "UnsafeSplitWithSizesBackward0", "CatBackward0", "StackBackward0"};
   return k;
 }
 
