@@ -5,7 +5,8 @@
 # Environment:
 #   COLLIDER_VENV   Python environment with torch (default ~/.cache/collider/venv; kept outside
 #                   the clone so a fresh clone reuses it instead of downloading several GB)
-#   COLLIDER_PRESET CMake preset (default cpu; cuda on GPU machines)
+#   COLLIDER_PRESET CMake preset (default: cuda when nvcc is on PATH, so the CUDA sources are
+#                   compiled even without a GPU; else cpu)
 #   COLLIDER_JOBS   build parallelism (default: number of cores)
 #   COLLIDER_NO_APT=1  skip apt-get (machines without network, e.g. the GPU machine)
 set -euo pipefail
@@ -13,7 +14,8 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 TORCH_PIN="torch==2.11.0"
 VENV=${COLLIDER_VENV:-$HOME/.cache/collider/venv}
-PRESET=${COLLIDER_PRESET:-cpu}
+if command -v nvcc >/dev/null; then DEFAULT_PRESET=cuda; else DEFAULT_PRESET=cpu; fi
+PRESET=${COLLIDER_PRESET:-$DEFAULT_PRESET}
 JOBS=${COLLIDER_JOBS:-$(nproc)}
 
 say() { echo "[bootstrap] $*"; }
@@ -59,7 +61,11 @@ say "torch $TORCH_VERSION ($TORCH_PREFIX)"
 [[ "$TORCH_VERSION" == 2.11.0* ]] || say "warning: expected torch 2.11.0, found $TORCH_VERSION"
 
 # 3. Optional components, one line each.
-if command -v nvcc >/dev/null; then say "optional CUDA toolkit: $(nvcc --version | tail -1)"; else say "optional CUDA toolkit: not found"; fi
+if command -v nvcc >/dev/null; then
+  say "optional CUDA toolkit: $(nvcc --version | tail -1); preset $PRESET ($([[ $PRESET == cuda ]] && echo "CUDA sources compiled" || echo "CUDA sources not compiled"))"
+else
+  say "optional CUDA toolkit: not found; preset $PRESET (CUDA sources not compiled)"
+fi
 if [[ -f /usr/local/cuda/include/nvtx3/nvToolsExt.h ]]; then say "optional NVTX3 headers: found"; else say "optional NVTX3 headers: not found"; fi
 LAUNCHER=()
 if command -v ccache >/dev/null; then
