@@ -9,7 +9,8 @@
 #   ./scripts/device/run_gpu_checks.sh [DEST] # on the GPU machine; DEST default ${OUT:-results/gpu-check}
 # Env: COLLIDER_PYTHON (default python3), COLLIDER_GPU_CHECK_BUDGET_S (default 470, build included),
 # COLLIDER_BUILD_TIMEOUT_S (default 300). Exit 0 when every step passed, 1 when one failed or was
-# skipped for time, 2 when there is no GPU. Users with their own GPU: see README.md.
+# skipped for time, 2 when there is no GPU. On your own GPU machine with the -dev packages of
+# scripts/bootstrap.sh installed, no .debs/ is needed: run it as is (results/gpu-check/).
 # NOTE: written in a session without a GPU; only `bash -n`, shellcheck and the no-GPU exit were
 # checked there. The dependency step is the one of scripts/device/run_paper_scale.sh.
 # DEST: run.log (steps + summary), build.log, ctest_gpu.log, bm_cublas_gemm.json, backward.jsonl,
