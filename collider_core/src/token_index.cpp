@@ -46,6 +46,29 @@ const torch::Tensor& TokenIndex::idx_rows(int64_t rpb) {
   return rows_cache_.emplace(rpb, rows).first->second;
 }
 
+const torch::Tensor& TokenIndex::idx_square(int64_t rpb) {
+  auto it = square_cache_.find(rpb);
+  if (it != square_cache_.end()) return it->second;
+  const auto& rows = idx_rows(rpb);  // [R, N]
+  auto sq = (rows.unsqueeze(2) * T_ + rows.unsqueeze(1)).reshape({rows.size(0), N_ * N_});
+  return square_cache_.emplace(rpb, sq).first->second;
+}
+
+// x: [.., B*m @batch_dim, .., T, T]: reads only the N x N kept entries of each [T, T] block,
+// instead of cutting rows and then columns (attention probabilities are the largest saved
+// tensors; this halves their copy traffic).
+torch::Tensor TokenIndex::cut_last_two(const torch::Tensor& x_in, int64_t batch_dim) {
+  torch::Tensor x = batch_dim > 0 ? x_in.movedim(batch_dim, 0) : x_in;
+  auto sizes = x.sizes().vec();
+  const int64_t r = static_cast<int64_t>(sizes.size());
+  const int64_t rows = c10::multiply_integers(sizes.begin(), sizes.end() - 2);
+  auto out = x.reshape({rows, T_ * T_}).gather(1, idx_square(rows / B_));
+  sizes[r - 2] = N_;
+  sizes[r - 1] = N_;
+  out = out.view(sizes);
+  return batch_dim > 0 ? out.movedim(0, batch_dim) : out;
+}
+
 // x: [.., B*m @batch_dim, .., T @token_dim, ..] with batch_dim < token_dim; batch_dim -1 when
 // B = 1 (every row belongs to the one sequence).
 torch::Tensor TokenIndex::cut_dim(const torch::Tensor& x_in, int64_t batch_dim, int64_t token_dim) {
@@ -90,6 +113,16 @@ torch::Tensor TokenIndex::cut(const torch::Tensor& x_in, const ShapeSpec& spec, 
   } else {
     for (const auto& d : spec.dims)
       if (d.kind == DimKind::kBatch) bdim = d.dim;
+  }
+  // Attention's [.., Tq, Tk] cut on both: one pass.
+  const int32_t rank = spec.pad_rank > 0 ? spec.pad_rank : spec.rank;
+  std::vector<const DimSpec*> cuts;
+  for (const auto& d : spec.dims)
+    if (cut_this(d, cut_keys)) cuts.push_back(&d);
+  if (cuts.size() == 2 && cuts[0]->kind == DimKind::kToken && cuts[1]->kind == DimKind::kToken &&
+      cuts[0]->dim + off == rank - 2 && cuts[1]->dim + off == rank - 1 && (bdim >= 0 || B_ == 1) &&
+      bdim < rank - 2 && x.size(rank - 1) == T_ && x.size(rank - 2) == T_) {
+    return cut_last_two(x, bdim);
   }
   for (const auto& d : spec.dims) {
     if (!cut_this(d, cut_keys)) continue;

@@ -35,11 +35,14 @@ class TokenIndex {
   torch::Tensor cut_dim(const torch::Tensor& x, int64_t batch_dim, int64_t token_dim);
   const torch::Tensor& flat_rows(int64_t rows_per_batch);  // [B*rpb*N] row indices into [B*rpb*T]
   const torch::Tensor& idx_rows(int64_t rows_per_batch);   // [B*rpb, N] column indices
+  const torch::Tensor& idx_square(int64_t rows_per_batch); // [B*rpb, N*N] flat (i*T + j) indices
+  // Both of the last two dims are token dims of one batch row (attention's [.., Tq, Tk]): one pass.
+  torch::Tensor cut_last_two(const torch::Tensor& x, int64_t batch_dim);
 
   int64_t B_, T_, N_;
   torch::Tensor keep_BT_;
   torch::Tensor idx_BN_;  // int64 [B, N], ascending per row
-  std::map<int64_t, torch::Tensor> flat_cache_, rows_cache_;
+  std::map<int64_t, torch::Tensor> flat_cache_, rows_cache_, square_cache_;
 };
 
 }  // namespace collider::detail
