@@ -24,6 +24,11 @@ struct Case {
   bool sdpa;
 };
 
+// Readable parameter in CTest's listing (instead of a byte dump).
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.preset << (c.sdpa ? " sdpa " : " eager ") << to_string(c.attention);
+}
+
 std::string name_of(const ::testing::TestParamInfo<Case>& info) {
   std::string p = info.param.preset;
   for (auto& ch : p)
