@@ -57,6 +57,31 @@ std::string name_of(const ::testing::TestParamInfo<Case>& info) {
          std::to_string(c.B) + "_T" + std::to_string(c.T);
 }
 
+// Gradients of one batch by the masked method (library, full-size zero-masked tensors), the
+// model-level oracle, and loss_only (plain autograd on the masked loss).
+struct ReferenceGrads {
+  std::map<std::string, torch::Tensor> masked, oracle, loss_only;
+};
+
+ReferenceGrads reference_grads(Gpt2& m, const Plan& plan, const torch::Tensor& idx, const torch::Tensor& labels,
+                               const torch::Tensor& keep, AttentionGrad attention) {
+  ReferenceGrads out;
+  zero_grads(*m);
+  auto loss_m = masked_ce(m->forward(idx), labels, keep);
+  mask_backward(loss_m, keep, plan, {attention});
+  loss_m.backward();
+  out.masked = grads_of(*m);
+  zero_grads(*m);
+  m->oracle = Oracle{keep, attention == AttentionGrad::kExactQuery};
+  masked_ce(m->forward(idx), labels, keep).backward();
+  m->oracle.reset();
+  out.oracle = grads_of(*m);
+  zero_grads(*m);
+  masked_ce(m->forward(idx), labels, keep).backward();
+  out.loss_only = grads_of(*m);
+  return out;
+}
+
 class Gpt2Grad : public ::testing::TestWithParam<Case> {};
 
 TEST_P(Gpt2Grad, MatchesOracle) {
@@ -84,26 +109,12 @@ TEST_P(Gpt2Grad, MatchesOracle) {
   ASSERT_EQ(grad_shapes.size(), static_cast<size_t>(kLayers));
   for (const auto& s : grad_shapes) EXPECT_EQ(s, (std::vector<int64_t>{c.B, N, kDim}));
 
-  // Oracle: model-level reference semantics on full-size tensors.
-  zero_grads(*m);
-  m->oracle = Oracle{keep, c.attention == AttentionGrad::kExactQuery};
-  masked_ce(m->forward(idx), labels, keep).backward();
-  m->oracle.reset();
-  auto g_oracle = grads_of(*m);
-
-  // The masked method (library): same semantics, full-size zero-masked tensors.
-  zero_grads(*m);
-  auto loss_m = masked_ce(m->forward(idx), labels, keep);
-  mask_backward(loss_m, keep, plan, {c.attention});
-  loss_m.backward();
-  auto g_masked = grads_of(*m);
-
-  // loss_only (plain autograd on the masked loss): differs once tokens are dropped, so the
-  // comparison above cannot pass by accident with a rewrite that changes nothing.
-  zero_grads(*m);
-  masked_ce(m->forward(idx), labels, keep).backward();
-  auto g_loss_only = grads_of(*m);
-  if (c.ratio > 0) EXPECT_GT(max_rel_diff(g_oracle, g_loss_only), 1e-3);
+  // loss_only differs once tokens are dropped, so the comparisons below cannot pass by accident
+  // with a rewrite that changes nothing.
+  auto ref = reference_grads(m, plan, idx, labels, keep, c.attention);
+  const auto& g_oracle = ref.oracle;
+  const auto& g_masked = ref.masked;
+  if (c.ratio > 0) EXPECT_GT(max_rel_diff(g_oracle, ref.loss_only), 1e-3);
 
   std::string worst;
   EXPECT_LE(max_rel_diff(g_collider, g_oracle, &worst), 1e-4) << "worst parameter: " << worst;
@@ -138,16 +149,10 @@ TEST_P(Gpt2SdpaGrad, MatchesOracle) {
   filter_backward(loss, keep, plan, {c.attention});
   loss.backward();
   auto g_collider = grads_of(*m);
-  zero_grads(*m);
-  auto loss_m = masked_ce(m->forward(idx), labels, keep);
-  mask_backward(loss_m, keep, plan, {c.attention});
-  loss_m.backward();
-  auto g_masked = grads_of(*m);
-  zero_grads(*m);
-  m->oracle = Oracle{keep, c.attention == AttentionGrad::kExactQuery};
-  masked_ce(m->forward(idx), labels, keep).backward();
-  m->oracle.reset();
-  auto g_oracle = grads_of(*m);
+  auto ref = reference_grads(m, plan, idx, labels, keep, c.attention);
+  const auto& g_oracle = ref.oracle;
+  const auto& g_masked = ref.masked;
+  if (c.ratio > 0) EXPECT_GT(max_rel_diff(g_oracle, ref.loss_only), 1e-3);
   std::string worst;
   EXPECT_LE(max_rel_diff(g_collider, g_oracle, &worst), 1e-4) << "worst parameter: " << worst;
   EXPECT_LE(max_rel_diff(g_masked, g_oracle, &worst), 1e-4) << "worst parameter: " << worst;

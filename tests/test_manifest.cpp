@@ -7,6 +7,8 @@
 #include "harness/fsutil.h"
 #include "harness/manifest.h"
 
+#include "temp_dir.h"
+
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -50,16 +52,9 @@ void expect_mentions(const std::string& msg, std::initializer_list<const char*> 
 }
 
 // A scratch directory (std::filesystem is avoided: see harness/fsutil.h).
-struct TempDir {
-  std::string path;
-  TempDir() {
-    static int counter = 0;
-    path = "/tmp/collider_test_manifest_" + std::to_string(::getpid()) + "_" + std::to_string(counter++);
-    fsu::remove_tree(path);
-    fsu::make_dirs(path);
-  }
-  ~TempDir() { fsu::remove_tree(path); }
-  std::string operator/(const std::string& name) const { return fsu::join(path, name); }
+// Scratch directories: tests/temp_dir.h.
+struct TempDir : collider::testing::TempDir {
+  TempDir() : collider::testing::TempDir("manifest") {}
 };
 
 int run_cli(const std::vector<std::string>& args, std::string* err_text = nullptr) {

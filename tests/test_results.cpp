@@ -8,6 +8,8 @@
 #include "harness/results.h"
 #include "harness/sweep.h"
 
+#include "temp_dir.h"
+
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -19,16 +21,9 @@ namespace fsu = collider::harness::fsutil;
 
 namespace {
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    static int counter = 0;
-    path = "/tmp/collider_test_results_" + std::to_string(::getpid()) + "_" + std::to_string(counter++);
-    fsu::remove_tree(path);
-    fsu::make_dirs(path);
-  }
-  ~TempDir() { fsu::remove_tree(path); }
-  std::string operator/(const std::string& name) const { return fsu::join(path, name); }
+// Scratch directories: tests/temp_dir.h.
+struct TempDir : collider::testing::TempDir {
+  TempDir() : collider::testing::TempDir("results") {}
 };
 
 ch::Manifest tiny_manifest(const std::vector<std::string>& sets = {}) {

@@ -9,6 +9,8 @@
 #include "harness/fsutil.h"
 #include "harness/results.h"
 
+#include "temp_dir.h"
+
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
@@ -29,16 +31,9 @@ namespace fsu = collider::harness::fsutil;
 
 namespace {
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    static int counter = 0;
-    path = "/tmp/collider_test_sweep_" + std::to_string(::getpid()) + "_" + std::to_string(counter++);
-    fsu::remove_tree(path);
-    fsu::make_dirs(path);
-  }
-  ~TempDir() { fsu::remove_tree(path); }
-  std::string operator/(const std::string& name) const { return fsu::join(path, name); }
+// Scratch directories: tests/temp_dir.h.
+struct TempDir : collider::testing::TempDir {
+  TempDir() : collider::testing::TempDir("sweep") {}
 };
 
 const char* kManifest = R"(

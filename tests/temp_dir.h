@@ -1,0 +1,28 @@
+// A scratch directory for harness tests, removed with its contents on destruction.
+// POSIX calls via harness/fsutil.h (libtorch.so's std::filesystem::remove_all crashes).
+#pragma once
+
+#include "harness/fsutil.h"
+
+#include <unistd.h>
+
+#include <string>
+
+namespace collider::testing {
+
+struct TempDir {
+  std::string path;
+  // prefix names the test, e.g. "sweep" -> /tmp/collider_test_sweep_<pid>_<n>
+  explicit TempDir(const std::string& prefix) {
+    static int counter = 0;
+    path = "/tmp/collider_test_" + prefix + "_" + std::to_string(::getpid()) + "_" + std::to_string(counter++);
+    harness::fsutil::remove_tree(path);
+    harness::fsutil::make_dirs(path);
+  }
+  ~TempDir() { harness::fsutil::remove_tree(path); }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  std::string operator/(const std::string& name) const { return harness::fsutil::join(path, name); }
+};
+
+}  // namespace collider::testing
