@@ -55,7 +55,8 @@ struct ShapeSpec {
 enum class FieldKind : uint8_t {
   kSaved,        // SavedVariable (item: index in a std::vector<SavedVariable>, else 0)
   kSizes,        // std::vector<c10::SymInt> / std::vector<int64_t> / TypeAndSize / OptionalArray
-  kStrides,      // *_sym_strides: recomputed as contiguous strides of the sibling sizes
+  kStrides,      // *_sym_strides: only observed while tracing, never stored; the rewrite
+                 // recomputes them as contiguous strides of the cut sibling sizes
   kInputMeta,    // the node's expected input shape number `item`
 };
 

@@ -15,11 +15,9 @@
 
 #include <algorithm>
 #include <deque>
-#include <map>
 #include <mutex>
 #include <optional>
 #include <set>
-#include <unordered_set>
 
 namespace collider {
 namespace detail {
@@ -495,14 +493,14 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
     for (const auto& f : ns.fields)  // input metadata first, then saved fields
       if (f.kind == FieldKind::kInputMeta && !ref) ref = layout_of(f.shape);
     for (const auto& f : ns.fields)
-      if (!ref && f.kind != FieldKind::kStrides) ref = layout_of(f.shape);
+      if (!ref) ref = layout_of(f.shape);
     if (!ref) {
       for (const auto& [p, e] : ga.parents[i])
         if (!ref && node_ref[p]) ref = node_ref[p];
     }
     for (size_t k = 0; k < ns.fields.size(); ++k) {
       FieldSpec& f = ns.fields[k];
-      if (f.kind == FieldKind::kStrides || batch_dim(f.shape) || has_flat(f.shape)) continue;
+      if (batch_dim(f.shape) || has_flat(f.shape)) continue;
       if (!ref || !align_broadcast(f.shape, values[i][k], *ref)) {
         throw Error(fmt::format("collider cannot rewrite node {} (#{}): field {} has token dimensions but no "
                                 "batch dimension, and no batch-carrying tensor of the node or its consumers "
