@@ -3,6 +3,9 @@
 // and the T' floor (regular on a batch of T' = N tokens) run interleaved, repetition by
 // repetition, so machine drift hits all methods alike; medians are reported with the FLOP ideal
 // (1 - analytic backward FLOPs / regular's), the rewrite overhead and the live-tensor peak.
+// bwd_ms is loss.backward() alone; collider's reduction and "vs floor" count bwd_ms + rewrite_ms;
+// rewrite% is rewrite_ms / collider's bwd_ms, rw/reg% rewrite_ms / regular's bwd_ms. The CPU allocator caches freed blocks like CUDA's (harness/memory.h;
+// COLLIDER_CPU_CACHING=0 for glibc's behaviour): the allocator mode is printed in the header.
 //   build/bench/bm_collider_backward [--models tinyllama-mini,qwen2.5-mini,phi-1.5-mini]
 //       [--seq 512,1024] [--ratio 0.4] [--batch 1] [--reps 7] [--warmup 2] [--json FILE]
 //       [--device cpu|cuda] [--bf16]
@@ -148,9 +151,10 @@ int main(int argc, char** argv) try {
   if (dev.is_cpu()) collider::harness::install_cpu_memory_tracking();
   collider::harness::MemoryProbe mem(dev);
   nlohmann::json rows = nlohmann::json::array();
-  std::printf("Collider backward benchmark: filter_ratio %.2f, batch %ld, %d reps (+%d warm-up), %d threads, CPU "
-              "%s\n", o.ratio, static_cast<long>(o.batch), o.reps, o.warmup,
-              torch::get_num_threads(), dev.is_cuda() ? (o.bf16 ? "CUDA bf16" : "CUDA fp32") : "scale (relative figures)");
+  std::printf("Collider backward benchmark: filter_ratio %.2f, batch %ld, %d reps (+%d warm-up), %d threads, %s, "
+              "CPU allocator %s\n", o.ratio, static_cast<long>(o.batch), o.reps, o.warmup, torch::get_num_threads(),
+              dev.is_cuda() ? (o.bf16 ? "CUDA bf16" : "CUDA fp32") : "CPU scale (relative figures)",
+              collider::harness::cpu_allocator_mode());
   for (const auto& name : o.models) {
     const auto& cfg = collider::models::preset(name);
     auto m = collider::models::build_model(cfg, collider::models::AttentionImpl::kEager, 0);
@@ -197,22 +201,23 @@ int main(int argc, char** argv) try {
       const double reg = med(Kind::kRegular, &Sample::bwd_ms), floor_ms = med(Kind::kFloor, &Sample::bwd_ms);
       std::printf("\n%s  T=%ld  T'=%ld  attention/linear FLOPs %.3f\n", name.c_str(), static_cast<long>(T),
                   static_cast<long>(N), collider::models::attention_linear_ratio(cfg, T));
-      std::printf("  %-24s %9s %10s %8s %9s %10s %9s %10s\n", "method", "bwd_ms", "reduction", "ideal", "of ideal",
-                  "rewrite%", "vs floor", "peak_MiB");
+      std::printf("  %-24s %9s %10s %8s %9s %10s %8s %9s %10s\n", "method", "bwd_ms", "reduction", "ideal", "of ideal",
+                  "rewrite%", "rw/reg%", "vs floor", "peak_MiB");
       for (Kind k : kinds) {
         const double b = med(k, &Sample::bwd_ms), rw = med(k, &Sample::rewrite_ms);
-        const double red = 1 - b / reg;
+        const double red = 1 - (b + rw) / reg;  // the rewrite is part of collider's backward cost
         const double ideal = k == Kind::kKeptOnly ? ideal_kept : k == Kind::kExactQuery ? ideal_exact : 0.0;
         const bool collider_kind = k == Kind::kKeptOnly || k == Kind::kExactQuery;
-        std::printf("  %-24s %9.2f %9.1f%% %7.1f%% %9s %9.2f%% %9.2fx %10.1f\n", name_of(k), b, 100 * red, 100 * ideal,
-                    collider_kind ? std::to_string(red / ideal).substr(0, 5).c_str() : "-", 100 * rw / b, b / floor_ms,
-                    peak(k) / 1048576.0);
+        std::printf("  %-24s %9.2f %9.1f%% %7.1f%% %9s %9.2f%% %7.2f%% %8.2fx %10.1f\n", name_of(k), b, 100 * red,
+                    100 * ideal, collider_kind ? std::to_string(red / ideal).substr(0, 5).c_str() : "-", 100 * rw / b,
+                    100 * rw / reg, (b + rw) / floor_ms, peak(k) / 1048576.0);
         rows.push_back({{"model", name}, {"seq_len", T}, {"batch_size", o.batch}, {"filter_ratio", o.ratio},
                         {"kept", N}, {"method", name_of(k)}, {"bwd_ms", b}, {"rewrite_ms", rw},
                         {"reduction", red}, {"ideal", ideal}, {"floor_ms", floor_ms}, {"peak_mem_bytes", peak(k)},
                         {"attention_linear_ratio", collider::models::attention_linear_ratio(cfg, T)},
                         {"num_threads", torch::get_num_threads()}, {"torch_version", TORCH_VERSION},
                         {"device", o.device}, {"dtype", o.bf16 ? "bf16" : "fp32"},
+                        {"cpu_allocator", collider::harness::cpu_allocator_mode()},
                         {"samples_bwd_ms", [&] { std::vector<double> v; for (auto& s : samples[k]) v.push_back(s.bwd_ms); return v; }()}});
       }
     }

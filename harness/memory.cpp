@@ -1,7 +1,9 @@
-// Tracking CPU allocator and CUDA allocator statistics (memory.h). The tracking allocator keeps
-// c10's contract that a CPU DataPtr's context is its data pointer (raw_allocate relies on it):
-// sizes live in a side table keyed by pointer, and freeing goes through the default
-// allocator's own deleter.
+// Tracking (and caching) CPU allocator and CUDA allocator statistics (memory.h). The tracking
+// allocator keeps c10's contract that a CPU DataPtr's context is its data pointer (raw_allocate
+// relies on it): sizes live in a side table keyed by pointer, and freeing goes through the
+// default allocator's own deleter. Caching: freed blocks of >= 1 MiB are kept in a free list
+// (capacity rounded up to 1 MiB) and handed out again, as CUDA's caching allocator does; glibc
+// would munmap them and every step would page-fault fresh zeroed memory in again.
 #include "harness/memory.h"
 
 #include <c10/core/CPUAllocator.h>
@@ -9,7 +11,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <map>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 
 namespace collider::harness {
@@ -17,21 +22,33 @@ namespace {
 
 class TrackingCpuAllocator final : public c10::Allocator {
  public:
-  explicit TrackingCpuAllocator(c10::Allocator* inner) : inner_(inner), inner_free_(inner->raw_deleter()) {
+  TrackingCpuAllocator(c10::Allocator* inner, bool caching, size_t cache_limit)
+      : inner_(inner), inner_free_(inner->raw_deleter()), caching_(caching), cache_limit_(cache_limit) {
     TORCH_CHECK(inner_free_ != nullptr, "tracking CPU allocator: the default CPU allocator has no raw deleter");
   }
 
   c10::DataPtr allocate(size_t n) override {
-    c10::DataPtr inner = inner_->allocate(n);
-    void* p = inner.get();
-    TORCH_CHECK(p == inner.get_context() || p == nullptr,
-                "tracking CPU allocator: the default CPU allocator returned a wrapped pointer");
-    inner.release_context();
-    if (p) {
+    void* p = nullptr;
+    size_t cap = n;
+    if (caching_ && n >= kCacheMin) {
+      cap = (n + kCacheMin - 1) / kCacheMin * kCacheMin;
       std::lock_guard<std::mutex> lock(mu_);
-      sizes_[p] = n;
-      live_ += static_cast<int64_t>(n);
-      peak_ = std::max(peak_, live_);
+      // Best fit among cached blocks no more than 1/8 larger than asked (bounded waste).
+      auto it = free_.lower_bound(cap);
+      if (it != free_.end() && it->first <= cap + cap / 8) {
+        p = it->second;
+        cap = it->first;
+        cached_ -= cap;
+        free_.erase(it);
+        note_live(p, n, cap);
+      }
+    }
+    if (!p) {
+      p = inner_allocate(cap);
+      if (p) {
+        std::lock_guard<std::mutex> lock(mu_);
+        note_live(p, n, cap);
+      }
     }
     return {p, p, &TrackingCpuAllocator::free, c10::Device(c10::DeviceType::CPU)};
   }
@@ -47,12 +64,30 @@ class TrackingCpuAllocator final : public c10::Allocator {
       std::lock_guard<std::mutex> lock(self->mu_);
       auto it = self->sizes_.find(p);
       if (it != self->sizes_.end()) {
-        self->live_ -= static_cast<int64_t>(it->second);
+        const Block b = it->second;
+        self->live_ -= static_cast<int64_t>(b.bytes);
         self->sizes_.erase(it);
+        if (self->caching_ && b.capacity >= kCacheMin && self->cached_ + b.capacity <= self->cache_limit_) {
+          self->free_.emplace(b.capacity, p);
+          self->cached_ += b.capacity;
+          return;
+        }
       }
     }
     self->inner_free_(p);
   }
+
+  // Returns every cached block to the system allocator.
+  void release_cached() {
+    std::multimap<size_t, void*> blocks;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      blocks.swap(free_);
+      cached_ = 0;
+    }
+    for (auto& [cap, p] : blocks) inner_free_(p);
+  }
+  bool caching() const { return caching_; }
 
   static TrackingCpuAllocator*& instance() {
     static TrackingCpuAllocator* inst = nullptr;
@@ -73,12 +108,56 @@ class TrackingCpuAllocator final : public c10::Allocator {
   }
 
  private:
+  static constexpr size_t kCacheMin = size_t(1) << 20;
+  struct Block {
+    size_t bytes;     // what the tensor asked for (counted as live)
+    size_t capacity;  // what the block holds
+  };
+
+  void note_live(void* p, size_t n, size_t cap) {  // mu_ held
+    sizes_[p] = {n, cap};
+    live_ += static_cast<int64_t>(n);
+    peak_ = std::max(peak_, live_);
+  }
+
+  void* inner_allocate(size_t n) {
+    c10::DataPtr inner;
+    try {
+      inner = inner_->allocate(n);
+    } catch (const c10::Error&) {
+      if (!caching_) throw;
+      release_cached();  // out of memory with blocks cached: give them back and try once more
+      inner = inner_->allocate(n);
+    }
+    void* p = inner.get();
+    TORCH_CHECK(p == inner.get_context() || p == nullptr,
+                "tracking CPU allocator: the default CPU allocator returned a wrapped pointer");
+    inner.release_context();
+    return p;
+  }
+
   c10::Allocator* inner_;
   c10::DeleterFnPtr inner_free_;
+  const bool caching_;
+  const size_t cache_limit_;
   mutable std::mutex mu_;
-  std::unordered_map<void*, size_t> sizes_;
+  std::unordered_map<void*, Block> sizes_;
+  std::multimap<size_t, void*> free_;  // cached blocks by capacity
+  size_t cached_ = 0;
   int64_t live_ = 0, peak_ = 0;
 };
+
+// COLLIDER_CPU_CACHING=0 turns caching off (glibc's behaviour); COLLIDER_CPU_CACHE_MIB bounds the
+// bytes kept cached (default 8192).
+bool caching_from_env() {
+  const char* v = std::getenv("COLLIDER_CPU_CACHING");
+  return !(v && std::string(v) == "0");
+}
+size_t cache_limit_from_env() {
+  const char* v = std::getenv("COLLIDER_CPU_CACHE_MIB");
+  const long long mib = v ? std::atoll(v) : 8192;
+  return static_cast<size_t>(std::max(0LL, mib)) << 20;
+}
 
 std::once_flag g_install_once;
 
@@ -87,13 +166,19 @@ std::once_flag g_install_once;
 void install_cpu_memory_tracking() {
   std::call_once(g_install_once, [] {
     // Never freed: tensors may outlive main's locals and free through it at exit.
-    auto* alloc = new TrackingCpuAllocator(c10::GetDefaultCPUAllocator());
+    auto* alloc = new TrackingCpuAllocator(c10::GetDefaultCPUAllocator(), caching_from_env(), cache_limit_from_env());
     TrackingCpuAllocator::instance() = alloc;
     c10::SetCPUAllocator(alloc, /*priority=*/100);
   });
 }
 
 bool cpu_memory_tracking_installed() { return TrackingCpuAllocator::instance() != nullptr; }
+
+const char* cpu_allocator_mode() {
+  auto* a = TrackingCpuAllocator::instance();
+  if (!a) return "system";
+  return a->caching() ? "caching" : "tracking";
+}
 
 MemoryProbe::MemoryProbe(const torch::Device& d) : device(d) {}
 

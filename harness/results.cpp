@@ -1,6 +1,7 @@
 // Result rows: schema, JSONL writer/reader, provenance (results.h).
 #include "harness/results.h"
 
+#include "harness/memory.h"
 #include "harness/ranges.h"
 
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -275,6 +276,7 @@ nlohmann::json environment_record(const Provenance& p) {
   j["nvtx"] = nvtx_enabled();
   j["interop_threads"] = at::get_num_interop_threads();
   j["parallel_info"] = at::get_parallel_info();
+  j["cpu_allocator"] = cpu_allocator_mode();  // caching | tracking | system (harness/memory.h)
   j["source_dir"] = COLLIDER_SOURCE_DIR;
   return j;
 }

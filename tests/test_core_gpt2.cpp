@@ -105,7 +105,7 @@ TEST_P(Gpt2Grad, MatchesOracle) {
   g_record = false;
   auto grad_shapes = g_grad_shapes;
   EXPECT_EQ(st.kept, N);
-  EXPECT_GT(st.tensors_gathered, 0);
+  if (N < c.T) EXPECT_GT(st.tensors_gathered, 0);  // with every token kept only broadcast tensors are copied
   ASSERT_EQ(grad_shapes.size(), static_cast<size_t>(kLayers));
   for (const auto& s : grad_shapes) EXPECT_EQ(s, (std::vector<int64_t>{c.B, N, kDim}));
 

@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <tuple>
@@ -101,6 +102,7 @@ class Rewriter {
       key.sizes = t.sizes().vec();
     }
     auto want = ix_->cut_sizes(t.sizes().vec(), spec, cut_keys_);
+    if (spec.pad_rank == 0 && want == t.sizes().vec()) return t;  // nothing to cut (keys under exact_query)
     const int64_t want_numel = c10::multiply_integers(want);
     auto it = cache_.find(key);
     if (it != cache_.end() && it->second.numel() == want_numel && spec.pad_rank == 0) {
@@ -108,7 +110,9 @@ class Rewriter {
     }
     const auto g0 = std::chrono::steady_clock::now();
     torch::Tensor out = ix_->cut(t, spec, cut_keys_);
-    if (!out.is_contiguous()) out = out.contiguous();
+    const auto st = out.strides();
+    const bool broadcast = std::find(st.begin(), st.end(), 0) != st.end();  // expanded on purpose (TokenIndex::cut)
+    if (!out.is_contiguous() && !broadcast) out = out.contiguous();
     const double dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - g0).count();
     stats_.gather_ms += dt;
     if (debug_gather_) {  // COLLIDER_DEBUG_GATHER=1: one line per gather, to find slow copies
@@ -118,7 +122,7 @@ class Rewriter {
     ++stats_.tensors_gathered;
     stats_.bytes_before += static_cast<int64_t>(t.numel() * t.element_size());
     stats_.bytes_gathered += static_cast<int64_t>(out.numel() * out.element_size());
-    if (spec.pad_rank == 0) cache_[key] = out;
+    if (spec.pad_rank == 0 && out.is_contiguous()) cache_[key] = out;
     return out;
   }
 

@@ -7,6 +7,14 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <ATen/Parallel.h>
+
+#include <cstdlib>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 namespace collider::detail {
 
 TokenIndex::TokenIndex(const torch::Tensor& keep_BT) {
@@ -29,6 +37,18 @@ TokenIndex::TokenIndex(const torch::Tensor& keep_BT) {
   if (n0 == 0) throw Error("filter_backward: the keep mask keeps no token");
   N_ = n0;
   idx_BN_ = keep_BT.nonzero().select(1, 1).reshape({B_, N_}).contiguous();
+}
+
+const std::vector<uint16_t>& TokenIndex::keep_masks16() {
+  if (!masks16_.empty()) return masks16_;
+  const int64_t C = (T_ + 15) / 16;
+  masks16_.assign(B_ * C, 0);
+  auto keep = keep_BT_.cpu().contiguous();
+  const bool* k = keep.data_ptr<bool>();
+  for (int64_t b = 0; b < B_; ++b)
+    for (int64_t t = 0; t < T_; ++t)
+      if (k[b * T_ + t]) masks16_[b * C + t / 16] |= static_cast<uint16_t>(1u << (t % 16));
+  return masks16_;
 }
 
 const torch::Tensor& TokenIndex::flat_rows(int64_t rpb) {
@@ -54,6 +74,65 @@ const torch::Tensor& TokenIndex::idx_square(int64_t rpb) {
   return square_cache_.emplace(rpb, sq).first->second;
 }
 
+namespace {
+
+// CPU: out[r, i, j] = x[r, idx[r / rpb, i], idx[r / rpb, j]] for contiguous x [R, T, T] and
+// out [R, N, N]; the element type only matters through its size. Reads N indices per row
+// (the generic gather reads an int64 index per element, as much memory as the data).
+template <typename E>
+void square_cut_cpu(const E* x, E* out, const int64_t* idx_BN, int64_t R, int64_t rpb, int64_t T, int64_t N) {
+  at::parallel_for(0, R * N, 32, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t r = row / N, i = row % N;
+      const int64_t* idx_N = idx_BN + (r / rpb) * N;
+      const E* src_T = x + (r * T + idx_N[i]) * T;
+      E* dst_N = out + row * N;
+      for (int64_t j = 0; j < N; ++j) dst_N[j] = src_T[idx_N[j]];
+    }
+  });
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// The same cut for 4-byte elements with AVX-512 compress: each kept row is packed 16 columns
+// at a time by the keep mask of its batch row (mask_BC: [B, ceil(T / 16)] 16-bit masks), about
+// one instruction per 16 columns instead of an indexed load per kept column. Masked loads and
+// stores never touch memory outside the row.
+__attribute__((target("avx512f"))) void pack_rows_avx512(const float* x, float* out, const int64_t* idx_BN,
+                                                          const uint16_t* mask_BC, int64_t begin, int64_t end,
+                                                          int64_t rpb, int64_t T, int64_t N) {
+  const int64_t C = (T + 15) / 16;
+  const __mmask16 tail = static_cast<__mmask16>(T % 16 == 0 ? 0xFFFF : (1u << (T % 16)) - 1);
+  for (int64_t row = begin; row < end; ++row) {
+    const int64_t r = row / N, i = row % N, b = r / rpb;
+    const float* src_T = x + (r * T + idx_BN[b * N + i]) * T;
+    const uint16_t* mask_C = mask_BC + b * C;
+    float* dst = out + row * N;
+    for (int64_t c = 0; c < C; ++c) {
+      const __mmask16 m = mask_C[c];
+      const __m512 v = _mm512_maskz_loadu_ps(c + 1 == C ? tail : 0xFFFF, src_T + 16 * c);
+      const int n = __builtin_popcount(m);
+      _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << n) - 1), _mm512_maskz_compress_ps(m, v));
+      dst += n;
+    }
+  }
+}
+
+void square_cut_avx512(const float* x, float* out, const int64_t* idx_BN, const uint16_t* mask_BC, int64_t R,
+                       int64_t rpb, int64_t T, int64_t N) {
+  at::parallel_for(0, R * N, 32, [&](int64_t begin, int64_t end) {
+    pack_rows_avx512(x, out, idx_BN, mask_BC, begin, end, rpb, T, N);
+  });
+}
+
+// COLLIDER_NO_AVX512=1 forces the portable loop (tested that way too: tests/CMakeLists.txt).
+bool have_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && std::getenv("COLLIDER_NO_AVX512") == nullptr;
+  return yes;
+}
+#endif
+
+}  // namespace
+
 // x: [.., B*m @batch_dim, .., T, T]: reads only the N x N kept entries of each [T, T] block,
 // instead of cutting rows and then columns (attention probabilities are the largest saved
 // tensors; this halves their copy traffic).
@@ -62,7 +141,33 @@ torch::Tensor TokenIndex::cut_last_two(const torch::Tensor& x_in, int64_t batch_
   auto sizes = x.sizes().vec();
   const int64_t r = static_cast<int64_t>(sizes.size());
   const int64_t rows = c10::multiply_integers(sizes.begin(), sizes.end() - 2);
-  auto out = x.reshape({rows, T_ * T_}).gather(1, idx_square(rows / B_));
+  torch::Tensor out;
+  if (x.is_cpu() && x.is_contiguous() && idx_BN_.is_cpu()) {
+    out = torch::empty({rows, N_, N_}, x.options());
+    const int64_t* idx = idx_BN_.data_ptr<int64_t>();
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (x.element_size() == 4 && have_avx512()) {
+      square_cut_avx512(static_cast<const float*>(x.const_data_ptr()), static_cast<float*>(out.data_ptr()), idx,
+                        keep_masks16().data(), rows, rows / B_, T_, N_);
+      sizes[r - 2] = N_;
+      sizes[r - 1] = N_;
+      out = out.view(sizes);
+      return batch_dim > 0 ? out.movedim(0, batch_dim) : out;
+    }
+#endif
+    auto run = [&](auto elem) {
+      using E = decltype(elem);
+      square_cut_cpu(static_cast<const E*>(x.const_data_ptr()), static_cast<E*>(out.data_ptr()), idx, rows, rows / B_, T_, N_);
+    };
+    switch (x.element_size()) {
+      case 1: run(uint8_t{}); break;
+      case 2: run(uint16_t{}); break;
+      case 4: run(uint32_t{}); break;
+      case 8: run(uint64_t{}); break;
+      default: out = torch::Tensor();  // no such CPU type today; the generic gather below
+    }
+  }
+  if (!out.defined()) out = x.reshape({rows, T_ * T_}).gather(1, idx_square(rows / B_));
   sizes[r - 2] = N_;
   sizes[r - 1] = N_;
   out = out.view(sizes);
@@ -119,6 +224,26 @@ torch::Tensor TokenIndex::cut(const torch::Tensor& x_in, const ShapeSpec& spec, 
   std::vector<const DimSpec*> cuts;
   for (const auto& d : spec.dims)
     if (cut_this(d, cut_keys)) cuts.push_back(&d);
+  // Broadcast (stride-0) dimensions that no cut touches: cut one slice and expand it back.
+  // GQA's keys and values are saved expanded from G to H heads; copying H / G identical
+  // copies of them would be wasted work (and memory). Not for the batch dimension when B > 1,
+  // whose rows keep different tokens.
+  if (spec.pad_rank == 0) {
+    std::vector<int64_t> full;
+    for (int64_t d = 0; d < x.dim(); ++d) {
+      if (x.stride(d) != 0 || x.size(d) == 1 || (d == bdim && B_ > 1)) continue;
+      bool cut_here = false;
+      for (const auto* c : cuts) cut_here = cut_here || c->dim == d;
+      if (cut_here) continue;
+      if (full.empty()) full = x.sizes().vec();
+      x = x.narrow(d, 0, 1);
+    }
+    if (!full.empty()) {
+      auto out = cut(x, spec, cut_keys);
+      auto want = cut_sizes(full, spec, cut_keys);
+      return out.expand(want);
+    }
+  }
   if (cuts.size() == 2 && cuts[0]->kind == DimKind::kToken && cuts[1]->kind == DimKind::kToken &&
       cuts[0]->dim + off == rank - 2 && cuts[1]->dim + off == rank - 1 && (bdim >= 0 || B_ == 1) &&
       bdim < rank - 2 && x.size(rank - 1) == T_ && x.size(rank - 2) == T_) {

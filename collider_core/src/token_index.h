@@ -38,11 +38,13 @@ class TokenIndex {
   const torch::Tensor& idx_square(int64_t rows_per_batch); // [B*rpb, N*N] flat (i*T + j) indices
   // Both of the last two dims are token dims of one batch row (attention's [.., Tq, Tk]): one pass.
   torch::Tensor cut_last_two(const torch::Tensor& x, int64_t batch_dim);
+  const std::vector<uint16_t>& keep_masks16();  // [B, ceil(T / 16)] keep bits, for the AVX-512 cut
 
   int64_t B_, T_, N_;
   torch::Tensor keep_BT_;
   torch::Tensor idx_BN_;  // int64 [B, N], ascending per row
   std::map<int64_t, torch::Tensor> flat_cache_, rows_cache_, square_cache_;
+  std::vector<uint16_t> masks16_;
 };
 
 }  // namespace collider::detail
