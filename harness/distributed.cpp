@@ -266,6 +266,7 @@ ReduceStats GradientReducer::reduce(double local_loss, int64_t local_tokens_kept
   meta_W3[R][2].fill_(static_cast<double>(local_tokens));
   std::vector<torch::Tensor> meta = {meta_W3.to(dev)};
   pg_->all_reduce_sum(meta, "per-rank losses and kept counts");
+  const double t_meta = now_ms();
   const auto m = meta[0].cpu();
   const auto acc = m.accessor<double, 2>();
   double weighted = 0.0;
@@ -311,7 +312,10 @@ ReduceStats GradientReducer::reduce(double local_loss, int64_t local_tokens_kept
   }
   if (dev.is_cuda()) torch::cuda::synchronize();  // NCCL waits are stream waits: time the finished copies
   st.num_buckets = static_cast<int64_t>(buckets_.size());
-  st.allreduce_ms = now_ms() - t0;
+  const double t_end = now_ms();
+  st.wait_ms = t_meta - t0;
+  st.bucket_ms = t_end - t_meta;
+  st.allreduce_ms = t_end - t0;
   return st;
 }
 

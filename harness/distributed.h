@@ -84,7 +84,9 @@ std::shared_ptr<ProcessGroup> init_process_group(const DistEnv& env, const torch
 
 // What one reduction did: the per-rank numbers every rank now knows, and the time it took.
 struct ReduceStats {
-  double allreduce_ms = 0.0;           // wall time of reduce() (host clock; includes the waits)
+  double allreduce_ms = 0.0;           // wall time of reduce() (host clock): wait_ms + bucket_ms
+  double wait_ms = 0.0;                // the first, tiny all-reduce: mostly waiting for the slowest rank
+  double bucket_ms = 0.0;              // flatten, all-reduce the gradient buckets, copy back
   int64_t num_buckets = 0;
   int64_t bytes = 0;                   // gradient bytes all-reduced per rank
   std::vector<double> rank_loss;       // per rank: its loss (mean over its kept tokens)

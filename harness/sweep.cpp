@@ -131,7 +131,7 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
 
     if (!device.is_cuda()) install_cpu_memory_tracking();  // before the model's tensors exist
     MemoryProbe probe(device);
-    std::vector<double> fwd, bwd, filt, sel, rew, opt, step, losses, allreduce;
+    std::vector<double> fwd, bwd, filt, sel, rew, opt, step, losses, allreduce, ar_wait, ar_bucket;
     std::map<std::string, std::vector<double>> layer_fwd, layer_bwd;
     std::vector<std::string> layer_names;
     std::vector<double> rep_step_medians, bwd_coverage;
@@ -182,6 +182,8 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
         tokens_kept = r.dist ? r.dist->rank_tokens_kept[rank] : r.tokens_kept;
         global_tokens_kept = r.tokens_kept;
         if (r.dist) {
+          ar_wait.push_back(r.dist->wait_ms);
+          ar_bucket.push_back(r.dist->bucket_ms);
           rank_tokens_kept = r.dist->rank_tokens_kept;
           rank_loss = r.dist->rank_loss;
         }
@@ -212,6 +214,9 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
     row["allreduce_ms"] = median(allreduce);  // 0 in single-process runs
     if (dist) {
       row["samples_allreduce_ms"] = allreduce;
+      // allreduce_ms = the wait for the slowest rank (a tiny all-reduce first) + the bucket all-reduces.
+      row["allreduce_wait_ms"] = median(ar_wait);
+      row["allreduce_bucket_ms"] = median(ar_bucket);
       row["distributed_backend"] = dist->backend();
       row["rank_tokens_kept"] = rank_tokens_kept;  // last measured step, per rank
       row["rank_loss_last"] = rank_loss;

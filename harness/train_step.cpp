@@ -237,7 +237,7 @@ StepResult Trainer::step(const Batch& batch_in) {
     ScopedRange rg(ranges_, "allreduce");
     r.dist = reducer_->reduce(loss.detach().item<double>(), keep_BT.sum().item<int64_t>(), B * T);
   }
-  const int64_t m_reduce = timer_->mark();
+  const int64_t m_reduce = reducer_ ? timer_->mark() : m_bwd;  // allreduce_ms is exactly 0 without a reducer
 
   {
     ScopedRange rg(ranges_, "optimizer");

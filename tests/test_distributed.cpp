@@ -4,6 +4,8 @@
 //    for loss_only and collider; the checkpoint rank 0 wrote loads into a single-process model;
 //  - a rank that exits early or hangs makes the other exit non-zero (status 3) with a message
 //    naming its rank, well before the test's 30 s limit;
+//  - `collider run` under scripts/launch.sh: rank 0 writes one row per point with world_size 2;
+//    a failing point ends the run on every rank (status 3);
 //  - launch variables are validated.
 // Run: OMP_NUM_THREADS=1 build/tests/test_distributed   (spawns build/tests/distributed_worker)
 #include "distributed_test_util.h"
@@ -25,6 +27,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -232,6 +235,63 @@ TEST(DataParallelFailure, PeerExitsEarly) {
 TEST(DataParallelFailure, PeerHangsPastTheTimeout) {
   if (!ch::distributed_available()) GTEST_SKIP() << "built without COLLIDER_DISTRIBUTED";
   expect_peer_failure("--hang-after", /*timeout_s=*/4, /*limit_s=*/25);
+}
+
+// `collider run` under scripts/launch.sh: one process per rank, rows from rank 0 only.
+struct LaunchResult {
+  int status = -1;
+  std::string log;
+  std::vector<nlohmann::json> rows;
+};
+
+LaunchResult launch_smoke(const ct::TempDir& dir, const std::string& extra) {
+  const std::string src = COLLIDER_SOURCE_DIR, out = dir / "run", log = dir / "launch.log";
+  const std::string cmd = "COLLIDER_BIN=" COLLIDER_BINARY_DIR "/collider COLLIDER_DIST_TIMEOUT_S=20 timeout 120 " + src +
+                          "/scripts/launch.sh 2 " + src + "/experiments/smoke.toml --out " + out +
+                          " --set run.measure_steps=1 --set run.warmup_steps=0 --set axes.filter_ratio=0.5"
+                          " --set 'axes.method=[\"loss_only\",\"collider\"]' --set axes.attention_grad=kept_only " +
+                          extra + " > " + log + " 2>&1";
+  LaunchResult r;
+  const int st = std::system(cmd.c_str());
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  r.log = ch::fsutil::exists(log) ? ch::fsutil::read_file(log) : "";
+  const std::string results = out + "/results.jsonl";
+  if (ch::fsutil::exists(results)) {
+    std::istringstream in(ch::fsutil::read_file(results));
+    for (std::string line; std::getline(in, line);) {
+      if (!line.empty()) r.rows.push_back(nlohmann::json::parse(line));
+    }
+  }
+  return r;
+}
+
+TEST(DataParallelCli, LaunchRunsOneProcessPerRankAndRank0WritesTheRows) {
+  if (!ch::distributed_available()) GTEST_SKIP() << "built without COLLIDER_DISTRIBUTED";
+  ct::TempDir dir("dist_cli");
+  const LaunchResult r = launch_smoke(dir, "");
+  ASSERT_EQ(r.status, 0) << r.log;
+  ASSERT_EQ(r.rows.size(), 2u) << "one row per point, written once (by rank 0)\n" << r.log;
+  for (const auto& row : r.rows) {
+    EXPECT_EQ(row["status"], "ok") << row.dump();
+    EXPECT_EQ(row["world_size"], 2);
+    EXPECT_EQ(row["batch_size"], 2);  // per rank
+    EXPECT_EQ(row["global_batch_size"], 4);
+    EXPECT_EQ(row["rank_tokens_kept"], nlohmann::json::array({64, 64}));  // B=2 rows x T'=32 per rank
+    EXPECT_EQ(row["global_tokens_kept"], 128);
+    EXPECT_GT(row["allreduce_ms"].get<double>(), 0.0);
+  }
+  EXPECT_NE(r.log.find("[rank 1] collider run: rank 1 of 2: gloo process group up"), std::string::npos) << r.log;
+}
+
+TEST(DataParallelCli, AFailingPointEndsTheRunOnEveryRank) {
+  if (!ch::distributed_available()) GTEST_SKIP() << "built without COLLIDER_DISTRIBUTED";
+  ct::TempDir dir("dist_cli_fail");
+  const LaunchResult r = launch_smoke(dir, "--set run.fail_point=collider");
+  EXPECT_EQ(r.status, 3) << "launch.sh passes on the failing rank's status (3: distributed failure)\n" << r.log;
+  ASSERT_EQ(r.rows.size(), 2u) << r.log;
+  EXPECT_EQ(r.rows[0]["status"], "ok");
+  EXPECT_EQ(r.rows[1]["status"], "error");
+  EXPECT_NE(r.log.find("stops at the first failing point"), std::string::npos) << r.log;
 }
 
 TEST(DistEnv, ReadsAndValidatesTheLaunchVariables) {

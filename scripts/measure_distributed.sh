@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Measures data-parallel step time on this CPU (issue 7): experiments/dist_step_time.toml as one
+# process (B = 1 and B = 2, 1 thread; B = 2 with 2 threads) and as 2 Gloo ranks on loopback
+# (scripts/launch.sh, B = 1 per rank, 1 thread each), then writes summary.md: step time per run,
+# 2-rank vs 1-rank ratios, the all-reduce's share of the 2-rank step, and the provenance (commit,
+# CPU, torch, load). CPU scale: relative numbers only; the cores may be shared.
+#   ./scripts/measure_distributed.sh [OUT_DIR]     (default results/distributed/<UTC stamp>; ~5 min)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-results/distributed/$(date -u +%Y%m%d-%H%M%S)}
+M=experiments/dist_step_time.toml
+BIN=build/collider
+[[ -x $BIN ]] || { echo "measure_distributed.sh: build $BIN first (./scripts/bootstrap.sh)" >&2; exit 2; }
+mkdir -p "$OUT"
+{
+  echo "commit: $(git rev-parse HEAD)$(git diff --quiet HEAD -- . ':!results' || echo ' (dirty)')"
+  echo "cpu: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores"
+  echo "torch: $(cd /tmp && "$(cat build/python_path 2>/dev/null || echo python3)" -c 'import torch;print(torch.__version__)')"
+  echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+} > "$OUT/provenance.txt"
+
+run() {  # name, then the command
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$OUT/commands.txt"
+  "$@" 2> "$OUT/$name.log" || { echo "failed: see $OUT/$name.log" >&2; exit 1; }
+}
+run world1 "$BIN" run "$M" --out "$OUT/world1"
+run world2 ./scripts/launch.sh 2 "$M" --set axes.batch_size=1 --out "$OUT/world2"
+run world1_threads2 "$BIN" run "$M" --set axes.batch_size=2 --set run.threads=2 --out "$OUT/world1_threads2"
+echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/provenance.txt"
+
+python3 - "$OUT" > "$OUT/summary.md" <<'EOF'
+import json, sys, os
+out = sys.argv[1]
+def rows(name):
+    with open(os.path.join(out, name, "results.jsonl")) as f:
+        return {(r["method"], r["batch_size"]): r for r in map(json.loads, f) if r["status"] == "ok"}
+w1, w2, w1t2 = rows("world1"), rows("world2"), rows("world1_threads2")
+print("# Data-parallel step time, CPU scale (tinyllama-mini, T = 512, fp32, filter_ratio 0.4)\n")
+print(open(os.path.join(out, "provenance.txt")).read().replace("\n", "  \n"))
+print("Medians over 6 measured steps (2 warm-up). `2 ranks` = scripts/launch.sh 2, Gloo on loopback, B = 1 per rank,"
+      " 1 thread per rank (global batch 2); allreduce_ms = GradientReducer::reduce (flatten, all-reduce, copy back).\n")
+print("| method | 1 proc B=1, 1 thr | 1 proc B=2, 1 thr | 1 proc B=2, 2 thr | 2 ranks x B=1 | all-reduce ms (share of 2-rank step) | 2 ranks / (1 proc B=1) | 2 ranks / (1 proc B=2, 1 thr) | 2 ranks / (1 proc B=2, 2 thr) |")
+print("|---|---|---|---|---|---|---|---|---|")
+for m in ["loss_only", "collider"]:
+    a, b, c, d = w1[(m, 1)], w1[(m, 2)], w1t2[(m, 2)], w2[(m, 1)]
+    s = lambda r: r["step_ms"]
+    print(f"| {m} | {s(a):.0f} | {s(b):.0f} | {s(c):.0f} | {s(d):.0f} | {d['allreduce_ms']:.1f} ({100*d['allreduce_ms']/s(d):.1f}%) |"
+          f" {s(d)/s(a):.2f} | {s(d)/s(b):.2f} | {s(d)/s(c):.2f} |")
+d = w2[("collider", 1)]
+print(f"\n2-rank rows: world_size {d['world_size']}, backend {d.get('distributed_backend')}, "
+      f"rank_tokens_kept {d.get('rank_tokens_kept')}, global_tokens {d.get('global_tokens')}, "
+      f"all-reduce samples (ms) {[round(x, 1) for x in d.get('samples_allreduce_ms', [])]}")
+EOF
+cat "$OUT/summary.md"
