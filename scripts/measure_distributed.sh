@@ -15,7 +15,6 @@ mkdir -p "$OUT"
 {
   echo "commit: $(git rev-parse HEAD)$(git diff --quiet HEAD -- . ':!results' || echo ' (dirty)')"
   echo "cpu: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores"
-  echo "torch: $(cd /tmp && "$(cat build/python_path 2>/dev/null || echo python3)" -c 'import torch;print(torch.__version__)')"
   echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 } > "$OUT/provenance.txt"
@@ -28,7 +27,10 @@ run() {  # name, then the command
 run world1 "$BIN" run "$M" --out "$OUT/world1"
 run world2 ./scripts/launch.sh 2 "$M" --set axes.batch_size=1 --out "$OUT/world2"
 run world1_threads2 "$BIN" run "$M" --set axes.batch_size=2 --set run.threads=2 --out "$OUT/world1_threads2"
-echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/provenance.txt"
+{
+  echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('torch:', d['torch_version'], '(libtorch of this build, from env.json)')" "$OUT/world1/env.json"
+} >> "$OUT/provenance.txt"
 
 python3 - "$OUT" > "$OUT/summary.md" <<'EOF'
 import json, sys, os
