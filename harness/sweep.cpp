@@ -135,7 +135,7 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
     std::map<std::string, std::vector<double>> layer_fwd, layer_bwd;
     std::vector<std::string> layer_names;
     std::vector<double> rep_step_medians, bwd_coverage;
-    int64_t peak = -1, tokens_kept = -1, kept_per_seq = -1, global_tokens_kept = -1;
+    int64_t peak = -1, tokens_kept = -1, kept_per_seq = -1, global_tokens_kept = -1, allreduce_bytes = 0;
     std::vector<int64_t> rank_tokens_kept;
     std::vector<double> rank_loss;
     collider::FilterStats fstats;
@@ -184,6 +184,7 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
         if (r.dist) {
           ar_wait.push_back(r.dist->wait_ms);
           ar_bucket.push_back(r.dist->bucket_ms);
+          allreduce_bytes = r.dist->bytes;
           rank_tokens_kept = r.dist->rank_tokens_kept;
           rank_loss = r.dist->rank_loss;
         }
@@ -217,6 +218,7 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
       // allreduce_ms = the wait for the slowest rank (a tiny all-reduce first) + the bucket all-reduces.
       row["allreduce_wait_ms"] = median(ar_wait);
       row["allreduce_bucket_ms"] = median(ar_bucket);
+      row["allreduce_bytes"] = allreduce_bytes;  // gradient bytes per rank per step
       row["distributed_backend"] = dist->backend();
       row["rank_tokens_kept"] = rank_tokens_kept;  // last measured step, per rank
       row["rank_loss_last"] = rank_loss;

@@ -41,17 +41,26 @@ def rows(name):
 w1, w2, w1t2 = rows("world1"), rows("world2"), rows("world1_threads2")
 print("# Data-parallel step time, CPU scale (tinyllama-mini, T = 512, fp32, filter_ratio 0.4)\n")
 print(open(os.path.join(out, "provenance.txt")).read().replace("\n", "  \n"))
-print("Medians over 6 measured steps (2 warm-up). `2 ranks` = scripts/launch.sh 2, Gloo on loopback, B = 1 per rank,"
-      " 1 thread per rank (global batch 2); allreduce_ms = GradientReducer::reduce (flatten, all-reduce, copy back).\n")
-print("| method | 1 proc B=1, 1 thr | 1 proc B=2, 1 thr | 1 proc B=2, 2 thr | 2 ranks x B=1 | all-reduce ms (share of 2-rank step) | 2 ranks / (1 proc B=1) | 2 ranks / (1 proc B=2, 1 thr) | 2 ranks / (1 proc B=2, 2 thr) |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("Medians over 6 measured steps (2 warm-up), ms. `2 ranks` = scripts/launch.sh 2, Gloo on loopback, B = 1 per rank,"
+      " 1 thread per rank (global batch 2). all-reduce = GradientReducer::reduce = wait (a tiny all-reduce first: mostly"
+      " waiting for the slower rank) + buckets (flatten, all-reduce the 25 MiB buckets, copy back).\n")
+print("| method | 1 proc B=1, 1 thr | 1 proc B=2, 1 thr | 1 proc B=2, 2 thr | 2 ranks x B=1 | all-reduce (share of 2-rank step) | of which wait / buckets | 2 ranks / (1 proc B=1) | 2 ranks / (1 proc B=2, 1 thr) | 2 ranks / (1 proc B=2, 2 thr) |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 for m in ["loss_only", "collider"]:
     a, b, c, d = w1[(m, 1)], w1[(m, 2)], w1t2[(m, 2)], w2[(m, 1)]
     s = lambda r: r["step_ms"]
     print(f"| {m} | {s(a):.0f} | {s(b):.0f} | {s(c):.0f} | {s(d):.0f} | {d['allreduce_ms']:.1f} ({100*d['allreduce_ms']/s(d):.1f}%) |"
+          f" {d.get('allreduce_wait_ms', 0):.1f} / {d.get('allreduce_bucket_ms', 0):.1f} |"
           f" {s(d)/s(a):.2f} | {s(d)/s(b):.2f} | {s(d)/s(c):.2f} |")
+print("\nPhases (ms): fwd / bwd / optim")
+print("| method | 1 proc B=1 | 1 proc B=2, 1 thr | 1 proc B=2, 2 thr | 2 ranks x B=1 (rank 0) |")
+print("|---|---|---|---|---|")
+for m in ["loss_only", "collider"]:
+    ph = lambda r: f"{r['fwd_ms']:.0f} / {r['bwd_ms']:.0f} / {r['optim_ms']:.0f}"
+    print(f"| {m} | {ph(w1[(m, 1)])} | {ph(w1[(m, 2)])} | {ph(w1t2[(m, 2)])} | {ph(w2[(m, 1)])} |")
 d = w2[("collider", 1)]
 print(f"\n2-rank rows: world_size {d['world_size']}, backend {d.get('distributed_backend')}, "
+      f"gradient bytes all-reduced per rank per step {d.get('allreduce_bytes')}, "
       f"rank_tokens_kept {d.get('rank_tokens_kept')}, global_tokens {d.get('global_tokens')}, "
       f"all-reduce samples (ms) {[round(x, 1) for x in d.get('samples_allreduce_ms', [])]}")
 EOF
