@@ -16,8 +16,16 @@
 #include <iostream>
 #include <map>
 
+#include <time.h>
+
 namespace collider::harness {
 namespace {
+
+int64_t process_cpu_ns() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0.0;
@@ -141,6 +149,7 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
     collider::FilterStats fstats;
     std::string timer_kind;
     int64_t global_step = 0;
+    int64_t cpu_ns_begin = 0, measured_cpu_ns = 0;  // process CPU time (all threads) over measured steps
     for (int64_t rep = 0; rep < m.run.repetitions; ++rep) {
       const uint64_t seed = static_cast<uint64_t>(m.run.seed + rep);
       Trainer trainer(models::build_model(cfg, attn, seed), sc, device, seed, ranges);
@@ -153,6 +162,7 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
         if (s == m.run.warmup_steps) {
           if (device.is_cuda()) torch::cuda::synchronize();
           probe.reset_peak();
+          cpu_ns_begin = process_cpu_ns();
         }
         if (global_step == profile_begin) cuda_profiler_start();
         // Every rank draws the same global batch and takes its own rows (world 1: the whole batch).
@@ -200,6 +210,7 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
         }
       }
       if (device.is_cuda()) torch::cuda::synchronize();
+      if (m.run.measure_steps > 0) measured_cpu_ns += process_cpu_ns() - cpu_ns_begin;
       peak = std::max(peak, probe.peak_bytes());
       rep_step_medians.push_back(median(rep_step));
     }
@@ -228,6 +239,10 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
     row["samples_bwd_ms"] = bwd;
     row["repetition_step_ms"] = rep_step_medians;
     row["timer"] = timer_kind;
+    // CPU time this process used per measured step (all its threads): on a shared machine,
+    // wall time well above it (times the threads) means the process waited for a core.
+    row["process_cpu_ms_per_step"] =
+        static_cast<double>(measured_cpu_ns) * 1e-6 / static_cast<double>(std::max<int64_t>(1, step.size()));
     double layers_fwd_sum = 0, layers_bwd_sum = 0;
     nlohmann::json layers = nlohmann::json::array();
     for (const auto& name : layer_names) {

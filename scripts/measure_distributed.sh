@@ -52,11 +52,12 @@ for m in ["loss_only", "collider"]:
     print(f"| {m} | {s(a):.0f} | {s(b):.0f} | {s(c):.0f} | {s(d):.0f} | {d['allreduce_ms']:.1f} ({100*d['allreduce_ms']/s(d):.1f}%) |"
           f" {d.get('allreduce_wait_ms', 0):.1f} / {d.get('allreduce_bucket_ms', 0):.1f} |"
           f" {s(d)/s(a):.2f} | {s(d)/s(b):.2f} | {s(d)/s(c):.2f} |")
-print("\nPhases (ms): fwd / bwd / optim")
+print("\nPhases (ms): fwd / bwd / optim; process CPU ms per step (all threads; wall well above CPU / threads ="
+      " the process waited for a core on this shared machine)")
 print("| method | 1 proc B=1 | 1 proc B=2, 1 thr | 1 proc B=2, 2 thr | 2 ranks x B=1 (rank 0) |")
 print("|---|---|---|---|---|")
 for m in ["loss_only", "collider"]:
-    ph = lambda r: f"{r['fwd_ms']:.0f} / {r['bwd_ms']:.0f} / {r['optim_ms']:.0f}"
+    ph = lambda r: f"{r['fwd_ms']:.0f} / {r['bwd_ms']:.0f} / {r['optim_ms']:.0f}; cpu {r.get('process_cpu_ms_per_step', 0):.0f}"
     print(f"| {m} | {ph(w1[(m, 1)])} | {ph(w1[(m, 2)])} | {ph(w1t2[(m, 2)])} | {ph(w2[(m, 1)])} |")
 d = w2[("collider", 1)]
 print(f"\n2-rank rows: world_size {d['world_size']}, backend {d.get('distributed_backend')}, "
