@@ -5,10 +5,8 @@
 
 #include <fmt/format.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
-#include <limits>
 #include <unordered_set>
 
 #if COLLIDER_DISTRIBUTED

@@ -360,7 +360,10 @@ SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
   if (dist != nullptr && !m.points.empty()) {
     auto skip_P = torch::zeros({static_cast<int64_t>(m.points.size())}, torch::kInt);
     for (size_t k = 0; k < skip.size(); ++k) skip_P[static_cast<int64_t>(k)].fill_(skip[k] ? 1 : 0);
-    std::vector<torch::Tensor> t = {m.run.device == "cuda" ? skip_P.to(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(dist->env().local_rank))) : skip_P};
+    if (m.run.device == "cuda") {  // NCCL broadcasts device tensors
+      skip_P = skip_P.to(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(dist->env().local_rank)));
+    }
+    std::vector<torch::Tensor> t = {skip_P};
     dist->broadcast(t, 0, "the points to run");
     auto back = t[0].cpu();
     for (size_t k = 0; k < skip.size(); ++k) skip[k] = back[static_cast<int64_t>(k)].item<int>() != 0;

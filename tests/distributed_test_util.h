@@ -1,7 +1,7 @@
 // Shared by tests/test_distributed.cpp and its helper process tests/distributed_worker.cpp: the
-// training run both sides make (tinyllama-debug, fixed seeds, per-step global batches of
-// world*B rows, each rank taking its own B rows), so that a 2-rank run and a single process on
-// the concatenated batch see the same data. Legend: B batch rows per rank, T sequence.
+// training run both sides make (tinyllama-debug, fixed seeds, per-step global batches split
+// between the ranks by rows), so that a 2-rank run and a single process on the concatenated
+// batch see the same data. Legend: B batch rows, T sequence.
 #pragma once
 
 #include "harness/distributed.h"
@@ -12,6 +12,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace collider::testing {
 
@@ -34,17 +35,24 @@ inline harness::Trainer make_dist_trainer(const std::string& method) {
                           dist_step_config(method), torch::kCPU, kDistSeed);
 }
 
-// Runs `steps` steps on rank `rank`'s rows of each step's global batch (world * B rows); returns
-// per step {loss, grad_norm, tokens_kept} (over all ranks when the trainer has a reducer).
-inline nlohmann::json run_dist_steps(harness::Trainer& trainer, int steps, int64_t B, int rank, int world) {
+// Runs `steps` steps on rank `rank`'s rows of each step's global batch, whose rows are split
+// between the ranks as `rows_per_rank` says (rank r: the next rows_per_rank[r] rows); returns per
+// step {loss, grad_norm, tokens_kept} (over all ranks when the trainer has a reducer).
+inline nlohmann::json run_dist_steps(harness::Trainer& trainer, int steps, const std::vector<int64_t>& rows_per_rank,
+                                     int rank) {
   torch::Generator gen = at::detail::createCPUGenerator(kDistSeed * 101 + 7);
   const int64_t V = trainer.model()->config().vocab_size;
+  int64_t rows = 0, first = 0;
+  for (size_t r = 0; r < rows_per_rank.size(); ++r) {
+    if (static_cast<int>(r) < rank) first += rows_per_rank[r];
+    rows += rows_per_rank[r];
+  }
   nlohmann::json log = nlohmann::json::array();
   for (int s = 0; s < steps; ++s) {
-    harness::Batch global = harness::random_batch(B * world, kDistT, V, gen, torch::kCPU);
+    harness::Batch global = harness::random_batch(rows, kDistT, V, gen, torch::kCPU);
     harness::Batch mine;
-    mine.input_ids_BT = global.input_ids_BT.narrow(0, rank * B, B);
-    mine.labels_BT = global.labels_BT.narrow(0, rank * B, B);
+    mine.input_ids_BT = global.input_ids_BT.narrow(0, first, rows_per_rank[rank]);
+    mine.labels_BT = global.labels_BT.narrow(0, first, rows_per_rank[rank]);
     const harness::StepResult r = trainer.step(mine);
     nlohmann::json j = {{"loss", r.loss}, {"grad_norm", r.grad_norm}, {"tokens_kept", r.tokens_kept}};
     if (r.dist) j["rank_tokens_kept"] = r.dist->rank_tokens_kept;

@@ -1,6 +1,7 @@
 // One rank of the data-parallel runs in tests/test_distributed.cpp (started by it with RANK,
 // WORLD_SIZE, MASTER_ADDR, MASTER_PORT set): trains tinyllama-debug for --steps steps with a
-// GradientReducer and writes one training checkpoint (rank 0 only) to --out. Failure modes for
+// GradientReducer (rank r on --rows[r] rows of each global batch, default 1) and writes one
+// training checkpoint (rank 0 only) to --out. Failure modes for
 // the tests: --exit-after K (this rank returns 0 after K steps), --hang-after K (sleeps).
 // A DistributedError is printed with the rank and ends the process with status 3 (as `collider run`).
 //   RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500
@@ -10,8 +11,10 @@
 #include "models/checkpoint.h"
 
 #include <chrono>
+#include <algorithm>
 #include <iostream>
 #include <string>
+#include <vector>
 #include <thread>
 
 namespace ch = collider::harness;
@@ -20,12 +23,18 @@ namespace ct = collider::testing;
 int main(int argc, char** argv) {
   std::string method = "loss_only", out;
   int steps = 5, exit_after = -1, hang_after = -1;
-  int64_t B = 1;
+  std::vector<int64_t> rows;  // per rank (default 1 each)
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--method") method = v;
     else if (k == "--steps") steps = std::stoi(v);
-    else if (k == "--batch") B = std::stoll(v);
+    else if (k == "--rows") {  // e.g. 1,2: rank 0 trains on 1 row of each global batch, rank 1 on the next 2
+      for (size_t p = 0; p < v.size();) {
+        const size_t q = std::min(v.find(',', p), v.size());
+        rows.push_back(std::stoll(v.substr(p, q - p)));
+        p = q + 1;
+      }
+    }
     else if (k == "--out") out = v;
     else if (k == "--exit-after") exit_after = std::stoi(v);
     else if (k == "--hang-after") hang_after = std::stoi(v);
@@ -41,12 +50,17 @@ int main(int argc, char** argv) {
       std::cerr << "distributed_worker: WORLD_SIZE is not set\n";
       return 2;
     }
+    if (rows.empty()) rows.assign(static_cast<size_t>(env->world_size), 1);
+    if (static_cast<int>(rows.size()) != env->world_size) {
+      std::cerr << "distributed_worker: --rows needs one count per rank (" << env->world_size << ")\n";
+      return 2;
+    }
     auto pg = ch::init_process_group(*env, torch::kCPU);
     ch::Trainer trainer = ct::make_dist_trainer(method);
     trainer.set_reducer(std::make_shared<ch::GradientReducer>(pg, trainer.model()->parameters()));
     nlohmann::json log = nlohmann::json::array();
     if (exit_after < 0 && hang_after < 0) {
-      log = ct::run_dist_steps(trainer, steps, B, env->rank, env->world_size);
+      log = ct::run_dist_steps(trainer, steps, rows, env->rank);
     } else {
       // Failure modes: step by step so that the early exit / hang falls between two steps.
       torch::Generator gen = at::detail::createCPUGenerator(1);
@@ -60,7 +74,7 @@ int main(int argc, char** argv) {
           std::cerr << "distributed_worker: rank " << env->rank << " hangs after " << s << " steps\n";
           std::this_thread::sleep_for(std::chrono::hours(1));
         }
-        trainer.step(ch::random_batch(B, ct::kDistT, V, gen, torch::kCPU));
+        trainer.step(ch::random_batch(rows[static_cast<size_t>(env->rank)], ct::kDistT, V, gen, torch::kCPU));
       }
     }
     if (!out.empty()) {
