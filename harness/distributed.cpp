@@ -112,6 +112,29 @@ void ProcessGroup::all_reduce_sum(std::vector<torch::Tensor>& tensors, const cha
   }
 }
 
+struct ProcessGroup::Pending {
+  c10::intrusive_ptr<c10d::Work> work;
+};
+
+std::shared_ptr<ProcessGroup::Pending> ProcessGroup::start_all_reduce_sum(torch::Tensor& tensor) {
+  auto p = std::make_shared<Pending>();
+  try {
+    std::vector<at::Tensor> one = {tensor};
+    p->work = impl_->backend->allreduce(one);
+  } catch (const std::exception& e) {
+    rethrow_collective(env_, backend_, "all-reduce", "starting a gradient bucket", e);
+  }
+  return p;
+}
+
+void ProcessGroup::wait(Pending& pending, const char* what) {
+  try {
+    pending.work->wait(env_.timeout);
+  } catch (const std::exception& e) {
+    rethrow_collective(env_, backend_, "all-reduce", what, e);
+  }
+}
+
 void ProcessGroup::broadcast(std::vector<torch::Tensor>& tensors, int root, const char* what) {
   try {
     c10d::BroadcastOptions o;
@@ -211,6 +234,9 @@ namespace {
 }  // namespace
 
 void ProcessGroup::all_reduce_sum(std::vector<torch::Tensor>&, const char*) { not_built(); }
+struct ProcessGroup::Pending {};
+std::shared_ptr<ProcessGroup::Pending> ProcessGroup::start_all_reduce_sum(torch::Tensor&) { not_built(); }
+void ProcessGroup::wait(Pending&, const char*) { not_built(); }
 void ProcessGroup::broadcast(std::vector<torch::Tensor>&, int, const char*) { not_built(); }
 void ProcessGroup::barrier(const char*) { not_built(); }
 std::shared_ptr<ProcessGroup> init_process_group(const DistEnv&, const torch::Device&) { not_built(); }
@@ -219,11 +245,29 @@ std::shared_ptr<ProcessGroup> init_process_group(const DistEnv&, const torch::De
 
 // ---- GradientReducer (backend-independent: only ProcessGroup's collectives) ----------------------
 
+namespace {
+
+// Runs after a parameter's AccumulateGrad node: its .grad() holds this backward's gradient.
+struct ReadyHook : torch::autograd::FunctionPostHook {
+  explicit ReadyHook(std::function<void()> fn) : fn(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    fn();
+    return outputs;
+  }
+  std::function<void()> fn;
+};
+
+}  // namespace
+
 GradientReducer::GradientReducer(std::shared_ptr<ProcessGroup> pg, const std::vector<torch::Tensor>& params,
                                  ReducerOptions options)
     : pg_(std::move(pg)), options_(options) {
   TORCH_CHECK(pg_ != nullptr, "GradientReducer: no process group given");
   TORCH_CHECK(options_.bucket_bytes > 0, "GradientReducer: bucket_bytes must be positive, got ", options_.bucket_bytes);
+  if (const char* v = std::getenv("COLLIDER_DIST_OVERLAP"); v != nullptr && std::string(v) == "0") {
+    options_.overlap_backward = false;
+  }
   std::unordered_set<const void*> seen;
   for (auto it = params.rbegin(); it != params.rend(); ++it) {  // backward produces the last layers first
     if (!it->requires_grad() || !seen.insert(it->unsafeGetTensorImpl()).second) continue;
@@ -241,16 +285,34 @@ GradientReducer::GradientReducer(std::shared_ptr<ProcessGroup> pg, const std::ve
       bytes = 0;
     }
     buckets_.back().push_back(i);
+    bucket_of_.push_back(buckets_.size() - 1);
     bytes += b;
   }
   // Every replica starts from rank 0's parameters (the same seed gives the same ones; this makes sure).
-  torch::NoGradGuard ng;
-  std::vector<torch::Tensor> data;
-  for (auto& p : params_) data.push_back(p.detach());
-  pg_->broadcast(data, 0, "rank 0's initial parameters");
+  {
+    torch::NoGradGuard ng;
+    std::vector<torch::Tensor> data;
+    for (auto& p : params_) data.push_back(p.detach());
+    pg_->broadcast(data, 0, "rank 0's initial parameters");
+  }
+  if (options_.overlap_backward) {
+    // A leaf's AccumulateGrad node runs once per backward (uses of a tied weight are summed
+    // before it); holding the nodes keeps the same ones, and their hooks, in every graph.
+    for (size_t i = 0; i < params_.size(); ++i) {
+      auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+      TORCH_CHECK(acc != nullptr, "GradientReducer: parameter ", i, " has no gradient accumulator");
+      hook_keys_.push_back(acc->add_post_hook(std::make_unique<ReadyHook>([this, i] { mark_ready(i); })));
+      accumulators_.push_back(std::move(acc));
+    }
+  }
 }
 
-ReduceStats GradientReducer::reduce(double local_loss, int64_t local_tokens_kept, int64_t local_tokens) {
+GradientReducer::~GradientReducer() {
+  // The accumulators may outlive us (a live graph holds them): remove our hooks.
+  for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
+}
+
+void GradientReducer::begin(double local_loss, int64_t local_tokens_kept, int64_t local_tokens) {
   torch::NoGradGuard ng;
   const double t0 = now_ms();
   const int W = pg_->world_size(), R = pg_->rank();
@@ -264,7 +326,6 @@ ReduceStats GradientReducer::reduce(double local_loss, int64_t local_tokens_kept
   meta_W3[R][2].fill_(static_cast<double>(local_tokens));
   std::vector<torch::Tensor> meta = {meta_W3.to(dev)};
   pg_->all_reduce_sum(meta, "per-rank losses and kept counts");
-  const double t_meta = now_ms();
   const auto m = meta[0].cpu();
   const auto acc = m.accessor<double, 2>();
   double weighted = 0.0;
@@ -277,13 +338,39 @@ ReduceStats GradientReducer::reduce(double local_loss, int64_t local_tokens_kept
     weighted += acc[r][0] * acc[r][1];
   }
   st.loss = st.tokens_kept > 0 ? weighted / static_cast<double>(st.tokens_kept) : 0.0;
-  // This rank's share of the global mean; with no kept token anywhere, a plain average.
-  const double scale = st.tokens_kept > 0 ? static_cast<double>(local_tokens_kept) / static_cast<double>(st.tokens_kept)
-                                          : 1.0 / W;
 
-  std::vector<torch::Tensor> flats;
-  flats.reserve(buckets_.size());
-  for (const auto& bucket : buckets_) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_ = std::move(st);
+  // This rank's share of the global mean; with no kept token anywhere, a plain average.
+  scale_ = stats_.tokens_kept > 0
+               ? static_cast<double>(local_tokens_kept) / static_cast<double>(stats_.tokens_kept)
+               : 1.0 / W;
+  param_ready_.assign(params_.size(), 0);
+  bucket_ready_count_.assign(buckets_.size(), 0);
+  next_bucket_ = 0;
+  flats_.assign(buckets_.size(), torch::Tensor());
+  pending_.assign(buckets_.size(), nullptr);
+  buckets_started_in_backward_ = 0;
+  armed_ = true;
+  t_begin_ms_ = t0;
+  begin_ms_ = now_ms() - t0;
+}
+
+void GradientReducer::mark_ready(size_t i) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!armed_ || param_ready_[i]) return;
+  param_ready_[i] = 1;
+  ++bucket_ready_count_[bucket_of_[i]];
+  const size_t before = next_bucket_;
+  start_ready_buckets(/*all=*/false);
+  buckets_started_in_backward_ += static_cast<int64_t>(next_bucket_ - before);
+}
+
+void GradientReducer::start_ready_buckets(bool all) {
+  torch::NoGradGuard ng;
+  while (next_bucket_ < buckets_.size()) {
+    const auto& bucket = buckets_[next_bucket_];
+    if (!all && bucket_ready_count_[next_bucket_] < static_cast<int64_t>(bucket.size())) break;
     std::vector<torch::Tensor> parts;
     parts.reserve(bucket.size());
     for (size_t i : bucket) {
@@ -291,15 +378,25 @@ ReduceStats GradientReducer::reduce(double local_loss, int64_t local_tokens_kept
       const auto& g = p.grad();
       parts.push_back(g.defined() ? g.reshape(-1) : torch::zeros({p.numel()}, p.options()));
     }
-    flats.push_back(torch::cat(parts).mul_(scale));
-    st.bytes += flats.back().numel() * static_cast<int64_t>(flats.back().element_size());
+    flats_[next_bucket_] = torch::cat(parts).mul_(scale_);
+    pending_[next_bucket_] = pg_->start_all_reduce_sum(flats_[next_bucket_]);
+    ++next_bucket_;
   }
-  pg_->all_reduce_sum(flats, "gradient buckets");
+}
+
+ReduceStats GradientReducer::finish() {
+  torch::NoGradGuard ng;
+  const double t0 = now_ms();
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(armed_, "GradientReducer::finish: call begin() first (before backward)");
+  armed_ = false;
+  start_ready_buckets(/*all=*/true);
+  for (size_t b = 0; b < buckets_.size(); ++b) pg_->wait(*pending_[b], "gradient buckets");
   for (size_t b = 0; b < buckets_.size(); ++b) {
     int64_t off = 0;
     for (size_t i : buckets_[b]) {
       auto& p = params_[i];
-      auto slice = flats[b].narrow(0, off, p.numel()).view(p.sizes());
+      auto slice = flats_[b].narrow(0, off, p.numel()).view(p.sizes());
       if (p.grad().defined()) {
         p.mutable_grad().copy_(slice);
       } else {
@@ -308,13 +405,23 @@ ReduceStats GradientReducer::reduce(double local_loss, int64_t local_tokens_kept
       off += p.numel();
     }
   }
+  const torch::Device dev = params_.empty() ? torch::Device(torch::kCPU) : params_.front().device();
   if (dev.is_cuda()) torch::cuda::synchronize();  // NCCL waits are stream waits: time the finished copies
+  ReduceStats st = std::move(stats_);
+  for (const auto& f : flats_) st.bytes += f.numel() * static_cast<int64_t>(f.element_size());
   st.num_buckets = static_cast<int64_t>(buckets_.size());
-  const double t_end = now_ms();
-  st.wait_ms = t_meta - t0;
-  st.bucket_ms = t_end - t_meta;
-  st.allreduce_ms = t_end - t0;
+  st.buckets_overlapped = buckets_started_in_backward_;
+  st.wait_ms = begin_ms_;
+  st.bucket_ms = now_ms() - t0;
+  st.allreduce_ms = st.wait_ms + st.bucket_ms;
+  flats_.clear();
+  pending_.clear();
   return st;
+}
+
+ReduceStats GradientReducer::reduce(double local_loss, int64_t local_tokens_kept, int64_t local_tokens) {
+  begin(local_loss, local_tokens_kept, local_tokens);
+  return finish();
 }
 
 }  // namespace collider::harness

@@ -10,10 +10,13 @@
 
 #include <torch/torch.h>
 
+#include <torch/csrc/autograd/function.h>
+
 #include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -63,6 +66,10 @@ class ProcessGroup {
 
   // In-place sums over ranks (tensors on the group's device).
   void all_reduce_sum(std::vector<torch::Tensor>& tensors, const char* what);
+  // The same, started now and finished by wait() (every rank must start them in the same order).
+  struct Pending;
+  std::shared_ptr<Pending> start_all_reduce_sum(torch::Tensor& tensor);
+  void wait(Pending& pending, const char* what);
   // In-place broadcast of rank `root`'s values.
   void broadcast(std::vector<torch::Tensor>& tensors, int root, const char* what);
   void barrier(const char* what);
@@ -84,9 +91,10 @@ std::shared_ptr<ProcessGroup> init_process_group(const DistEnv& env, const torch
 
 // What one reduction did: the per-rank numbers every rank now knows, and the time it took.
 struct ReduceStats {
-  double allreduce_ms = 0.0;           // wall time of reduce() (host clock): wait_ms + bucket_ms
+  double allreduce_ms = 0.0;           // wall time of begin() + finish() (host clock): wait_ms + bucket_ms
   double wait_ms = 0.0;                // the first, tiny all-reduce: mostly waiting for the slowest rank
-  double bucket_ms = 0.0;              // flatten, all-reduce the gradient buckets, copy back
+  double bucket_ms = 0.0;              // after backward: start the rest, wait for all buckets, copy back
+  int64_t buckets_overlapped = 0;      // buckets whose all-reduce started during backward
   int64_t num_buckets = 0;
   int64_t bytes = 0;                   // gradient bytes all-reduced per rank
   std::vector<double> rank_loss;       // per rank: its loss (mean over its kept tokens)
@@ -98,6 +106,9 @@ struct ReduceStats {
 
 struct ReducerOptions {
   int64_t bucket_bytes = 25 * 1024 * 1024;  // flattened gradients per all-reduce (as DDP's 25 MiB)
+  // Start each bucket's all-reduce from a hook as soon as backward has produced all of its
+  // gradients (as DDP), instead of after backward. COLLIDER_DIST_OVERLAP=0 turns it off.
+  bool overlap_backward = true;
 };
 
 // All-reduces the gradients of `params` so that every rank holds the gradient of the loss over
@@ -108,22 +119,53 @@ struct ReducerOptions {
 // equal kept counts (per_sequence selection, equal batch slices) that is the plain average and
 // equals one process on the concatenated batch. The constructor broadcasts rank 0's parameters
 // so that every replica starts equal. Parameters shared by tying are reduced once.
+// With overlap_backward, hooks on the parameters' gradient accumulators start bucket b's
+// all-reduce once its gradients exist and buckets 0..b-1 have started (the same order on every
+// rank); begin() must then come before backward.
 class GradientReducer {
  public:
   GradientReducer(std::shared_ptr<ProcessGroup> pg, const std::vector<torch::Tensor>& params,
                   ReducerOptions options = {});
-  // Call after backward, before clipping and the optimizer step. Parameters without a gradient
-  // on this rank take part with zeros (and get the reduced gradient).
+  ~GradientReducer();
+  GradientReducer(const GradientReducer&) = delete;
+  GradientReducer& operator=(const GradientReducer&) = delete;
+
+  // Before backward (the loss and kept count are known): sums the per-rank numbers (this is
+  // where ranks wait for the slowest) and arms the overlap hooks.
+  void begin(double local_loss, int64_t local_tokens_kept, int64_t local_tokens);
+  // After backward, before clipping and the optimizer step: starts the buckets not started yet,
+  // waits for all, writes the reduced gradients. Parameters without a gradient on this rank take
+  // part with zeros (and get the reduced gradient).
+  ReduceStats finish();
+  // begin() + finish() after backward (no overlap).
   ReduceStats reduce(double local_loss, int64_t local_tokens_kept, int64_t local_tokens);
 
+  bool overlaps_backward() const { return options_.overlap_backward; }
   ProcessGroup& process_group() { return *pg_; }
   const std::shared_ptr<ProcessGroup>& process_group_ptr() const { return pg_; }
 
  private:
+  void mark_ready(size_t param_index);  // from the gradient-accumulator hooks
+  void start_ready_buckets(bool all);   // in bucket order; all = also the incomplete ones
   std::shared_ptr<ProcessGroup> pg_;
   std::vector<torch::Tensor> params_;           // unique, in reduction order
   std::vector<std::vector<size_t>> buckets_;    // indices into params_
+  std::vector<size_t> bucket_of_;               // param index -> bucket
   ReducerOptions options_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // kept alive so hooks persist
+  std::vector<uintptr_t> hook_keys_;
+  // State of the step between begin() and finish().
+  std::mutex mutex_;
+  bool armed_ = false;
+  double scale_ = 1.0;                          // n_r / N
+  ReduceStats stats_;
+  double t_begin_ms_ = 0.0, begin_ms_ = 0.0;
+  std::vector<char> param_ready_;
+  std::vector<int64_t> bucket_ready_count_;
+  size_t next_bucket_ = 0;                      // buckets [0, next_bucket_) started
+  std::vector<torch::Tensor> flats_;
+  std::vector<std::shared_ptr<ProcessGroup::Pending>> pending_;
+  int64_t buckets_started_in_backward_ = 0;
 };
 
 // Runs `fn` (e.g. a checkpoint save) on rank 0 only, then waits until it is done on every rank;

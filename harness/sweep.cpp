@@ -144,6 +144,8 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
     std::vector<std::string> layer_names;
     std::vector<double> rep_step_medians, bwd_coverage;
     int64_t peak = -1, tokens_kept = -1, kept_per_seq = -1, global_tokens_kept = -1, allreduce_bytes = 0;
+    int64_t allreduce_buckets = 0, buckets_overlapped = 0;
+    bool trainer_overlaps = false;
     std::vector<int64_t> rank_tokens_kept;
     std::vector<double> rank_loss;
     collider::FilterStats fstats;
@@ -153,7 +155,10 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
     for (int64_t rep = 0; rep < m.run.repetitions; ++rep) {
       const uint64_t seed = static_cast<uint64_t>(m.run.seed + rep);
       Trainer trainer(models::build_model(cfg, attn, seed), sc, device, seed, ranges);
-      if (dist) trainer.set_reducer(std::make_shared<GradientReducer>(dist, trainer.model()->parameters()));
+      if (dist) {
+        trainer.set_reducer(std::make_shared<GradientReducer>(dist, trainer.model()->parameters()));
+        trainer_overlaps = trainer.reducer()->overlaps_backward();
+      }
       timer_kind = trainer.timer().kind();
       torch::Generator data_gen = at::detail::createCPUGenerator(seed * 7919 + 17);
       std::vector<double> rep_step;
@@ -195,6 +200,8 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
           ar_wait.push_back(r.dist->wait_ms);
           ar_bucket.push_back(r.dist->bucket_ms);
           allreduce_bytes = r.dist->bytes;
+          allreduce_buckets = r.dist->num_buckets;
+          buckets_overlapped = r.dist->buckets_overlapped;
           rank_tokens_kept = r.dist->rank_tokens_kept;
           rank_loss = r.dist->rank_loss;
         }
@@ -230,6 +237,9 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
       row["allreduce_wait_ms"] = median(ar_wait);
       row["allreduce_bucket_ms"] = median(ar_bucket);
       row["allreduce_bytes"] = allreduce_bytes;  // gradient bytes per rank per step
+      row["allreduce_overlap"] = trainer_overlaps;  // bucket all-reduces started during backward
+      row["allreduce_buckets"] = allreduce_buckets;
+      row["allreduce_buckets_overlapped"] = buckets_overlapped;
       row["distributed_backend"] = dist->backend();
       row["rank_tokens_kept"] = rank_tokens_kept;  // last measured step, per rank
       row["rank_loss_last"] = rank_loss;

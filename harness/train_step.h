@@ -70,7 +70,7 @@ struct StepResult {
   double select_ms = 0.0;      // scores + select_tokens
   double rewrite_ms = 0.0;     // filter_backward / mask_backward (collider, masked)
   double bwd_ms = 0.0;         // loss.backward()
-  double allreduce_ms = 0.0;   // GradientReducer::reduce (flatten, all-reduce, copy back); 0 without one
+  double allreduce_ms = 0.0;   // GradientReducer begin + finish (bucket all-reduces that overlap bwd count in bwd_ms); 0 without one
   double optim_ms = 0.0;       // grad clipping + AdamW step
   double step_ms = 0.0;        // all of the above
   std::vector<LayerTime> layers;  // when StepConfig::layer_timing

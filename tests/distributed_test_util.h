@@ -55,7 +55,11 @@ inline nlohmann::json run_dist_steps(harness::Trainer& trainer, int steps, const
     mine.labels_BT = global.labels_BT.narrow(0, first, rows_per_rank[rank]);
     const harness::StepResult r = trainer.step(mine);
     nlohmann::json j = {{"loss", r.loss}, {"grad_norm", r.grad_norm}, {"tokens_kept", r.tokens_kept}};
-    if (r.dist) j["rank_tokens_kept"] = r.dist->rank_tokens_kept;
+    if (r.dist) {
+      j["rank_tokens_kept"] = r.dist->rank_tokens_kept;
+      j["buckets"] = r.dist->num_buckets;
+      j["buckets_overlapped"] = r.dist->buckets_overlapped;
+    }
     log.push_back(j);
   }
   return log;

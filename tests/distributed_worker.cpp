@@ -1,7 +1,7 @@
 // One rank of the data-parallel runs in tests/test_distributed.cpp (started by it with RANK,
 // WORLD_SIZE, MASTER_ADDR, MASTER_PORT set): trains tinyllama-debug for --steps steps with a
 // GradientReducer (rank r on --rows[r] rows of each global batch, default 1) and writes one
-// training checkpoint (rank 0 only) to --out. Failure modes for
+// training checkpoint (rank 0 only) to --out; --bucket-kib sets the bucket size. Failure modes for
 // the tests: --exit-after K (this rank returns 0 after K steps), --hang-after K (sleeps).
 // A DistributedError is printed with the rank and ends the process with status 3 (as `collider run`).
 //   RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500
@@ -24,10 +24,12 @@ int main(int argc, char** argv) {
   std::string method = "loss_only", out;
   int steps = 5, exit_after = -1, hang_after = -1;
   std::vector<int64_t> rows;  // per rank (default 1 each)
+  ch::ReducerOptions reducer_options;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--method") method = v;
     else if (k == "--steps") steps = std::stoi(v);
+    else if (k == "--bucket-kib") reducer_options.bucket_bytes = std::stoll(v) * 1024;
     else if (k == "--rows") {  // e.g. 1,2: rank 0 trains on 1 row of each global batch, rank 1 on the next 2
       for (size_t p = 0; p < v.size();) {
         const size_t q = std::min(v.find(',', p), v.size());
@@ -57,7 +59,7 @@ int main(int argc, char** argv) {
     }
     auto pg = ch::init_process_group(*env, torch::kCPU);
     ch::Trainer trainer = ct::make_dist_trainer(method);
-    trainer.set_reducer(std::make_shared<ch::GradientReducer>(pg, trainer.model()->parameters()));
+    trainer.set_reducer(std::make_shared<ch::GradientReducer>(pg, trainer.model()->parameters(), reducer_options));
     nlohmann::json log = nlohmann::json::array();
     if (exit_after < 0 && hang_after < 0) {
       log = ct::run_dist_steps(trainer, steps, rows, env->rank);

@@ -2,7 +2,8 @@
 //  - 2 ranks x B=1 for 5 steps (tests/distributed_worker, one process per rank) end with the
 //    parameters, losses and clipped grad norms of one process on the concatenated B=2 batch,
 //    for loss_only and collider, and also with 1 + 2 rows (unequal kept counts: weighted
-//    reduction); the checkpoint rank 0 wrote loads into a single-process model;
+//    reduction, and 64 KiB buckets overlapping the backward); the checkpoint rank 0 wrote loads
+//    into a single-process model;
 //  - a rank that exits early or hangs makes the other exit non-zero (status 3) with a message
 //    naming its rank, well before the test's 30 s limit;
 //  - `collider run` under scripts/launch.sh: rank 0 writes one row per point with world_size 2;
@@ -140,6 +141,7 @@ std::string read_log(const Rank& r) {
 struct DpCase {
   std::string method;
   std::vector<int64_t> rows;  // batch rows per rank; unequal rows = unequal kept counts
+  int64_t bucket_kib;         // 25600 (one bucket for the debug model) or small: many, started during backward
 };
 
 class DataParallel : public ::testing::TestWithParam<DpCase> {};
@@ -156,7 +158,9 @@ TEST_P(DataParallel, TwoRanksEqualOneProcessOnTheConcatenatedBatch) {
   std::vector<Rank> ranks;
   for (int r = 0; r < 2; ++r) {
     ranks.push_back(
-        spawn_rank(r, 2, port, {"--method", method, "--steps", std::to_string(kSteps), "--rows", rows_arg, "--out", ckpt},
+        spawn_rank(r, 2, port,
+                   {"--method", method, "--steps", std::to_string(kSteps), "--rows", rows_arg, "--out", ckpt,
+                    "--bucket-kib", std::to_string(GetParam().bucket_kib)},
                    dir / ("rank" + std::to_string(r) + ".log")));
     ASSERT_GT(ranks.back().pid, 0) << "could not start " << COLLIDER_DIST_WORKER;
   }
@@ -213,16 +217,23 @@ TEST_P(DataParallel, TwoRanksEqualOneProcessOnTheConcatenatedBatch) {
     EXPECT_EQ(per_rank[0] + per_rank[1], ref_log[s]["tokens_kept"].get<int64_t>());
     EXPECT_EQ(per_rank[0], rows[0] * ct::kDistT / 2) << "filter_ratio 0.5 keeps half of each row";
     EXPECT_EQ(per_rank[1], rows[1] * ct::kDistT / 2);
+    if (GetParam().bucket_kib < 1024) {
+      // Small buckets: several, and all but the last started from the hooks while backward ran.
+      EXPECT_GT(dist_log[s]["buckets"].get<int64_t>(), 2);
+      EXPECT_GE(dist_log[s]["buckets_overlapped"].get<int64_t>(), dist_log[s]["buckets"].get<int64_t>() - 1);
+    }
   }
 }
 
-// 1,2 rows: rank 1 keeps twice rank 0's tokens, so the reducer must weight by kept count (not average).
+// 1,2 rows: rank 1 keeps twice rank 0's tokens, so the reducer must weight by kept count (not
+// average); 64 KiB buckets: many all-reduces started from the gradient hooks during backward.
 INSTANTIATE_TEST_SUITE_P(Methods, DataParallel,
-                         ::testing::Values(DpCase{"loss_only", {1, 1}}, DpCase{"collider", {1, 1}},
-                                           DpCase{"loss_only", {1, 2}}, DpCase{"collider", {1, 2}}),
+                         ::testing::Values(DpCase{"loss_only", {1, 1}, 25600}, DpCase{"collider", {1, 1}, 25600},
+                                           DpCase{"loss_only", {1, 2}, 64}, DpCase{"collider", {1, 2}, 64}),
                          [](const auto& info) {
                            return info.param.method + "_rows" + std::to_string(info.param.rows[0]) + "_" +
-                                  std::to_string(info.param.rows[1]);
+                                  std::to_string(info.param.rows[1]) + "_bucket" +
+                                  std::to_string(info.param.bucket_kib) + "k";
                          });
 
 // One rank leaves (exits 0 after 1 step) or hangs; the other must fail fast with its rank in the message.
@@ -253,7 +264,7 @@ TEST(DataParallelFailure, PeerExitsEarly) {
 
 TEST(DataParallelFailure, PeerHangsPastTheTimeout) {
   if (!ch::distributed_available()) GTEST_SKIP() << "built without COLLIDER_DISTRIBUTED";
-  expect_peer_failure("--hang-after", /*timeout_s=*/4, /*limit_s=*/25);
+  expect_peer_failure("--hang-after", /*timeout_s=*/8, /*limit_s=*/25);
 }
 
 // `collider run` under scripts/launch.sh: one process per rank, rows from rank 0 only.
