@@ -47,26 +47,33 @@ message(STATUS "collider: optional CUDA sources (COLLIDER_CUDA): ${COLLIDER_CUDA
 # Data-parallel training (harness/distributed.h) on libtorch's own c10d: ProcessGroupGloo and
 # TCPStore are compiled into the wheel's libtorch_cpu, but the wheel lacks the gloo headers that
 # ProcessGroupGloo.hpp includes. Debian's libgloo-dev provides them (headers only: we never link
-# Debian's libgloo, the gloo code that runs is libtorch's own copy). COLLIDER_DISTRIBUTED defaults
-# to ON when the headers are found; NCCL (ProcessGroupNCCL, libtorch_cuda) only with COLLIDER_CUDA.
+# Debian's libgloo, the gloo code that runs is libtorch's own copy). COLLIDER_DISTRIBUTED=AUTO
+# builds it when the headers are found; NCCL (ProcessGroupNCCL, libtorch_cuda) only with COLLIDER_CUDA.
 find_path(COLLIDER_GLOO_INCLUDE_DIR gloo/rendezvous/store.h)
-if(NOT DEFINED COLLIDER_DISTRIBUTED)
+# AUTO (default) follows the headers at every configure, so installing them and reconfiguring
+# turns it on; ON insists (an error without them), OFF never builds it.
+set(COLLIDER_DISTRIBUTED AUTO CACHE STRING
+    "Data-parallel training on c10d: AUTO (on when the gloo headers are found), ON or OFF")
+set_property(CACHE COLLIDER_DISTRIBUTED PROPERTY STRINGS AUTO ON OFF)
+if(COLLIDER_DISTRIBUTED STREQUAL "AUTO")
   if(COLLIDER_GLOO_INCLUDE_DIR)
-    set(_dist_default ON)
+    set(COLLIDER_HAVE_DISTRIBUTED ON)
   else()
-    set(_dist_default OFF)
+    set(COLLIDER_HAVE_DISTRIBUTED OFF)
   endif()
-  option(COLLIDER_DISTRIBUTED "Data-parallel training on c10d (needs the gloo headers: apt-get install libgloo-dev)"
-         ${_dist_default})
+elseif(COLLIDER_DISTRIBUTED)
+  set(COLLIDER_HAVE_DISTRIBUTED ON)
+else()
+  set(COLLIDER_HAVE_DISTRIBUTED OFF)
 endif()
-if(COLLIDER_DISTRIBUTED AND NOT COLLIDER_GLOO_INCLUDE_DIR)
+if(COLLIDER_HAVE_DISTRIBUTED AND NOT COLLIDER_GLOO_INCLUDE_DIR)
   message(FATAL_ERROR "collider: COLLIDER_DISTRIBUTED=ON needs the gloo headers (gloo/rendezvous/store.h), which "
                       "libtorch's ProcessGroupGloo.hpp includes; install them with `apt-get install libgloo-dev` "
                       "(or ./scripts/bootstrap.sh), or configure with -DCOLLIDER_DISTRIBUTED=OFF")
 endif()
 set(COLLIDER_HAVE_NCCL OFF)
-if(COLLIDER_DISTRIBUTED)
-  message(STATUS "collider: optional data-parallel training (COLLIDER_DISTRIBUTED): ON, c10d Gloo with gloo headers "
+if(COLLIDER_HAVE_DISTRIBUTED)
+  message(STATUS "collider: optional data-parallel training (COLLIDER_DISTRIBUTED=${COLLIDER_DISTRIBUTED}): ON, c10d Gloo with gloo headers "
                  "from ${COLLIDER_GLOO_INCLUDE_DIR}")
   if(COLLIDER_CUDA)
     # ProcessGroupNCCL.hpp includes nccl.h: the wheel's nvidia-nccl package, else the CUDA toolkit.
@@ -79,9 +86,12 @@ if(COLLIDER_DISTRIBUTED)
       message(STATUS "collider: optional NCCL process group: not found (no nccl.h); CUDA runs use Gloo")
     endif()
   endif()
+elseif(NOT COLLIDER_DISTRIBUTED STREQUAL "AUTO")
+  message(STATUS "collider: optional data-parallel training: OFF (COLLIDER_DISTRIBUTED=${COLLIDER_DISTRIBUTED})")
 else()
-  message(STATUS "collider: optional data-parallel training (COLLIDER_DISTRIBUTED): OFF (gloo headers not found; "
-                 "`apt-get install libgloo-dev` and reconfigure to enable `collider run` with RANK/WORLD_SIZE)")
+  message(STATUS "collider: optional data-parallel training (COLLIDER_DISTRIBUTED=${COLLIDER_DISTRIBUTED}): OFF "
+                 "(gloo headers: ${COLLIDER_GLOO_INCLUDE_DIR}; `apt-get install libgloo-dev` and reconfigure to enable "
+                 "`collider run` with RANK/WORLD_SIZE)")
 endif()
 if(CMAKE_CXX_COMPILER_LAUNCHER)
   message(STATUS "collider: optional ccache: ${CMAKE_CXX_COMPILER_LAUNCHER}")
