@@ -233,7 +233,8 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
     row["allreduce_ms"] = median(allreduce);  // 0 in single-process runs
     if (dist) {
       row["samples_allreduce_ms"] = allreduce;
-      // allreduce_ms = the wait for the slowest rank (a tiny all-reduce first) + the bucket all-reduces.
+      // allreduce_ms = the wait for the slowest rank (a tiny all-reduce before backward) + the bucket
+      // all-reduces still running after backward (all of them with COLLIDER_DIST_OVERLAP=0).
       row["allreduce_wait_ms"] = median(ar_wait);
       row["allreduce_bucket_ms"] = median(ar_bucket);
       row["allreduce_bytes"] = allreduce_bytes;  // gradient bytes per rank per step
