@@ -43,6 +43,56 @@ else()
   message(STATUS "collider: optional NVTX3 headers: not found (NVTX ranges compiled out; trace files still work)")
 endif()
 message(STATUS "collider: optional CUDA sources (COLLIDER_CUDA): ${COLLIDER_CUDA}")
+
+# Data-parallel training (harness/distributed.h) on libtorch's own c10d: ProcessGroupGloo and
+# TCPStore are compiled into the wheel's libtorch_cpu, but the wheel lacks the gloo headers that
+# ProcessGroupGloo.hpp includes. Debian's libgloo-dev provides them (headers only: we never link
+# Debian's libgloo, the gloo code that runs is libtorch's own copy). COLLIDER_DISTRIBUTED=AUTO
+# builds it when the headers are found; NCCL (ProcessGroupNCCL, libtorch_cuda) only with COLLIDER_CUDA.
+find_path(COLLIDER_GLOO_INCLUDE_DIR gloo/rendezvous/store.h)
+# AUTO (default) follows the headers at every configure, so installing them and reconfiguring
+# turns it on; ON insists (an error without them), OFF never builds it.
+set(COLLIDER_DISTRIBUTED AUTO CACHE STRING
+    "Data-parallel training on c10d: AUTO (on when the gloo headers are found), ON or OFF")
+set_property(CACHE COLLIDER_DISTRIBUTED PROPERTY STRINGS AUTO ON OFF)
+if(COLLIDER_DISTRIBUTED STREQUAL "AUTO")
+  if(COLLIDER_GLOO_INCLUDE_DIR)
+    set(COLLIDER_HAVE_DISTRIBUTED ON)
+  else()
+    set(COLLIDER_HAVE_DISTRIBUTED OFF)
+  endif()
+elseif(COLLIDER_DISTRIBUTED)
+  set(COLLIDER_HAVE_DISTRIBUTED ON)
+else()
+  set(COLLIDER_HAVE_DISTRIBUTED OFF)
+endif()
+if(COLLIDER_HAVE_DISTRIBUTED AND NOT COLLIDER_GLOO_INCLUDE_DIR)
+  message(FATAL_ERROR "collider: COLLIDER_DISTRIBUTED=ON needs the gloo headers (gloo/rendezvous/store.h), which "
+                      "libtorch's ProcessGroupGloo.hpp includes; install them with `apt-get install libgloo-dev` "
+                      "(or ./scripts/bootstrap.sh), or configure with -DCOLLIDER_DISTRIBUTED=OFF")
+endif()
+set(COLLIDER_HAVE_NCCL OFF)
+if(COLLIDER_HAVE_DISTRIBUTED)
+  message(STATUS "collider: optional data-parallel training (COLLIDER_DISTRIBUTED=${COLLIDER_DISTRIBUTED}): ON, c10d Gloo with gloo headers "
+                 "from ${COLLIDER_GLOO_INCLUDE_DIR}")
+  if(COLLIDER_CUDA)
+    # ProcessGroupNCCL.hpp includes nccl.h: the wheel's nvidia-nccl package, else the CUDA toolkit.
+    find_path(COLLIDER_NCCL_INCLUDE_DIR nccl.h
+      HINTS ${TORCH_INSTALL_PREFIX}/../nvidia/nccl/include ${CUDAToolkit_INCLUDE_DIRS})
+    if(COLLIDER_NCCL_INCLUDE_DIR)
+      set(COLLIDER_HAVE_NCCL ON)
+      message(STATUS "collider: optional NCCL process group: ON (nccl.h in ${COLLIDER_NCCL_INCLUDE_DIR})")
+    else()
+      message(STATUS "collider: optional NCCL process group: not found (no nccl.h); CUDA runs use Gloo")
+    endif()
+  endif()
+elseif(NOT COLLIDER_DISTRIBUTED STREQUAL "AUTO")
+  message(STATUS "collider: optional data-parallel training: OFF (COLLIDER_DISTRIBUTED=${COLLIDER_DISTRIBUTED})")
+else()
+  message(STATUS "collider: optional data-parallel training (COLLIDER_DISTRIBUTED=${COLLIDER_DISTRIBUTED}): OFF "
+                 "(gloo headers: ${COLLIDER_GLOO_INCLUDE_DIR}; `apt-get install libgloo-dev` and reconfigure to enable "
+                 "`collider run` with RANK/WORLD_SIZE)")
+endif()
 if(CMAKE_CXX_COMPILER_LAUNCHER)
   message(STATUS "collider: optional ccache: ${CMAKE_CXX_COMPILER_LAUNCHER}")
 else()

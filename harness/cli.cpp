@@ -1,6 +1,7 @@
 // `collider` subcommands (cli.h).
 #include "harness/cli.h"
 
+#include "harness/distributed.h"
 #include "harness/fsutil.h"
 #include "harness/manifest.h"
 #include "harness/score.h"
@@ -31,6 +32,9 @@ std::string usage() {
          "      --trace FILE Chrome/Perfetto trace JSON of every range (layer.07.bwd, filter, ...)\n"
          "      --profile-steps a:b  cudaProfilerStart before step a and Stop after step b-1 of every\n"
          "                   point (steps counted from 0, warm-up included; nsys --capture-range=cudaProfilerApi)\n"
+         "      data-parallel when RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (LOCAL_RANK) are set: one process\n"
+         "      per rank, c10d Gloo (CPU) / NCCL (CUDA), batch_size rows per rank, rows written by rank 0;\n"
+         "      COLLIDER_DIST_TIMEOUT_S bounds every collective (default 300). scripts/launch.sh N MANIFEST\n"
          "  collider score --checkpoint DIR --tokens FILE [--out FILE]\n"
          "      per-token losses of a Hugging Face-layout checkpoint (RHO-1 reference scores)\n";
 }
@@ -189,7 +193,22 @@ int run_run_command(const std::vector<std::string>& args, std::ostream& out, std
     return 0;
   }
 
-  if (out_dir.empty()) {
+  DistEnv denv;  // meaningful when `distributed`
+  bool distributed = false;
+  try {
+    if (auto e = dist_env_from_environment()) {
+      denv = *e;
+      distributed = denv.world_size > 1;  // one rank: a plain single-process run
+    }
+  } catch (const std::invalid_argument& e) {
+    err << "collider run: error: " << e.what() << "\n";
+    return 2;
+  }
+  const std::string rank_tag = distributed ? fmt::format("rank {} of {}: ", denv.rank, denv.world_size) : "";
+
+  if (out_dir.empty() && distributed && denv.rank != 0) {
+    out_dir = "(rank 0's output directory)";  // only rank 0 writes; its choice is the one that counts
+  } else if (out_dir.empty()) {
     const std::string base = fsutil::join("results", m.name);
     if (resume) {
       const auto runs = fsutil::list_subdirs(base);  // date-time names sort chronologically
@@ -204,8 +223,20 @@ int run_run_command(const std::vector<std::string>& args, std::ostream& out, std
     }
   }
 
-  err << fmt::format("collider run: {} ({} points) -> {}\n", m.name, m.points.size(), out_dir);
   SweepOptions so;
+  if (distributed) {
+    try {
+      so.dist = init_process_group(denv, torch::Device(m.run.device == "cuda" ? torch::kCUDA : torch::kCPU));
+    } catch (const std::exception& e) {
+      err << "collider run: " << rank_tag << "distributed set-up failed: " << e.what() << "\n";
+      return 3;
+    }
+    err << fmt::format("collider run: {}{} process group up ({}:{})\n", rank_tag, so.dist->backend(),
+                       denv.master_addr, denv.master_port);
+  }
+  if (!distributed || denv.rank == 0) {
+    err << fmt::format("collider run: {} ({} points) -> {}\n", m.name, m.points.size(), out_dir);
+  }
   so.out_dir = out_dir;
   so.resume = resume;
   so.trace_path = trace_path;
@@ -215,10 +246,14 @@ int run_run_command(const std::vector<std::string>& args, std::ostream& out, std
   SweepSummary s;
   try {
     s = run_sweep(m, so);
+  } catch (const DistributedError& e) {
+    err << "collider run: distributed run failed: " << e.what() << "\n";
+    return 3;
   } catch (const std::exception& e) {
-    err << "collider run: error: " << e.what() << "\n";
+    err << "collider run: " << rank_tag << "error: " << e.what() << "\n";
     return 1;
   }
+  if (distributed && denv.rank != 0) return s.failed > 0 ? 1 : 0;  // rank 0 reports the run
   err << fmt::format("collider run: {} points: {} ok, {} failed, {} already ok (resumed); rows in {}\n", s.points,
                      s.ok, s.failed, s.resumed, s.results_path);
   if (!trace_path.empty()) err << "collider run: trace written to " << trace_path << "\n";

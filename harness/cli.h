@@ -4,7 +4,8 @@
 //                              [--trace FILE] [--profile-steps a:b]
 //   collider score ...          (harness/score.h)
 // Exit codes: 0 success; 1 a point failed or a run-time error; 2 a usage or manifest error
-// (nothing computed, no rows written).
+// (nothing computed, no rows written); 3 a data-parallel run failed (a rank died or hung, the
+// rendezvous failed, or a point failed on some rank).
 // Tests: tests/test_sweep.cpp (run), tests/test_manifest.cpp (errors via the CLI entry).
 #pragma once
 

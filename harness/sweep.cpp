@@ -16,8 +16,16 @@
 #include <iostream>
 #include <map>
 
+#include <time.h>
+
 namespace collider::harness {
 namespace {
+
+int64_t process_cpu_ns() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0.0;
@@ -87,10 +95,16 @@ double device_peak_flops(const std::string& device_name, const std::string& dtyp
 }
 
 nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance& prov, RangeRecorder* ranges,
-                             int64_t profile_begin, int64_t profile_end) {
+                             int64_t profile_begin, int64_t profile_end, const std::shared_ptr<ProcessGroup>& dist) {
   nlohmann::json row = identity_row(m, p, prov);
   const int64_t t_begin_ns = host_now_ns();
-  const torch::Device device(m.run.device == "cuda" ? torch::kCUDA : torch::kCPU);
+  const int world = dist ? dist->world_size() : 1, rank = dist ? dist->rank() : 0;
+  // One device per rank on a machine: cuda:LOCAL_RANK.
+  const torch::Device device = m.run.device != "cuda" ? torch::Device(torch::kCPU)
+                               : dist ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(dist->env().local_rank))
+                                      : torch::Device(torch::kCUDA);
+  row["world_size"] = world;
+  row["global_batch_size"] = p.batch_size * world;
   ScopedRange point_range(ranges, "point " + p.id());
   try {
     const models::ModelConfig& cfg = models::preset(p.model);
@@ -125,17 +139,26 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
 
     if (!device.is_cuda()) install_cpu_memory_tracking();  // before the model's tensors exist
     MemoryProbe probe(device);
-    std::vector<double> fwd, bwd, filt, sel, rew, opt, step, losses;
+    std::vector<double> fwd, bwd, filt, sel, rew, opt, step, losses, allreduce, ar_wait, ar_bucket;
     std::map<std::string, std::vector<double>> layer_fwd, layer_bwd;
     std::vector<std::string> layer_names;
     std::vector<double> rep_step_medians, bwd_coverage;
-    int64_t peak = -1, tokens_kept = -1, kept_per_seq = -1;
+    int64_t peak = -1, tokens_kept = -1, kept_per_seq = -1, global_tokens_kept = -1, allreduce_bytes = 0;
+    int64_t allreduce_buckets = 0, buckets_overlapped = 0;
+    bool trainer_overlaps = false;
+    std::vector<int64_t> rank_tokens_kept;
+    std::vector<double> rank_loss;
     collider::FilterStats fstats;
     std::string timer_kind;
     int64_t global_step = 0;
+    int64_t cpu_ns_begin = 0, measured_cpu_ns = 0;  // process CPU time (all threads) over measured steps
     for (int64_t rep = 0; rep < m.run.repetitions; ++rep) {
       const uint64_t seed = static_cast<uint64_t>(m.run.seed + rep);
       Trainer trainer(models::build_model(cfg, attn, seed), sc, device, seed, ranges);
+      if (dist) {
+        trainer.set_reducer(std::make_shared<GradientReducer>(dist, trainer.model()->parameters()));
+        trainer_overlaps = trainer.reducer()->overlaps_backward();
+      }
       timer_kind = trainer.timer().kind();
       torch::Generator data_gen = at::detail::createCPUGenerator(seed * 7919 + 17);
       std::vector<double> rep_step;
@@ -144,9 +167,15 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
         if (s == m.run.warmup_steps) {
           if (device.is_cuda()) torch::cuda::synchronize();
           probe.reset_peak();
+          cpu_ns_begin = process_cpu_ns();
         }
         if (global_step == profile_begin) cuda_profiler_start();
-        Batch batch = random_batch(p.batch_size, p.seq_len, cfg.vocab_size, data_gen, device);
+        // Every rank draws the same global batch and takes its own rows (world 1: the whole batch).
+        Batch batch = random_batch(p.batch_size * world, p.seq_len, cfg.vocab_size, data_gen, device);
+        if (world > 1) {
+          batch.input_ids_BT = batch.input_ids_BT.narrow(0, rank * p.batch_size, p.batch_size);
+          batch.labels_BT = batch.labels_BT.narrow(0, rank * p.batch_size, p.batch_size);
+        }
         StepResult r;
         {
           ScopedRange sr(ranges, measured ? fmt::format("measure.{:03d}", s - m.run.warmup_steps)
@@ -163,8 +192,19 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
         rew.push_back(r.rewrite_ms);
         opt.push_back(r.optim_ms);
         step.push_back(r.step_ms);
+        allreduce.push_back(r.allreduce_ms);
         rep_step.push_back(r.step_ms);
-        tokens_kept = r.tokens_kept;
+        tokens_kept = r.dist ? r.dist->rank_tokens_kept[rank] : r.tokens_kept;
+        global_tokens_kept = r.tokens_kept;
+        if (r.dist) {
+          ar_wait.push_back(r.dist->wait_ms);
+          ar_bucket.push_back(r.dist->bucket_ms);
+          allreduce_bytes = r.dist->bytes;
+          allreduce_buckets = r.dist->num_buckets;
+          buckets_overlapped = r.dist->buckets_overlapped;
+          rank_tokens_kept = r.dist->rank_tokens_kept;
+          rank_loss = r.dist->rank_loss;
+        }
         kept_per_seq = r.kept_per_seq;
         fstats = r.filter;
         double step_layers_bwd = 0.0;
@@ -177,6 +217,7 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
         }
       }
       if (device.is_cuda()) torch::cuda::synchronize();
+      if (m.run.measure_steps > 0) measured_cpu_ns += process_cpu_ns() - cpu_ns_begin;
       peak = std::max(peak, probe.peak_bytes());
       rep_step_medians.push_back(median(rep_step));
     }
@@ -189,11 +230,30 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
     row["step_ms"] = median(step);
     row["select_ms"] = median(sel);
     row["rewrite_ms"] = median(rew);
+    row["allreduce_ms"] = median(allreduce);  // 0 in single-process runs
+    if (dist) {
+      row["samples_allreduce_ms"] = allreduce;
+      // allreduce_ms = the wait for the slowest rank (a tiny all-reduce before backward) + the bucket
+      // all-reduces still running after backward (all of them with COLLIDER_DIST_OVERLAP=0).
+      row["allreduce_wait_ms"] = median(ar_wait);
+      row["allreduce_bucket_ms"] = median(ar_bucket);
+      row["allreduce_bytes"] = allreduce_bytes;  // gradient bytes per rank per step
+      row["allreduce_overlap"] = trainer_overlaps;  // bucket all-reduces started during backward
+      row["allreduce_buckets"] = allreduce_buckets;
+      row["allreduce_buckets_overlapped"] = buckets_overlapped;
+      row["distributed_backend"] = dist->backend();
+      row["rank_tokens_kept"] = rank_tokens_kept;  // last measured step, per rank
+      row["rank_loss_last"] = rank_loss;
+    }
     row["samples_step_ms"] = step;
     row["samples_fwd_ms"] = fwd;
     row["samples_bwd_ms"] = bwd;
     row["repetition_step_ms"] = rep_step_medians;
     row["timer"] = timer_kind;
+    // CPU time this process used per measured step (all its threads): on a shared machine,
+    // wall time well above it (times the threads) means the process waited for a core.
+    row["process_cpu_ms_per_step"] =
+        static_cast<double>(measured_cpu_ns) * 1e-6 / static_cast<double>(std::max<int64_t>(1, step.size()));
     double layers_fwd_sum = 0, layers_bwd_sum = 0;
     nlohmann::json layers = nlohmann::json::array();
     for (const auto& name : layer_names) {
@@ -219,7 +279,11 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
     row["flops_bwd_dense"] = bwd_dense.total();
     row["flop_ideal_bwd_reduction"] = 1.0 - bwd_flops.total() / bwd_dense.total();
     const double step_s = median(step) / 1e3;
+    // tokens, tokens_kept, FLOPs and tokens_per_s are this rank's (one device's); global_* all ranks'.
     row["tokens_per_s"] = step_s > 0 ? static_cast<double>(p.batch_size * p.seq_len) / step_s : 0.0;
+    row["global_tokens"] = p.batch_size * p.seq_len * world;
+    row["global_tokens_kept"] = global_tokens_kept;
+    row["global_tokens_per_s"] = step_s > 0 ? static_cast<double>(p.batch_size * p.seq_len * world) / step_s : 0.0;
     const double peak_flops = device_peak_flops(prov.device_name, m.run.dtype);
     row["device_peak_flops"] = peak_flops > 0 ? nlohmann::json(peak_flops) : nlohmann::json(nullptr);
     row["mfu"] = peak_flops > 0 && step_s > 0
@@ -237,6 +301,8 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
                            {"gather_nodes_inserted", fstats.gather_nodes_inserted},
                            {"rewrite_ms", fstats.rewrite_ms},
                            {"gather_ms", fstats.gather_ms}};
+  } catch (const DistributedError&) {
+    throw;  // a peer died or hung: the run ends (cli.cpp prints it), no row
   } catch (const c10::OutOfMemoryError& e) {
     row["status"] = "oom";
     row["error"] = e.what_without_backtrace();
@@ -274,11 +340,14 @@ SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
   SweepSummary sum;
   sum.points = static_cast<int64_t>(m.points.size());
   if (opts.out_dir.empty()) throw std::runtime_error("run_sweep: no output directory given");
-  fsutil::make_dirs(opts.out_dir);
+  ProcessGroup* dist = opts.dist.get();
+  const bool writer = dist == nullptr || dist->rank() == 0;  // only rank 0 touches files
   const std::string results_path = fsutil::join(opts.out_dir, "results.jsonl");
   sum.results_path = results_path;
+  if (writer) fsutil::make_dirs(opts.out_dir);
 
-  ExistingResults existing = read_results(results_path, /*repair=*/opts.resume);
+  ExistingResults existing;
+  if (writer) existing = read_results(results_path, /*repair=*/opts.resume);
   if (!opts.resume && !existing.rows.empty()) {
     throw std::runtime_error(fmt::format(
         "{} already holds {} rows; pass --resume to continue that run, or choose another --out directory",
@@ -289,11 +358,27 @@ SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
   }
 
   const std::string resolved_path = fsutil::join(opts.out_dir, "manifest.resolved.toml");
-  if (opts.resume && fsutil::exists(resolved_path) && fsutil::read_file(resolved_path) != m.resolved_toml) {
-    log << "resume: the resolved manifest differs from the one saved in " << resolved_path
-        << "; the new one replaces it (rows keep their own settings)\n";
+  if (writer) {
+    if (opts.resume && fsutil::exists(resolved_path) && fsutil::read_file(resolved_path) != m.resolved_toml) {
+      log << "resume: the resolved manifest differs from the one saved in " << resolved_path
+          << "; the new one replaces it (rows keep their own settings)\n";
+    }
+    fsutil::write_file(resolved_path, m.resolved_toml);
   }
-  fsutil::write_file(resolved_path, m.resolved_toml);
+  // Which points to skip (--resume) is rank 0's decision: every rank must run the same points.
+  std::vector<bool> skip(m.points.size(), false);
+  for (size_t k = 0; k < m.points.size(); ++k) skip[k] = opts.resume && existing.ok_point_ids.count(m.points[k].id()) > 0;
+  if (dist != nullptr && !m.points.empty()) {
+    auto skip_P = torch::zeros({static_cast<int64_t>(m.points.size())}, torch::kInt);
+    for (size_t k = 0; k < skip.size(); ++k) skip_P[static_cast<int64_t>(k)].fill_(skip[k] ? 1 : 0);
+    if (m.run.device == "cuda") {  // NCCL broadcasts device tensors
+      skip_P = skip_P.to(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(dist->env().local_rank)));
+    }
+    std::vector<torch::Tensor> t = {skip_P};
+    dist->broadcast(t, 0, "the points to run");
+    auto back = t[0].cpu();
+    for (size_t k = 0; k < skip.size(); ++k) skip[k] = back[static_cast<int64_t>(k)].item<int>() != 0;
+  }
 
   if (m.run.threads > 0) at::set_num_threads(static_cast<int>(m.run.threads));
   const torch::Device device(m.run.device == "cuda" ? torch::kCUDA : torch::kCPU);
@@ -303,31 +388,49 @@ SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
   const std::string env_name = opts.resume && fsutil::exists(fsutil::join(opts.out_dir, "env.json"))
                                    ? "env.resume-" + local_stamp() + ".json"
                                    : std::string("env.json");
-  fsutil::write_file(fsutil::join(opts.out_dir, env_name), environment_record(prov).dump(2) + "\n");
+  if (writer) {
+    nlohmann::json env = environment_record(prov);
+    if (dist != nullptr) {
+      env["world_size"] = dist->world_size();
+      env["distributed_backend"] = dist->backend();
+    }
+    fsutil::write_file(fsutil::join(opts.out_dir, env_name), env.dump(2) + "\n");
+  }
 
   std::unique_ptr<TraceWriter> trace;
-  if (!opts.trace_path.empty()) trace = std::make_unique<TraceWriter>(opts.trace_path);
+  if (!opts.trace_path.empty() && writer) trace = std::make_unique<TraceWriter>(opts.trace_path);
   RangeRecorder ranges(trace.get());
 
-  JsonlWriter writer(results_path);
+  std::unique_ptr<JsonlWriter> rows;
+  if (writer) rows = std::make_unique<JsonlWriter>(results_path);
   const int64_t t0 = host_now_ns();
   int64_t to_run = 0;
-  for (const auto& p : m.points) to_run += opts.resume && existing.ok_point_ids.count(p.id()) ? 0 : 1;
+  for (bool sk : skip) to_run += sk ? 0 : 1;
   int64_t i = 0;
   for (const auto& p : m.points) {
     ++i;
     const std::string id = p.id();
-    if (opts.resume && existing.ok_point_ids.count(id)) {
+    if (skip[static_cast<size_t>(i - 1)]) {
       ++sum.resumed;
-      log << fmt::format("[{}/{}] {}: already ok in results.jsonl, skipped\n", i, sum.points, id);
+      if (writer) log << fmt::format("[{}/{}] {}: already ok in results.jsonl, skipped\n", i, sum.points, id);
       continue;
     }
-    nlohmann::json row = measure_point(m, p, prov, &ranges, opts.profile_begin, opts.profile_end);
-    writer.append(row);
+    nlohmann::json row = measure_point(m, p, prov, &ranges, opts.profile_begin, opts.profile_end, opts.dist);
+    if (rows) rows->append(row);
     if (trace) trace->write();
     ++sum.ran;
     const bool ok = row["status"] == "ok";
     ok ? ++sum.ok : ++sum.failed;
+    if (!ok && dist != nullptr) {
+      // The other ranks may be inside a collective of this point: stop here (exiting closes this
+      // rank's connections, so they fail fast instead of running mismatched collectives).
+      throw DistributedError(fmt::format("rank {} of {}: point {} failed ({}: {}); a data-parallel run stops at the "
+                                         "first failing point{}",
+                                         dist->rank(), dist->world_size(), id, row["status"].get<std::string>(),
+                                         row["error"].get<std::string>(),
+                                         writer ? fmt::format(" (its row is in {})", results_path) : ""));
+    }
+    if (!writer) continue;
     const double elapsed = static_cast<double>(host_now_ns() - t0) * 1e-9;
     const double eta = sum.ran > 0 ? elapsed / static_cast<double>(sum.ran) * static_cast<double>(to_run - sum.ran) : 0;
     std::string what = ok ? fmt::format("ok  step {:.2f} ms (fwd {:.2f}, filter {:.2f}, bwd {:.2f}, optim {:.2f})",

@@ -3,9 +3,13 @@
 // JSONL row appended to DIR/results.jsonl (DESIGN.md section 6). A failing point (error, OOM)
 // becomes a row with its status and message and the sweep goes on; --resume skips points whose
 // row is already "ok". One progress line per point on stderr (i/n, elapsed, ETA).
+// Data-parallel (SweepOptions::dist, harness/distributed.h): every rank runs every point on its
+// slice of the same global batch (batch_size rows per rank) with gradients all-reduced; only
+// rank 0 writes files and rows (world_size recorded); the first failing point ends the run.
 // Tests: tests/test_sweep.cpp, tests/test_layer_timing_slow.cpp.
 #pragma once
 
+#include "harness/distributed.h"
 #include "harness/manifest.h"
 #include "harness/ranges.h"
 #include "harness/results.h"
@@ -14,6 +18,7 @@
 
 #include <cstdint>
 #include <iosfwd>
+#include <memory>
 #include <string>
 
 namespace collider::harness {
@@ -25,6 +30,7 @@ struct SweepOptions {
   int64_t profile_begin = -1;    // steps [begin, end) of every point bracketed by cudaProfilerStart/Stop
   int64_t profile_end = -1;
   std::ostream* log = nullptr;   // progress lines (default std::cerr)
+  std::shared_ptr<ProcessGroup> dist;  // data-parallel run (null: one process)
 };
 
 struct SweepSummary {
@@ -37,13 +43,16 @@ struct SweepSummary {
 };
 
 // Throws std::runtime_error for set-up problems (results.jsonl already holds rows and resume is
-// off, the directory cannot be created); point failures become rows instead.
+// off, the directory cannot be created); point failures become rows instead, except in a
+// data-parallel run, where a failed point (its row written by rank 0) or a DistributedError ends it.
 SweepSummary run_sweep(const Manifest& manifest, const SweepOptions& opts);
 
 // Measures one point and returns its row (never throws for a failing point: the row carries
-// status and error). `ranges` may be null.
+// status and error). `ranges` may be null. With `dist`, rank r trains on rows [r*B, (r+1)*B) of
+// a global batch of world_size*B rows, and a DistributedError is thrown, not turned into a row.
 nlohmann::json measure_point(const Manifest& manifest, const Point& point, const Provenance& prov,
-                             RangeRecorder* ranges, int64_t profile_begin = -1, int64_t profile_end = -1);
+                             RangeRecorder* ranges, int64_t profile_begin = -1, int64_t profile_end = -1,
+                             const std::shared_ptr<ProcessGroup>& dist = nullptr);
 
 // Peak dense bf16 FLOP/s of a known device (H100/H200: 989e12), else 0 (MFU left null).
 double device_peak_flops(const std::string& device_name, const std::string& dtype);

@@ -2,6 +2,9 @@
 //   fwd      model forward + per-token loss (bf16 autocast on CUDA)
 //   filter   scores + select_tokens, masked-mean loss, filter_backward / mask_backward
 //   bwd      loss.backward()
+//   allreduce  GradientReducer::begin (before bwd: per-rank counts, the wait for the slowest rank)
+//            + finish (after bwd: the buckets not overlapped with it, copy back); data-parallel
+//            runs only; before clipping, so that clipping and AdamW see every rank's kept tokens
 //   optimizer  clip_grad_norm_ + AdamW step (gradients are set to none at the start of the next step)
 #include "harness/train_step.h"
 
@@ -223,6 +226,14 @@ StepResult Trainer::step(const Batch& batch_in) {
   }
   const int64_t m_filter = timer_->mark();
 
+  if (reducer_) {
+    // Before backward: the per-rank loss and kept count are known, so the reducer can scale and
+    // start gradient buckets while backward runs (overlap_backward).
+    ScopedRange rg(ranges_, "allreduce.begin");
+    reducer_->begin(loss.detach().item<double>(), keep_BT.sum().item<int64_t>(), B * T);
+  }
+  const int64_t m_begin = reducer_ ? timer_->mark() : m_filter;
+
   {
     ScopedRange rg(ranges_, "bwd");
     if (layer_timer_) layer_timer_->backward_begin();
@@ -230,6 +241,12 @@ StepResult Trainer::step(const Batch& batch_in) {
     if (layer_timer_) layer_timer_->backward_end();
   }
   const int64_t m_bwd = timer_->mark();
+
+  if (reducer_) {
+    ScopedRange rg(ranges_, "allreduce");
+    r.dist = reducer_->finish();
+  }
+  const int64_t m_reduce = reducer_ ? timer_->mark() : m_bwd;  // allreduce_ms is exactly 0 without a reducer
 
   {
     ScopedRange rg(ranges_, "optimizer");
@@ -246,14 +263,15 @@ StepResult Trainer::step(const Batch& batch_in) {
   r.select_ms = timer_->elapsed_ms(m_fwd, m_select);
   r.rewrite_ms = timer_->elapsed_ms(m_loss, m_filter);
   r.filter_ms = timer_->elapsed_ms(m_fwd, m_filter);
-  r.bwd_ms = timer_->elapsed_ms(m_filter, m_bwd);
-  r.optim_ms = timer_->elapsed_ms(m_bwd, m_opt);
+  r.bwd_ms = timer_->elapsed_ms(m_begin, m_bwd);
+  r.allreduce_ms = timer_->elapsed_ms(m_filter, m_begin) + timer_->elapsed_ms(m_bwd, m_reduce);
+  r.optim_ms = timer_->elapsed_ms(m_reduce, m_opt);
   r.step_ms = timer_->elapsed_ms(m_start, m_opt);
   if (layer_timer_) r.layers = layer_timer_->resolve();
 
-  r.loss = loss.detach().item<double>();
-  r.tokens = B * T;
-  r.tokens_kept = keep_BT.sum().item<int64_t>();
+  r.loss = r.dist ? r.dist->loss : loss.detach().item<double>();
+  r.tokens = r.dist ? r.dist->tokens : B * T;
+  r.tokens_kept = r.dist ? r.dist->tokens_kept : keep_BT.sum().item<int64_t>();
   if (cfg_.policy == collider::SelectPolicy::kPerSequence || cfg_.method == Method::kRegular) {
     auto per_row = keep_BT.sum(1);
     r.kept_per_seq = (per_row == per_row[0]).all().item<bool>() ? per_row[0].item<int64_t>() : -1;

@@ -1,5 +1,6 @@
 // The training step of every method: forward, per-token loss, token selection, the one added
-// line (Collider's graph rewrite, or the masked oracle), backward, gradient clipping, AdamW.
+// line (Collider's graph rewrite, or the masked oracle), backward, gradient all-reduce (only with
+// a GradientReducer: data-parallel runs, harness/distributed.h), gradient clipping, AdamW.
 // fp32 on CPU; bf16 autocast on CUDA (parameters and optimizer state stay fp32).
 // Each phase is timed (Timer: steady clock on CPU, CUDA events on GPU), optionally per layer
 // (LayerTimer markers), and bracketed by NVTX / trace ranges with the same names.
@@ -7,6 +8,7 @@
 // Tests: tests/test_train_step.cpp (build-harness/tests/test_train_step).
 #pragma once
 
+#include "harness/distributed.h"
 #include "harness/layer_timing.h"
 #include "harness/ranges.h"
 #include "harness/timer.h"
@@ -57,8 +59,9 @@ struct Batch {
 };
 
 struct StepResult {
+  // With a reducer, loss / tokens / tokens_kept are over every rank (`dist` has each rank's).
   double loss = 0.0;           // the loss that was backpropagated (mean over kept tokens)
-  double grad_norm = 0.0;      // global grad norm before clipping
+  double grad_norm = 0.0;      // global grad norm before clipping (of the reduced gradients)
   int64_t tokens = 0;          // B * T
   int64_t tokens_kept = 0;     // kept positions in the batch
   int64_t kept_per_seq = 0;    // N (per_sequence), else -1 (ragged)
@@ -67,10 +70,12 @@ struct StepResult {
   double select_ms = 0.0;      // scores + select_tokens
   double rewrite_ms = 0.0;     // filter_backward / mask_backward (collider, masked)
   double bwd_ms = 0.0;         // loss.backward()
+  double allreduce_ms = 0.0;   // GradientReducer begin + finish (bucket all-reduces that overlap bwd count in bwd_ms); 0 without one
   double optim_ms = 0.0;       // grad clipping + AdamW step
   double step_ms = 0.0;        // all of the above
   std::vector<LayerTime> layers;  // when StepConfig::layer_timing
   collider::FilterStats filter;   // collider / masked
+  std::optional<ReduceStats> dist;  // with a reducer: per-rank losses and kept counts
 };
 
 class Trainer {
@@ -89,6 +94,11 @@ class Trainer {
   const torch::Device& device() const { return device_; }
   Timer& timer() { return *timer_; }
   LayerTimer* layer_timer() { return layer_timer_.get(); }
+  // Data parallelism: gradients are all-reduced after backward (before clipping) on every later
+  // step; the reducer's constructor has already made the parameters equal to rank 0's. Null
+  // detaches. `batch` in step() is then this rank's slice of the global batch.
+  void set_reducer(std::shared_ptr<GradientReducer> reducer) { reducer_ = std::move(reducer); }
+  GradientReducer* reducer() const { return reducer_.get(); }
   // The traced plan (collider / masked), built on the first step of a given batch shape.
   const collider::Plan* plan() const { return plan_ ? &*plan_ : nullptr; }
 
@@ -106,6 +116,7 @@ class Trainer {
   std::unique_ptr<LayerTimer> layer_timer_;
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   std::optional<collider::Plan> plan_;
+  std::shared_ptr<GradientReducer> reducer_;
   torch::Generator score_gen_;
   uint64_t seed_;
 };

@@ -22,7 +22,7 @@ say() { echo "[bootstrap] $*"; }
 
 # 1. Debian packages the build needs.
 APT_PKGS=(g++ cmake ninja-build python3-venv libtomlplusplus-dev nlohmann-json3-dev
-          libgtest-dev libgmock-dev libbenchmark-dev ccache)
+          libgtest-dev libgmock-dev libbenchmark-dev ccache libgloo-dev)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

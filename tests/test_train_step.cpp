@@ -189,7 +189,8 @@ TEST(TrainStep, PhasesPartitionTheStep) {
   auto t = make_trainer("tinyllama-debug", config(ch::Method::kLossOnly, 0.5));
   auto r = t.step(text_batch(2, 32, 0));
   for (double v : {r.fwd_ms, r.filter_ms, r.bwd_ms, r.optim_ms, r.select_ms}) EXPECT_GE(v, 0.0);
-  EXPECT_NEAR(r.fwd_ms + r.filter_ms + r.bwd_ms + r.optim_ms, r.step_ms, 1e-6);
+  EXPECT_NEAR(r.fwd_ms + r.filter_ms + r.bwd_ms + r.allreduce_ms + r.optim_ms, r.step_ms, 1e-6);
+  EXPECT_EQ(r.allreduce_ms, 0.0);  // no GradientReducer: no all-reduce phase
   EXPECT_LE(r.select_ms, r.filter_ms + 1e-9);
   EXPECT_GT(r.grad_norm, 0.0);
 }

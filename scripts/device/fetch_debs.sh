@@ -11,7 +11,8 @@ cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 DEST="$ROOT/.debs"
 PKGS=(libtomlplusplus-dev libtomlplusplus3 nlohmann-json3-dev libgtest-dev libgmock-dev
-      libbenchmark-dev libbenchmark1debian)
+      libbenchmark-dev libbenchmark1debian libgloo-dev)
+# libgloo-dev: headers only (libtorch's ProcessGroupGloo.hpp includes them; libtorch has its own gloo code).
 # libgtest-dev depends on `googletest` (sources only, /usr/src); the build does not need it.
 
 say() { echo "[fetch_debs] $*"; }
