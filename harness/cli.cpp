@@ -5,6 +5,7 @@
 #include "harness/manifest.h"
 #include "harness/score.h"
 #include "harness/sweep.h"
+#include "harness/train_run.h"
 #include "models/flops.h"
 #include "models/model.h"
 
@@ -31,6 +32,8 @@ std::string usage() {
          "      --trace FILE Chrome/Perfetto trace JSON of every range (layer.07.bwd, filter, ...)\n"
          "      --profile-steps a:b  cudaProfilerStart before step a and Stop after step b-1 of every\n"
          "                   point (steps counted from 0, warm-up included; nsys --capture-range=cudaProfilerApi)\n"
+         "      A manifest with a [train] table trains instead (experiments/tab_utility.toml): one run per\n"
+         "      method, periodic evaluation, checkpoints; --resume continues unfinished runs\n"
          "  collider score --checkpoint DIR --tokens FILE [--out FILE]\n"
          "      per-token losses of a Hugging Face-layout checkpoint (RHO-1 reference scores)\n";
 }
@@ -168,6 +171,11 @@ int run_run_command(const std::vector<std::string>& args, std::ostream& out, std
   if (manifest_path.empty()) {
     err << "collider run: no manifest given\n" << usage();
     return 2;
+  }
+
+  // A manifest with a [train] table runs training (the utility table; train_run.h).
+  if (is_training_manifest(manifest_path)) {
+    return run_train_command(manifest_path, sets, out_dir, dry_run, resume, out, err);
   }
 
   Manifest m;

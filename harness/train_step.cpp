@@ -252,6 +252,7 @@ StepResult Trainer::step(const Batch& batch_in) {
   if (layer_timer_) r.layers = layer_timer_->resolve();
 
   r.loss = loss.detach().item<double>();
+  r.loss_all = models::masked_mean_loss(loss_BT.detach(), batch.labels_BT != -100).item<double>();
   r.tokens = B * T;
   r.tokens_kept = keep_BT.sum().item<int64_t>();
   if (cfg_.policy == collider::SelectPolicy::kPerSequence || cfg_.method == Method::kRegular) {

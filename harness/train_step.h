@@ -58,6 +58,7 @@ struct Batch {
 
 struct StepResult {
   double loss = 0.0;           // the loss that was backpropagated (mean over kept tokens)
+  double loss_all = 0.0;       // mean over every labelled token (the regular loss; compares methods)
   double grad_norm = 0.0;      // global grad norm before clipping
   int64_t tokens = 0;          // B * T
   int64_t tokens_kept = 0;     // kept positions in the batch
