@@ -43,6 +43,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// train.stop_after (tests): stands for a killed process.
+struct SimulatedKill : std::runtime_error {
+  SimulatedKill() : std::runtime_error("stopped after a checkpoint (train.stop_after, tests)") {}
+};
+
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 std::string hms(double seconds) {
@@ -57,7 +62,7 @@ const std::map<std::string, std::vector<std::string>> kKeys = {
     {"train",
      {"model", "seq_len", "batch_size", "steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "align",
       "eval_every", "eval_tokens", "eval_batch_size", "checkpoint_every", "log_every", "seed", "threads",
-      "pool_windows"}},
+      "pool_windows", "stop_after"}},
     {"reference", {"steps", "lr", "batch_size"}},
     {"axes", {"method", "attention_grad", "filter_ratio"}},
 };
@@ -197,7 +202,7 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
            {"warmup_steps", &s.warmup_steps}, {"align", &s.align}, {"eval_every", &s.eval_every},
            {"eval_tokens", &s.eval_tokens}, {"eval_batch_size", &s.eval_batch_size},
            {"checkpoint_every", &s.checkpoint_every}, {"log_every", &s.log_every}, {"seed", &s.seed},
-           {"threads", &s.threads}, {"pool_windows", &s.pool_windows}}) {
+           {"threads", &s.threads}, {"pool_windows", &s.pool_windows}, {"stop_after", &s.stop_after}}) {
     L.get(tr, "train", key, ptr);
   }
   for (auto [key, ptr] : std::vector<std::pair<const char*, double*>>{
@@ -315,6 +320,7 @@ struct RunSpec {
   double lr = 0, min_lr = 0;
   std::string ckpt_dir;
   bool resume = false;
+  bool may_stop = false;  // honours train.stop_after (training points, not the reference stage)
 };
 
 double lr_at(int64_t step, const RunSpec& r) {
@@ -381,7 +387,12 @@ void train_loop(const TrainSettings& s, RunSpec spec, Trainer& tr,
       loss_n = 0;
     }
     if (st.step % s.eval_every == 0 || st.step == spec.steps) on_eval(st, lr);
-    if (st.step % s.checkpoint_every == 0 && st.step < spec.steps) save_checkpoint(spec.ckpt_dir, tr, st);
+    if (st.step % s.checkpoint_every == 0 && st.step < spec.steps) {
+      save_checkpoint(spec.ckpt_dir, tr, st);
+      if (spec.may_stop && st.step == s.stop_after) {
+        throw SimulatedKill();
+      }
+    }
   }
 }
 
@@ -582,6 +593,7 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
         for (char& c : slug) c = c == '/' ? '_' : c;
         spec.ckpt_dir = fsutil::join(fsutil::join(out_dir, "checkpoints"), slug);
         spec.resume = resume;
+        spec.may_stop = true;
         auto progress = [&](nlohmann::json& row, const RunState& st, double lr) {
           row["step"] = st.step;
           row["elapsed_s"] = st.elapsed_s;
@@ -622,6 +634,8 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
         fsutil::remove_tree(spec.ckpt_dir);  // finished: the rows hold the result
         err << fmt::format("[{}/{}] {} done; all runs so far {}\n", i + 1, m.points.size(), pid,
                            hms(seconds_since(t_all)));
+      } catch (const SimulatedKill&) {
+        throw;
       } catch (const std::exception& e) {
         failed += 1;
         nlohmann::json row = base;

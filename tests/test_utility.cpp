@@ -23,6 +23,8 @@
 #include <set>
 #include <sstream>
 
+#include <sys/wait.h>
+
 namespace collider {
 namespace {
 
@@ -44,6 +46,9 @@ class Utility : public ::testing::Test {
     dir_ = nullptr;
   }
   void SetUp() override {
+    if (WIFEXITED(status_) && WEXITSTATUS(status_) == 3) {
+      GTEST_SKIP() << "no network and no cached .deb files:\n" << read_file(*dir_ / "prepare.log");
+    }
     ASSERT_EQ(status_, 0) << "prepare_data.sh --sample failed:\n" << read_file(*dir_ / "prepare.log");
   }
   static std::string data() { return *dir_ / "data"; }
@@ -268,6 +273,56 @@ filter_ratio = [0.4]
       << (stored.rows(ws) - recomputed).abs().max().item<double>();
   // Windows outside the scored pool are refused.
   EXPECT_THROW(stored.rows({40}), c10::Error);
+}
+
+TEST_F(Utility, AKilledRunResumesFromItsCheckpointToTheSameResult) {
+  testing::TempDir d("resume");
+  const std::string bytes_dir = byte_level_data(data(), d / "bytes");
+  const std::string manifest = d / "utility.toml";
+  harness::fsutil::write_file(manifest, fmt::format(R"(name = "utility_resume"
+[data]
+dir = "{}"
+[train]
+model = "tinyllama-debug"
+seq_len = 32
+batch_size = 2
+steps = 12
+warmup_steps = 2
+eval_every = 6
+eval_tokens = 128
+checkpoint_every = 6
+log_every = 3
+threads = 1
+[reference]
+steps = 4
+batch_size = 2
+[axes]
+method = ["collider"]
+attention_grad = ["exact_query"]
+)",
+                                                    bytes_dir));
+  std::ostringstream out, err;
+  ASSERT_EQ(harness::run_train_command(manifest, {}, d / "whole", false, false, out, err), 0) << err.str();
+  // Killed right after the checkpoint of step 6, then resumed: the same rows, the same losses.
+  EXPECT_EQ(harness::run_train_command(manifest, {"train.stop_after=6"}, d / "killed", false, false, out, err), 1);
+  const auto partial = rows_of(d / "killed");
+  ASSERT_FALSE(partial.empty());
+  EXPECT_EQ(partial.back()["step"].get<int64_t>(), 6);
+  std::ostringstream err2;
+  ASSERT_EQ(harness::run_train_command(manifest, {}, d / "killed", false, true, out, err2), 0) << err2.str();
+  EXPECT_NE(err2.str().find("resumed at step 6"), std::string::npos) << err2.str();
+  const auto a = rows_of(d / "whole"), b = rows_of(d / "killed");
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(a[i]["step"], b[i]["step"]);
+    EXPECT_EQ(a[i]["eval_set"], b[i]["eval_set"]);
+    for (const char* k : {"val_loss", "train_loss"}) {
+      if (a[i].contains(k)) {
+        EXPECT_NEAR(a[i][k].get<double>(), b[i][k].get<double>(), 1e-6);
+      }
+    }
+  }
 }
 
 TEST_F(Utility, ManifestErrorsNameTheKey) {
