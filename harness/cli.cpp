@@ -133,6 +133,16 @@ bool parse_steps(const std::string& s, int64_t* a, int64_t* b) {
 
 }  // namespace
 
+std::string default_run_dir(const std::string& name, bool resume) {
+  const std::string base = fsutil::join("results", name);
+  if (!resume) return fsutil::join(base, local_stamp());
+  const auto runs = fsutil::list_subdirs(base);  // date-time names sort chronologically
+  if (runs.empty()) {
+    throw std::runtime_error("--resume without --out needs an earlier run under " + base + "/; none found (pass --out DIR)");
+  }
+  return fsutil::join(base, runs.back());
+}
+
 int run_run_command(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
   std::string manifest_path, out_dir, trace_path;
   std::vector<std::string> sets;
@@ -198,17 +208,11 @@ int run_run_command(const std::vector<std::string>& args, std::ostream& out, std
   }
 
   if (out_dir.empty()) {
-    const std::string base = fsutil::join("results", m.name);
-    if (resume) {
-      const auto runs = fsutil::list_subdirs(base);  // date-time names sort chronologically
-      if (runs.empty()) {
-        err << "collider run: --resume without --out needs an earlier run under " << base
-            << "/; none found (pass --out DIR)\n";
-        return 2;
-      }
-      out_dir = fsutil::join(base, runs.back());
-    } else {
-      out_dir = fsutil::join(base, local_stamp());
+    try {
+      out_dir = default_run_dir(m.name, resume);
+    } catch (const std::runtime_error& e) {
+      err << "collider run: " << e.what() << "\n";
+      return 2;
     }
   }
 

@@ -3,6 +3,7 @@
 // evaluation, checkpoints, resume and a progress line.
 #include "harness/train_run.h"
 
+#include "harness/cli.h"
 #include "harness/fsutil.h"
 #include "harness/manifest.h"
 #include "harness/results.h"
@@ -422,16 +423,11 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
     return 0;
   }
   if (out_dir.empty()) {
-    const std::string base = fsutil::join("results", m.name);
-    if (resume) {
-      const auto runs = fsutil::list_subdirs(base);
-      if (runs.empty()) {
-        err << "collider run: --resume without --out needs an earlier run under " << base << "/ (pass --out DIR)\n";
-        return 2;
-      }
-      out_dir = fsutil::join(base, runs.back());
-    } else {
-      out_dir = fsutil::join(base, local_stamp());
+    try {
+      out_dir = default_run_dir(m.name, resume);
+    } catch (const std::runtime_error& e) {
+      err << "collider run: " << e.what() << "\n";
+      return 2;
     }
   }
   try {
