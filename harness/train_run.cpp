@@ -26,6 +26,8 @@
 #include <optional>
 #include <sstream>
 
+#include <unistd.h>
+
 namespace collider::harness {
 
 std::string expand_home(const std::string& path) {
@@ -643,6 +645,7 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
         err << fmt::format("[{}/{}] {}: error: {}\n", i + 1, m.points.size(), pid, e.what());
       }
     }
+    ::rmdir(fsutil::join(out_dir, "checkpoints").c_str());  // only when empty: every run finished
     err << fmt::format("collider run: {} runs, {} failed; rows in {}\n", m.points.size(), failed, results_path);
     return failed > 0 ? 1 : 0;
   } catch (const std::exception& e) {
