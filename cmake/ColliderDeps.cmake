@@ -93,6 +93,17 @@ else()
                  "(gloo headers: ${COLLIDER_GLOO_INCLUDE_DIR}; `apt-get install libgloo-dev` and reconfigure to enable "
                  "`collider run` with RANK/WORLD_SIZE)")
 endif()
+
+# SentencePiece (Debian libsentencepiece-dev): the tokenizer of the utility runs (harness/token_data.h).
+find_path(SENTENCEPIECE_INCLUDE_DIR sentencepiece_processor.h)
+find_library(SENTENCEPIECE_LIBRARY sentencepiece)
+if(SENTENCEPIECE_INCLUDE_DIR AND SENTENCEPIECE_LIBRARY)
+  set(COLLIDER_HAVE_SENTENCEPIECE ON)
+  message(STATUS "collider: optional SentencePiece: found (${SENTENCEPIECE_LIBRARY})")
+else()
+  set(COLLIDER_HAVE_SENTENCEPIECE OFF)
+  message(STATUS "collider: optional SentencePiece: not found (harness::Tokenizer throws; install libsentencepiece-dev)")
+endif()
 if(CMAKE_CXX_COMPILER_LAUNCHER)
   message(STATUS "collider: optional ccache: ${CMAKE_CXX_COMPILER_LAUNCHER}")
 else()

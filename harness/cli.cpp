@@ -6,6 +6,7 @@
 #include "harness/manifest.h"
 #include "harness/score.h"
 #include "harness/sweep.h"
+#include "harness/train_run.h"
 #include "models/flops.h"
 #include "models/model.h"
 
@@ -35,6 +36,8 @@ std::string usage() {
          "      data-parallel when RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (LOCAL_RANK) are set: one process\n"
          "      per rank, c10d Gloo (CPU) / NCCL (CUDA), batch_size rows per rank, rows written by rank 0;\n"
          "      COLLIDER_DIST_TIMEOUT_S bounds every collective (default 300). scripts/launch.sh N MANIFEST\n"
+         "      A manifest with a [train] table trains instead (experiments/tab_utility.toml): one run per\n"
+         "      method, periodic evaluation, checkpoints; --resume continues unfinished runs\n"
          "  collider score --checkpoint DIR --tokens FILE [--out FILE]\n"
          "      per-token losses of a Hugging Face-layout checkpoint (RHO-1 reference scores)\n";
 }
@@ -134,6 +137,16 @@ bool parse_steps(const std::string& s, int64_t* a, int64_t* b) {
 
 }  // namespace
 
+std::string default_run_dir(const std::string& name, bool resume) {
+  const std::string base = fsutil::join("results", name);
+  if (!resume) return fsutil::join(base, local_stamp());
+  const auto runs = fsutil::list_subdirs(base);  // date-time names sort chronologically
+  if (runs.empty()) {
+    throw std::runtime_error("--resume without --out needs an earlier run under " + base + "/; none found (pass --out DIR)");
+  }
+  return fsutil::join(base, runs.back());
+}
+
 int run_run_command(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
   std::string manifest_path, out_dir, trace_path;
   std::vector<std::string> sets;
@@ -174,6 +187,11 @@ int run_run_command(const std::vector<std::string>& args, std::ostream& out, std
     return 2;
   }
 
+  // A manifest with a [train] table runs training (the utility table; train_run.h).
+  if (is_training_manifest(manifest_path)) {
+    return run_train_command(manifest_path, sets, out_dir, dry_run, resume, out, err);
+  }
+
   Manifest m;
   try {
     m = load_manifest(manifest_path, sets, /*check_device=*/!dry_run);
@@ -209,17 +227,11 @@ int run_run_command(const std::vector<std::string>& args, std::ostream& out, std
   if (out_dir.empty() && distributed && denv.rank != 0) {
     out_dir = "(rank 0's output directory)";  // only rank 0 writes; its choice is the one that counts
   } else if (out_dir.empty()) {
-    const std::string base = fsutil::join("results", m.name);
-    if (resume) {
-      const auto runs = fsutil::list_subdirs(base);  // date-time names sort chronologically
-      if (runs.empty()) {
-        err << "collider run: --resume without --out needs an earlier run under " << base
-            << "/; none found (pass --out DIR)\n";
-        return 2;
-      }
-      out_dir = fsutil::join(base, runs.back());
-    } else {
-      out_dir = fsutil::join(base, local_stamp());
+    try {
+      out_dir = default_run_dir(m.name, resume);
+    } catch (const std::runtime_error& e) {
+      err << "collider run: " << e.what() << "\n";
+      return 2;
     }
   }
 

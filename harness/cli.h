@@ -19,5 +19,8 @@ int cli_main(const std::vector<std::string>& args);  // args without the program
 int run_models_command(const std::vector<std::string>& args, std::ostream& out);
 int run_run_command(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
 std::string usage();
+// `collider run`'s output directory when --out is not given: results/<name>/<date-time>, or with
+// resume the newest existing one (throws std::runtime_error saying to pass --out when none exists).
+std::string default_run_dir(const std::string& name, bool resume);
 
 }  // namespace collider::harness

@@ -270,6 +270,7 @@ StepResult Trainer::step(const Batch& batch_in) {
   if (layer_timer_) r.layers = layer_timer_->resolve();
 
   r.loss = r.dist ? r.dist->loss : loss.detach().item<double>();
+  r.loss_all = models::masked_mean_loss(loss_BT.detach(), batch.labels_BT != -100).item<double>();  // this rank's
   r.tokens = r.dist ? r.dist->tokens : B * T;
   r.tokens_kept = r.dist ? r.dist->tokens_kept : keep_BT.sum().item<int64_t>();
   if (cfg_.policy == collider::SelectPolicy::kPerSequence || cfg_.method == Method::kRegular) {

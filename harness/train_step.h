@@ -61,6 +61,7 @@ struct Batch {
 struct StepResult {
   // With a reducer, loss / tokens / tokens_kept are over every rank (`dist` has each rank's).
   double loss = 0.0;           // the loss that was backpropagated (mean over kept tokens)
+  double loss_all = 0.0;       // mean over every labelled token (the regular loss; compares methods)
   double grad_norm = 0.0;      // global grad norm before clipping (of the reduced gradients)
   int64_t tokens = 0;          // B * T
   int64_t tokens_kept = 0;     // kept positions in the batch

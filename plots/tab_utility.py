@@ -35,6 +35,14 @@ def run_totals(rows):
     return steps, wall_s, seen, backprop, est
 
 
+def median_step_s(rows):
+    """Median seconds per step over the intervals between consecutive rows with elapsed_s (more
+    robust than wall / steps when the machine's load changes during a run); nan without them."""
+    pts = sorted({(r["step"], r["elapsed_s"]) for r in rows if r.get("elapsed_s") is not None})
+    rates = [(e1 - e0) / (s1 - s0) for (s0, e0), (s1, e1) in zip(pts, pts[1:]) if s1 > s0]
+    return common.median(rates)
+
+
 def final_eval(rows, eval_set):
     ev = [r for r in rows if r.get("eval_set") == eval_set and r.get("val_loss") is not None]
     if not ev:
@@ -53,8 +61,8 @@ def main() -> None:
                        key=lambda e: (0 if "curated" in e or "domain" in e else 1, e))
     if not eval_sets:
         sys.exit("error: no training rows carry val_loss with an eval_set")
-    headers = ["Model", "Method", "Eval set", "Steps", "Val loss", "vs regular", "Val ppl", "vs regular",
-               "Wall (s)", "Tokens seen", "Tokens back-prop."]
+    headers = ["Model", "Params", "Method", "Eval set", "Steps", "Val loss", "vs regular", "Val ppl", "vs regular",
+               "Wall (s)", "s/step (median)", "Tokens seen", "Tokens back-prop."]
     table = []
     any_est = False
     ordered = sorted(runs, key=lambda k: (str(k[1]), common.method_rank(k[2]), str(k)))
@@ -74,14 +82,17 @@ def main() -> None:
                 reg_loss, reg_ppl = final_eval(runs[reg_key], e)
                 rel_loss, rel_ppl = (reg_loss - loss) / reg_loss, (reg_ppl - ppl) / reg_ppl
             mark = "*" if est else ""
-            table.append([model, _utility.run_label(run_key), e, steps, f"{loss:.4f}", common.pct(rel_loss),
-                          f"{ppl:.2f}", common.pct(rel_ppl), f"{wall_s:.1f}{mark}", f"{seen:,.0f}{mark}",
+            params = common.median(r.get("num_params") for r in runs[run_key] if r.get("num_params") is not None)
+            table.append([model, f"{params / 1e6:.1f}M" if params == params else "n/a", _utility.run_label(run_key), e, steps, f"{loss:.4f}", common.pct(rel_loss),
+                          f"{ppl:.2f}", common.pct(rel_ppl), f"{wall_s:.1f}{mark}", f"{median_step_s(runs[run_key]):.2f}", f"{seen:,.0f}{mark}",
                           f"{backprop:,.0f}{mark}"])
     caption = ("Training utility: final validation loss and perplexity per eval set; vs regular = relative "
-               "improvement over the regular run of the same model and seed (positive = better). "
+               "improvement over the regular run of the same model and seed (positive = better; on the curated-domain "
+               "set this is the paper's relative utility, measured here as loss / perplexity). Wall = training time "
+               "of the run without evaluation; s/step = median over the logging intervals. "
                + ("* estimated as per-step median x steps. " if any_est else "")
                + f"Device: {common.describe_device(rows)}.")
-    common.write_table(args.out, "tab_utility", headers, table, caption, align="lllrrrrrrrr")
+    common.write_table(args.out, "tab_utility", headers, table, caption, align="llllrrrrrrrrr")
 
 
 if __name__ == "__main__":

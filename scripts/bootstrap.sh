@@ -22,7 +22,8 @@ say() { echo "[bootstrap] $*"; }
 
 # 1. Debian packages the build needs.
 APT_PKGS=(g++ cmake ninja-build python3-venv libtomlplusplus-dev nlohmann-json3-dev
-          libgtest-dev libgmock-dev libbenchmark-dev ccache libgloo-dev)
+          libgtest-dev libgmock-dev libbenchmark-dev ccache libgloo-dev
+          libsentencepiece-dev)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -54,6 +55,12 @@ if ! "$PY" -c "import torch, matplotlib, numpy" 2>/dev/null; then
   say "installing $TORCH_PIN, numpy, matplotlib into $("$PY" -c 'import sys;print(sys.prefix)')"
   "$PY" -m pip install -q --upgrade pip
   "$PY" -m pip install -q "$TORCH_PIN" numpy matplotlib
+fi
+# sentencepiece trains the tokenizer of the utility data (scripts/prepare_data.sh); optional for
+# everything else, so a machine without network (the GPU machine) goes on without it.
+if ! "$PY" -c "import sentencepiece" 2>/dev/null; then
+  say "installing sentencepiece (tokenizer training for scripts/prepare_data.sh)"
+  "$PY" -m pip install -q sentencepiece || say "warning: pip install sentencepiece failed; scripts/prepare_data.sh will not run"
 fi
 TORCH_VERSION=$(cd /tmp && "$PY" -c "import torch;print(torch.__version__)")
 TORCH_PREFIX=$(cd /tmp && "$PY" -c "import torch;print(torch.utils.cmake_prefix_path)")

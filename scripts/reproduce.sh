@@ -6,9 +6,13 @@
 #   ./scripts/reproduce.sh                  # cpu scale (-mini models; 10-16 min on 2 quiet cores)
 #   ./scripts/reproduce.sh --scale paper    # full-size models, bf16, needs a CUDA GPU
 #   ./scripts/reproduce.sh --quick          # seconds-to-a-minute smoke version (tests this script)
+#   ./scripts/reproduce.sh --only tab_utility --utility full   # the full utility table (cpu; ~1 h)
 # Options: --build DIR (use an existing build, skip bootstrap), --only a,b (experiment stems),
 #   --plots-only (redraw from the newest existing results of the scale), --no-bench,
-#   --set key=value (repeatable; passed to every `collider run`, e.g. --set run.threads=4).
+#   --set key=value (repeatable; passed to every `collider run`, e.g. --set run.threads=4),
+#   --utility quick|full (cpu scale: the utility table's training runs; quick (default, <= 10 min)
+#   is a shortened run of experiments/tab_utility.toml, full the manifest as written).
+#   The utility data comes from scripts/prepare_data.sh (idempotent; --sample data with --quick).
 # Results: results/<experiment>/<scale>-<device>-<date>/ (results.jsonl, env.json, run.log, ...);
 # --quick writes everything under out/reproduce-quick/ (ignored by git) instead.
 # One failing experiment does not stop the others; the exit code is non-zero if any failed.
@@ -23,7 +27,8 @@ ONLY=""
 PLOTS_ONLY=0
 RUN_BENCH=1
 USER_SETS=()
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
+UTILITY=quick
+usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
 while (($#)); do
   case "$1" in
     --scale) SCALE=${2:-}; shift 2 ;;
@@ -35,12 +40,17 @@ while (($#)); do
     --only=*) ONLY=${1#--only=}; shift ;;
     --plots-only) PLOTS_ONLY=1; shift ;;
     --no-bench) RUN_BENCH=0; shift ;;
+    --utility) UTILITY=${2:-}; shift 2 ;;
+    --utility=*) UTILITY=${1#--utility=}; shift ;;
     --set) USER_SETS+=(--set "${2:-}"); shift 2 ;;
     --set=*) USER_SETS+=(--set "${1#--set=}"); shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "reproduce.sh: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
   esac
 done
+if [[ "$UTILITY" != quick && "$UTILITY" != full ]]; then
+  echo "reproduce.sh: --utility must be quick or full, got '$UTILITY'" >&2; exit 2
+fi
 if [[ "$SCALE" != cpu && "$SCALE" != paper ]]; then
   echo "reproduce.sh: --scale must be cpu or paper, got '$SCALE'" >&2; exit 2
 fi
@@ -112,6 +122,8 @@ say "scale $SCALE, device $DEVICE$( ((QUICK)) && echo ', QUICK (tiny -debug mode
 # The experiments this script runs. tab_end_to_end is drawn from tab_backward_time's rows (same
 # grid; every row carries step_ms), so its manifest is not run here.
 EXPERIMENTS=(tab_backward_time fig_filter_ratio fig_context_length fig_layer_breakdown)
+# The utility table trains models on real text (cpu scale only; no paper-scale manifest).
+[[ "$SCALE" == cpu ]] && EXPERIMENTS+=(tab_utility)
 wanted() {  # wanted STEM: honours --only
   [[ -z "$ONLY" ]] && return 0
   local s; IFS=',' read -ra s <<<"$ONLY"
@@ -134,6 +146,18 @@ quick_sets() {  # quick_sets STEM -> --set arguments
     fig_layer_breakdown) printf '%s\n' "${common[@]}" --set axes.seq_len=64 ;;
   esac
 }
+# tab_utility: --quick = a few steps on the --sample data; --utility quick = a shortened run
+# (T 128, 60 steps, reference 40 steps: <= 10 min on 2 quiet cores); full = the manifest.
+utility_sets() {
+  if ((QUICK)); then
+    printf '%s\n' --set "data.dir=$ROOT/out/reproduce-quick/data" --set train.seq_len=64 --set train.batch_size=2 \
+      --set train.steps=4 --set train.warmup_steps=1 --set train.eval_every=2 --set train.eval_tokens=256 \
+      --set reference.steps=2 --set reference.batch_size=2
+  elif [[ "$UTILITY" == quick ]]; then
+    printf '%s\n' --set train.seq_len=128 --set train.steps=60 --set train.eval_every=20 \
+      --set train.checkpoint_every=20 --set train.eval_tokens=4096 --set reference.steps=40
+  fi
+}
 
 newest_run_dir() {  # newest_run_dir STEM FILE -> newest results/STEM/<scale>-*/ holding FILE
   ls -1d "$RESULTS_ROOT/$1/$SCALE"-*/ 2>/dev/null | sort | while read -r x; do
@@ -150,10 +174,21 @@ if ((!PLOTS_ONLY)); then
     i=$((i + 1))
     manifest="$MANIFEST_DIR/$e.toml"
     out="$RESULTS_ROOT/$e/$RUN_NAME"
+    # The shortened utility run keeps apart from the full table's results and plots.
+    [[ "$e" == tab_utility && "$UTILITY" == quick ]] && ((!QUICK)) && out="$RESULTS_ROOT/tab_utility_quick/$RUN_NAME"
     mkdir -p "$out"
     mapfile -t sets < <(quick_sets "$e")
+    if [[ "$e" == tab_utility ]]; then
+      mapfile -t sets < <(utility_sets)
+      if ((QUICK)); then
+        ./scripts/prepare_data.sh --out "$ROOT/out/reproduce-quick/data" --sample 2>&1 | tail -2 | sed "s/^/    /"
+      else
+        ./scripts/prepare_data.sh 2>&1 | tail -2 | sed "s/^/    /"
+      fi
+      [[ ${PIPESTATUS[0]} == 0 ]] || { say "tab_utility: FAILED: scripts/prepare_data.sh"; FAILED+=(tab_utility); continue; }
+    fi
     sets+=("${USER_SETS[@]}")
-    npts=$("$COLLIDER" run "$manifest" --dry-run "${sets[@]}" 2>/dev/null | head -1 | sed -n 's/^[^:]*: \([0-9]*\) points.*/\1/p')
+    npts=$("$COLLIDER" run "$manifest" --dry-run "${sets[@]}" 2>/dev/null | head -1 | sed -n 's/^[^:]*: \([0-9]*\) points.*/\1/p;s/^[^:]*: training manifest, \([0-9]*\) runs.*/\1/p')
     say "($i/$n) $e: ${npts:-?} points from $manifest -> ${out#"$ROOT"/}"
     t_e=$(date +%s)
     "$COLLIDER" run "$manifest" --out "$out" "${sets[@]}" 2>&1 | tee "$out/run.log" | sed -u "s/^/    /"
@@ -207,7 +242,8 @@ else
   for e in "${EXPERIMENTS[@]}" fig_sparse_gemm; do
     wanted "$e" || continue
     file=results.jsonl; [[ "$e" == fig_sparse_gemm ]] && file=bm_backward_gemm.json
-    d=$(newest_run_dir "$e" "$file")
+    stem_dir=$e; [[ "$e" == tab_utility && "$UTILITY" == quick ]] && ((!QUICK)) && stem_dir=tab_utility_quick
+    d=$(newest_run_dir "$stem_dir" "$file")
     if [[ -z "$d" ]]; then say "$e: no results under ${RESULTS_ROOT#"$ROOT"/}/$e/$SCALE-*/"; continue; fi
     RESULT_FILE[$e]="$d/$file"
     say "$e: newest results ${RESULT_FILE[$e]#"$ROOT"/}"
@@ -250,6 +286,14 @@ plot fig_context_length fig_context_length.py
 plot fig_context_length fig_context_length.py --metric step_ms
 plot fig_layer_breakdown fig_layer_breakdown.py
 ((RUN_BENCH)) && plot fig_sparse_gemm fig_sparse_gemm.py
+if [[ "$SCALE" == cpu ]]; then
+  # --utility quick draws into a sub-folder so that the full table's files stay.
+  MAIN_PLOT_DIR=$PLOT_DIR
+  [[ "$UTILITY" == quick ]] && ((!QUICK)) && PLOT_DIR="$PLOT_DIR/utility-quick" && mkdir -p "$PLOT_DIR"
+  plot tab_utility tab_utility.py
+  plot tab_utility fig_utility_curves.py
+  PLOT_DIR=$MAIN_PLOT_DIR
+fi
 
 {
   echo "# Sources of the tables and figures in this folder"
