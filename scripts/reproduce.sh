@@ -58,6 +58,7 @@ fi
 T0=$(date +%s)
 say() { printf '[reproduce %s +%ds] %s\n' "$(date +%H:%M:%S)" "$(( $(date +%s) - T0 ))" "$*"; }
 FAILED=()
+PLOT_SUB=""  # a sub-folder of the plot directory (the shortened utility run draws into one)
 
 no_gpu() {
   say "error: --scale paper needs a CUDA GPU, and $1 sees none on this machine."
@@ -268,7 +269,7 @@ plot() {  # plot STEM SCRIPT [ARGS...]: one plot script on the results of experi
   if (cd /tmp && "$PY" "$ROOT/plots/$script" --results "$f" --out "$PLOT_DIR" "$@") >"$PLOT_DIR/.plot.log" 2>&1; then
     say "plot $script${*:+ $*}: $(grep -c '^wrote' "$PLOT_DIR/.plot.log") files"
     grep -i '^warning' "$PLOT_DIR/.plot.log" | head -5 | sed 's/^/    /'
-    local key="- \`plots/$script${*:+ $*}\`"
+    local key="- \`plots/$script${*:+ $*}\`${PLOT_SUB:+ (in $PLOT_SUB/)}"
     OLD_SOURCES=$(grep -vF -e "$key <-" <<<"$OLD_SOURCES" || true)
     NEW_SOURCES+="$key <- \`${f#"$ROOT"/}\` ($(date -u +%Y-%m-%dT%H:%MZ), git $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"$'\n'
   else
@@ -289,10 +290,10 @@ plot fig_layer_breakdown fig_layer_breakdown.py
 if [[ "$SCALE" == cpu ]]; then
   # --utility quick draws into a sub-folder so that the full table's files stay.
   MAIN_PLOT_DIR=$PLOT_DIR
-  [[ "$UTILITY" == quick ]] && ((!QUICK)) && PLOT_DIR="$PLOT_DIR/utility-quick" && mkdir -p "$PLOT_DIR"
+  [[ "$UTILITY" == quick ]] && ((!QUICK)) && PLOT_SUB=utility-quick && PLOT_DIR="$PLOT_DIR/$PLOT_SUB" && mkdir -p "$PLOT_DIR"
   plot tab_utility tab_utility.py
   plot tab_utility fig_utility_curves.py
-  PLOT_DIR=$MAIN_PLOT_DIR
+  PLOT_DIR=$MAIN_PLOT_DIR; PLOT_SUB=""
 fi
 
 {
