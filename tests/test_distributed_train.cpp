@@ -5,7 +5,8 @@
 // each step's global batch). Killed after the checkpoint of step 5 (train.stop_after), the
 // parameters in both checkpoints, the logged train losses, kept counts and evaluations agree within
 // fp32 tolerance; rows are written once (by rank 0) with world_size 2; --resume on both ranks from
-// rank 0's checkpoint reaches the single process's final evaluation. For loss_only and collider.
+// rank 0's checkpoint reaches the single process's final evaluation. For loss_only and collider
+// kept_only at filter_ratio 0.25 (collider exact_query: disabled, see the end of this file).
 //   OMP_NUM_THREADS=1 build/tests/test_distributed_train   (runs build/collider via scripts/launch.sh)
 #include "temp_dir.h"
 #include "utility_test_util.h"
@@ -131,7 +132,7 @@ batch_size = 2
 [axes]
 method = ["{}"]
 attention_grad = ["{}"]
-filter_ratio = [0.5]
+filter_ratio = [0.25]
 )",
                                                *dir_ / "bytes", method, attention_grad));
   // One process x batch 2, killed after the checkpoint of step 5.
@@ -163,8 +164,8 @@ filter_ratio = [0.5]
     max_diff = std::max(max_diff, (p - b.at(name)).abs().max().item<double>());
     max_moved = std::max(max_moved, (p - init.at(name)).abs().max().item<double>());
   }
-  std::cout << method << " " << attention_grad << ": max |2 ranks x 1 - 1 process x 2| = " << max_diff << " over parameters that moved up to "
-            << max_moved << " in 5 steps\n";
+  std::cout << method << " " << attention_grad << ": max |2 ranks x 1 - 1 process x 2| = " << max_diff
+            << " over parameters that moved up to " << max_moved << " in 5 steps\n";
   EXPECT_GT(max_moved, 1e-3) << "the 5 steps should move the parameters";
   // fp32 tolerance after 5 AdamW steps (as tests/test_distributed.cpp: 1% of the largest change).
   EXPECT_LT(max_diff, 1e-2 * max_moved) << method << ": 2-rank parameters differ from the single-process run";
@@ -183,16 +184,20 @@ filter_ratio = [0.5]
 
 auto param_name = [](const auto& info) { return info.param.first + "_" + info.param.second; };
 INSTANTIATE_TEST_SUITE_P(Methods, DistributedTraining,
-                         ::testing::Values(std::pair<std::string, std::string>{"loss_only", "kept_only"}), param_name);
-// KNOWN FAILURE (disabled; run with --gtest_also_run_disabled_tests): for collider (kept_only and
-// exact_query) the first two steps agree to fp32 rounding (AdamW exp_avg within 1e-7 relative),
-// but the gradient of step 3 differs (q_proj exp_avg by ~4%), so after 5 steps q/k_proj differ by
-// up to lr = 1e-3. loss_only on the same windows agrees to 1.6e-6, and tests/test_distributed.cpp
-// (random tokens, self scores) agrees for collider. Not yet known whether collider's backward on
-// one B = 2 batch differs from its two B = 1 rows here or the 2-rank path is at fault.
-INSTANTIATE_TEST_SUITE_P(DISABLED_Collider, DistributedTraining,
-                         ::testing::Values(std::pair<std::string, std::string>{"collider", "kept_only"},
-                                           std::pair<std::string, std::string>{"collider", "exact_query"}),
+                         ::testing::Values(std::pair<std::string, std::string>{"loss_only", "kept_only"},
+                                           std::pair<std::string, std::string>{"collider", "kept_only"}),
+                         param_name);
+// Selection ties: on this byte-level text the excess losses at the top-k cutoff of a row are
+// sometimes equal or within ~5e-7 (repeated bytes; measured in a 6-step collider run at
+// filter_ratio 0.5: gaps of 0 to 5e-7 in 4 of 18 row-steps), so the fp32 difference between a
+// B = 1 and a B = 2 forward can flip which token is kept, and the runs part (by up to lr in q/k_proj). At
+// filter_ratio 0.25 loss_only and collider kept_only stay tie-free for these 5 steps (max
+// parameter difference 4.5e-7 and 1.3e-6); collider exact_query still meets one (2e-4 after 5
+// steps), hence disabled (run with --gtest_also_run_disabled_tests). Gradients themselves are
+// batch-linear: at the initial weights collider's B = 2 gradient equals the mean of its rows' to
+// 5e-7 relative on the windows of all 6 steps.
+INSTANTIATE_TEST_SUITE_P(DISABLED_TieSensitive, DistributedTraining,
+                         ::testing::Values(std::pair<std::string, std::string>{"collider", "exact_query"}),
                          param_name);
 
 }  // namespace
