@@ -68,7 +68,7 @@ const std::map<std::string, std::vector<std::string>> kKeys = {
     {"train",
      {"model", "seq_len", "batch_size", "steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "align",
       "eval_every", "eval_tokens", "eval_batch_size", "checkpoint_every", "log_every", "seed", "threads",
-      "pool_windows", "stop_after"}},
+      "pool_windows", "stop_after", "fail_rank"}},
     {"reference", {"steps", "lr", "batch_size"}},
     {"axes", {"method", "attention_grad", "filter_ratio"}},
 };
@@ -208,7 +208,8 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
            {"warmup_steps", &s.warmup_steps}, {"align", &s.align}, {"eval_every", &s.eval_every},
            {"eval_tokens", &s.eval_tokens}, {"eval_batch_size", &s.eval_batch_size},
            {"checkpoint_every", &s.checkpoint_every}, {"log_every", &s.log_every}, {"seed", &s.seed},
-           {"threads", &s.threads}, {"pool_windows", &s.pool_windows}, {"stop_after", &s.stop_after}}) {
+           {"threads", &s.threads}, {"pool_windows", &s.pool_windows}, {"stop_after", &s.stop_after},
+           {"fail_rank", &s.fail_rank}}) {
     L.get(tr, "train", key, ptr);
   }
   for (auto [key, ptr] : std::vector<std::pair<const char*, double*>>{
@@ -394,6 +395,9 @@ void train_loop(const TrainSettings& s, RunSpec spec, Trainer& tr,
     const auto windows = spec.loader->window_ids(st.step);
     Batch b = spec.loader->batch_of(windows);
     if (spec.ref) b.ref_loss_BT = spec.ref->rows(windows);
+    if (spec.may_stop && st.step == 2 && s.fail_rank == (spec.dist ? spec.dist->rank() : 0)) {
+      throw std::runtime_error(fmt::format("train.fail_rank = {} (tests): this rank fails at step 2", s.fail_rank));
+    }
     const StepResult r = tr.step(b);
     if (!std::isfinite(r.loss)) {
       throw std::runtime_error(fmt::format("{}: loss is {} at step {}", spec.label, r.loss, st.step));

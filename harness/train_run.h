@@ -53,6 +53,8 @@ struct TrainSettings {
   // Tests (accepted, not advertised): the process behaves as if killed right after the
   // checkpoint of this step of the first unfinished run (no error row; exit code 1).
   int64_t stop_after = 0;
+  // Tests: this rank throws at step 2 of the first unfinished run (-1: none).
+  int64_t fail_rank = -1;
 };
 
 struct TrainPoint {

@@ -107,10 +107,9 @@ void expect_same_rows(const std::vector<nlohmann::json>& single, const std::vect
   }
 }
 
-TEST_P(DistributedTraining, TwoRanksOfBatch1EqualOneProcessOfBatch2AndResume) {
-  const auto [method, attention_grad] = GetParam();
-  ct::TempDir d("dist_train_" + method + "_" + attention_grad);
-  const std::string manifest = d / "train.toml";
+// The 6-step training manifest of these tests (batch_size 2; the 2-rank runs set it to 1).
+void write_manifest(const std::string& manifest, const std::string& data_dir, const std::string& method,
+                    const std::string& attention_grad) {
   ch::fsutil::write_file(manifest, fmt::format(R"(name = "dist_train_test"
 [data]
 dir = "{}"
@@ -134,7 +133,14 @@ method = ["{}"]
 attention_grad = ["{}"]
 filter_ratio = [0.25]
 )",
-                                               *dir_ / "bytes", method, attention_grad));
+                                               data_dir, method, attention_grad));
+}
+
+TEST_P(DistributedTraining, TwoRanksOfBatch1EqualOneProcessOfBatch2AndResume) {
+  const auto [method, attention_grad] = GetParam();
+  ct::TempDir d("dist_train_" + method + "_" + attention_grad);
+  const std::string manifest = d / "train.toml";
+  write_manifest(manifest, *dir_ / "bytes", method, attention_grad);
   // One process x batch 2, killed after the checkpoint of step 5.
   std::ostringstream out, err;
   ASSERT_EQ(ch::run_train_command(manifest, {"train.stop_after=5"}, d / "single", false, false, out, err), 1)
@@ -180,6 +186,25 @@ filter_ratio = [0.25]
   expect_same_rows(single_all, dist_all);
   EXPECT_TRUE(dist_all.back()["final"].get<bool>());
   EXPECT_FALSE(ch::fsutil::exists(d / "dist/checkpoints")) << "a finished run removes its checkpoints";
+}
+
+// One rank fails (train.fail_rank, tests) at step 2: every rank ends, the launch with status 3,
+// the failing rank's message names it; no run is marked finished.
+class DistributedTrainingFailure : public DistributedTraining {};
+
+TEST_F(DistributedTrainingFailure, ARankThatFailsEndsTheRunOnEveryRank) {
+  ct::TempDir d("dist_train_fail");
+  const std::string manifest = d / "train.toml";
+  write_manifest(manifest, *dir_ / "bytes", "loss_only", "kept_only");
+  std::string log;
+  EXPECT_EQ(launch(manifest, d / "dist", "--set train.batch_size=1 --set train.fail_rank=1", &log), 3) << log;
+  EXPECT_NE(log.find("[rank 1] collider run: distributed run failed: rank 1 of 2: training run"), std::string::npos)
+      << log;
+  EXPECT_NE(log.find("train.fail_rank = 1 (tests): this rank fails at step 2"), std::string::npos) << log;
+  for (const auto& row : rows_of(d / "dist")) {
+    EXPECT_FALSE(row.value("final", false)) << row.dump();
+    EXPECT_LE(row["step"].get<int64_t>(), 2) << row.dump();
+  }
 }
 
 auto param_name = [](const auto& info) { return info.param.first + "_" + info.param.second; };
