@@ -6,7 +6,8 @@
 // parameters in both checkpoints, the logged train losses, kept counts and evaluations agree within
 // fp32 tolerance; rows are written once (by rank 0) with world_size 2; --resume on both ranks from
 // rank 0's checkpoint reaches the single process's final evaluation. For loss_only and collider
-// kept_only at filter_ratio 0.25 (collider exact_query: disabled, see the end of this file).
+// kept_only at filter_ratio 0.25 (collider exact_query: disabled, see the end of this file). And a
+// rank that fails (train.fail_rank) ends the run on every rank with status 3.
 //   OMP_NUM_THREADS=1 build/tests/test_distributed_train   (runs build/collider via scripts/launch.sh)
 #include "temp_dir.h"
 #include "utility_test_util.h"
