@@ -37,7 +37,8 @@ std::string usage() {
          "      per rank, c10d Gloo (CPU) / NCCL (CUDA), batch_size rows per rank, rows written by rank 0;\n"
          "      COLLIDER_DIST_TIMEOUT_S bounds every collective (default 300). scripts/launch.sh N MANIFEST\n"
          "      A manifest with a [train] table trains instead (experiments/tab_utility.toml): one run per\n"
-         "      method, periodic evaluation, checkpoints; --resume continues unfinished runs\n"
+         "      method, periodic evaluation, checkpoints; --resume continues unfinished runs; data-parallel as\n"
+         "      above (batch_size windows per rank; rank 0 evaluates and writes rows and checkpoints)\n"
          "  collider score --checkpoint DIR --tokens FILE [--out FILE]\n"
          "      per-token losses of a Hugging Face-layout checkpoint (RHO-1 reference scores)\n";
 }
@@ -187,9 +188,37 @@ int run_run_command(const std::vector<std::string>& args, std::ostream& out, std
     return 2;
   }
 
-  // A manifest with a [train] table runs training (the utility table; train_run.h).
+  // The launch variables (RANK, WORLD_SIZE, ...): one process per rank when WORLD_SIZE > 1.
+  DistEnv denv;  // meaningful when `distributed`
+  bool distributed = false;
+  try {
+    if (auto e = dist_env_from_environment()) {
+      denv = *e;
+      distributed = denv.world_size > 1;  // one rank: a plain single-process run
+    }
+  } catch (const std::invalid_argument& e) {
+    err << "collider run: error: " << e.what() << "\n";
+    return 2;
+  }
+  const std::string rank_tag = distributed ? fmt::format("rank {} of {}: ", denv.rank, denv.world_size) : "";
+  // Joins the other ranks (status 3 when that fails).
+  auto connect = [&](const torch::Device& device, std::shared_ptr<ProcessGroup>* pg) {
+    try {
+      *pg = init_process_group(denv, device);
+    } catch (const std::exception& e) {
+      err << "collider run: " << rank_tag << "distributed set-up failed: " << e.what() << "\n";
+      return false;
+    }
+    err << fmt::format("collider run: {}{} process group up ({}:{})\n", rank_tag, (*pg)->backend(), denv.master_addr,
+                       denv.master_port);
+    return true;
+  };
+
+  // A manifest with a [train] table runs training (the utility table; train_run.h), on CPU.
   if (is_training_manifest(manifest_path)) {
-    return run_train_command(manifest_path, sets, out_dir, dry_run, resume, out, err);
+    std::shared_ptr<ProcessGroup> pg;
+    if (distributed && !dry_run && !connect(torch::Device(torch::kCPU), &pg)) return 3;
+    return run_train_command(manifest_path, sets, out_dir, dry_run, resume, out, err, pg);
   }
 
   Manifest m;
@@ -211,19 +240,6 @@ int run_run_command(const std::vector<std::string>& args, std::ostream& out, std
     return 0;
   }
 
-  DistEnv denv;  // meaningful when `distributed`
-  bool distributed = false;
-  try {
-    if (auto e = dist_env_from_environment()) {
-      denv = *e;
-      distributed = denv.world_size > 1;  // one rank: a plain single-process run
-    }
-  } catch (const std::invalid_argument& e) {
-    err << "collider run: error: " << e.what() << "\n";
-    return 2;
-  }
-  const std::string rank_tag = distributed ? fmt::format("rank {} of {}: ", denv.rank, denv.world_size) : "";
-
   if (out_dir.empty() && distributed && denv.rank != 0) {
     out_dir = "(rank 0's output directory)";  // only rank 0 writes; its choice is the one that counts
   } else if (out_dir.empty()) {
@@ -236,16 +252,7 @@ int run_run_command(const std::vector<std::string>& args, std::ostream& out, std
   }
 
   SweepOptions so;
-  if (distributed) {
-    try {
-      so.dist = init_process_group(denv, torch::Device(m.run.device == "cuda" ? torch::kCUDA : torch::kCPU));
-    } catch (const std::exception& e) {
-      err << "collider run: " << rank_tag << "distributed set-up failed: " << e.what() << "\n";
-      return 3;
-    }
-    err << fmt::format("collider run: {}{} process group up ({}:{})\n", rank_tag, so.dist->backend(),
-                       denv.master_addr, denv.master_port);
-  }
+  if (distributed && !connect(torch::Device(m.run.device == "cuda" ? torch::kCUDA : torch::kCPU), &so.dist)) return 3;
   if (!distributed || denv.rank == 0) {
     err << fmt::format("collider run: {} ({} points) -> {}\n", m.name, m.points.size(), out_dir);
   }

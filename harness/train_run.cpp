@@ -1,9 +1,11 @@
 // Training manifests and runs (train_run.h): load + validate, the reference stage (train on the
 // curated split, score the training pool once), then one training run per point with periodic
-// evaluation, checkpoints, resume and a progress line.
+// evaluation, checkpoints, resume and a progress line; data-parallel with a process group
+// (rank 0 writes, evaluates and runs the reference stage; every rank trains on its own windows).
 #include "harness/train_run.h"
 
 #include "harness/cli.h"
+#include "harness/distributed.h"
 #include "harness/fsutil.h"
 #include "harness/manifest.h"
 #include "harness/results.h"
@@ -20,6 +22,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -65,7 +68,7 @@ const std::map<std::string, std::vector<std::string>> kKeys = {
     {"train",
      {"model", "seq_len", "batch_size", "steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "align",
       "eval_every", "eval_tokens", "eval_batch_size", "checkpoint_every", "log_every", "seed", "threads",
-      "pool_windows", "stop_after"}},
+      "pool_windows", "stop_after", "fail_rank"}},
     {"reference", {"steps", "lr", "batch_size"}},
     {"axes", {"method", "attention_grad", "filter_ratio"}},
 };
@@ -205,7 +208,8 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
            {"warmup_steps", &s.warmup_steps}, {"align", &s.align}, {"eval_every", &s.eval_every},
            {"eval_tokens", &s.eval_tokens}, {"eval_batch_size", &s.eval_batch_size},
            {"checkpoint_every", &s.checkpoint_every}, {"log_every", &s.log_every}, {"seed", &s.seed},
-           {"threads", &s.threads}, {"pool_windows", &s.pool_windows}, {"stop_after", &s.stop_after}}) {
+           {"threads", &s.threads}, {"pool_windows", &s.pool_windows}, {"stop_after", &s.stop_after},
+           {"fail_rank", &s.fail_rank}}) {
     L.get(tr, "train", key, ptr);
   }
   for (auto [key, ptr] : std::vector<std::pair<const char*, double*>>{
@@ -324,7 +328,27 @@ struct RunSpec {
   std::string ckpt_dir;
   bool resume = false;
   bool may_stop = false;  // honours train.stop_after (training points, not the reference stage)
+  ProcessGroup* dist = nullptr;  // data-parallel: the trainer has a GradientReducer on it
 };
+
+// Rank 0's value on every rank (a decision only rank 0 can make, e.g. from files only it reads);
+// without a process group the value itself.
+int64_t from_rank0(ProcessGroup* pg, int64_t value, const char* what) {
+  if (pg == nullptr) return value;
+  std::vector<torch::Tensor> t = {torch::full({1}, value, torch::kInt64)};
+  pg->broadcast(t, 0, what);
+  return t[0].item<int64_t>();
+}
+
+std::string from_rank0(ProcessGroup* pg, const std::string& value, const char* what) {
+  if (pg == nullptr) return value;
+  const int64_t n = from_rank0(pg, static_cast<int64_t>(value.size()), what);
+  auto bytes = torch::zeros({std::max<int64_t>(n, 1)}, torch::kUInt8);
+  if (pg->rank() == 0) std::memcpy(bytes.data_ptr<uint8_t>(), value.data(), value.size());
+  std::vector<torch::Tensor> t = {bytes};
+  pg->broadcast(t, 0, what);
+  return std::string(reinterpret_cast<const char*>(t[0].data_ptr<uint8_t>()), static_cast<size_t>(n));
+}
 
 double lr_at(int64_t step, const RunSpec& r) {
   if (step < r.warmup_steps) return r.lr * static_cast<double>(step + 1) / static_cast<double>(r.warmup_steps);
@@ -350,7 +374,11 @@ void train_loop(const TrainSettings& s, RunSpec spec, Trainer& tr,
                 const std::function<void(const RunState&, double, double, double)>& on_log,
                 const std::function<void(const RunState&, double)>& on_eval, std::ostream& log) {
   RunState st;
-  if (spec.resume && fsutil::exists(fsutil::join(spec.ckpt_dir, "trainer_state.json"))) {
+  // Every rank resumes from the checkpoint rank 0 wrote, when rank 0 sees one.
+  const bool have_ckpt = from_rank0(spec.dist,
+                                    spec.resume && fsutil::exists(fsutil::join(spec.ckpt_dir, "trainer_state.json")),
+                                    "whether a checkpoint exists") != 0;
+  if (have_ckpt) {
     auto ts = models::load_training_checkpoint(spec.ckpt_dir, tr.model());
     models::restore_adamw_state(tr.optimizer(), *tr.model(), ts.optimizer_state);
     st = RunState::from_json(ts.trainer_state);
@@ -367,6 +395,9 @@ void train_loop(const TrainSettings& s, RunSpec spec, Trainer& tr,
     const auto windows = spec.loader->window_ids(st.step);
     Batch b = spec.loader->batch_of(windows);
     if (spec.ref) b.ref_loss_BT = spec.ref->rows(windows);
+    if (spec.may_stop && st.step == 2 && s.fail_rank == (spec.dist ? spec.dist->rank() : 0)) {
+      throw std::runtime_error(fmt::format("train.fail_rank = {} (tests): this rank fails at step 2", s.fail_rank));
+    }
     const StepResult r = tr.step(b);
     if (!std::isfinite(r.loss)) {
       throw std::runtime_error(fmt::format("{}: loss is {} at step {}", spec.label, r.loss, st.step));
@@ -375,11 +406,19 @@ void train_loop(const TrainSettings& s, RunSpec spec, Trainer& tr,
     st.elapsed_s += seconds_since(t0);
     st.tokens_seen += static_cast<double>(r.tokens);
     st.tokens_backprop += static_cast<double>(r.tokens_kept);
-    loss_sum += r.loss_all;
+    // r.loss (kept) and the token counts are over every rank already; loss_all is this rank's:
+    // its share of the global mean, summed over ranks when logged.
+    loss_sum += spec.dist ? r.loss_all * static_cast<double>(b.input_ids_BT.numel()) / static_cast<double>(r.tokens)
+                          : r.loss_all;
     kept_sum += r.loss;
     loss_n += 1;
     const double per_step = (st.elapsed_s - elapsed_at_start) / static_cast<double>(st.step - first);
     if (st.step % s.log_every == 0 || st.step == spec.steps) {
+      if (spec.dist) {
+        std::vector<torch::Tensor> t = {torch::full({1}, loss_sum, torch::kFloat64)};
+        spec.dist->all_reduce_sum(t, "the training loss over ranks");
+        loss_sum = t[0].item<double>();
+      }
       const double mean = loss_sum / static_cast<double>(loss_n), kept = kept_sum / static_cast<double>(loss_n);
       log << fmt::format("{} step {}/{} loss {:.4f} (kept {:.4f}) lr {:.2e} {:.2f} s/step elapsed {} ETA {}\n",
                          spec.label, st.step, spec.steps, mean, kept, lr, per_step, hms(st.elapsed_s),
@@ -389,9 +428,10 @@ void train_loop(const TrainSettings& s, RunSpec spec, Trainer& tr,
       loss_sum = kept_sum = 0;
       loss_n = 0;
     }
-    if (st.step % s.eval_every == 0 || st.step == spec.steps) on_eval(st, lr);
+    // Rank 0 evaluates (every replica holds the same parameters) while the others wait.
+    if (st.step % s.eval_every == 0 || st.step == spec.steps) run_on_rank0(spec.dist, [&] { on_eval(st, lr); });
     if (st.step % s.checkpoint_every == 0 && st.step < spec.steps) {
-      save_checkpoint(spec.ckpt_dir, tr, st);
+      run_on_rank0(spec.dist, [&] { save_checkpoint(spec.ckpt_dir, tr, st); });
       if (spec.may_stop && st.step == s.stop_after) {
         throw SimulatedKill();
       }
@@ -404,18 +444,26 @@ std::string fmt_num(double v) { return fmt::format("{}", v); }
 }  // namespace
 
 int run_train_command(const std::string& manifest_path, const std::vector<std::string>& sets, std::string out_dir,
-                      bool dry_run, bool resume, std::ostream& out, std::ostream& err) {
+                      bool dry_run, bool resume, std::ostream& out, std::ostream& err,
+                      std::shared_ptr<ProcessGroup> dist_ptr) {
+  ProcessGroup* dist = dist_ptr.get();
+  const int rank = dist ? dist->rank() : 0, world = dist ? dist->world_size() : 1;
+  const bool writer = rank == 0;  // only rank 0 touches files and prints progress
+  const std::string rank_tag = dist ? fmt::format("rank {} of {}: ", rank, world) : "";
+  std::ostream null_log(nullptr);  // discards (the other ranks' progress lines)
+  std::ostream& log = writer ? err : null_log;
   TrainManifest m;
   try {
     m = load_train_manifest(manifest_path, sets);
   } catch (const ManifestError& e) {
-    err << "collider run: error: " << e.what() << "\n";
+    err << "collider run: " << rank_tag << "error: " << e.what() << "\n";
     return 2;
   }
-  for (const auto& o : m.overrides) err << o << "\n";
+  for (const auto& o : m.overrides) log << o << "\n";
   const TrainSettings& s = m.train;
   const std::string data_dir = expand_home(s.data_dir);
-  const int64_t pool = s.pool_windows > 0 ? s.pool_windows : s.steps * s.batch_size;
+  // One pass over the scored pool: every step takes world_size x batch_size windows.
+  const int64_t pool = s.pool_windows > 0 ? s.pool_windows : s.steps * s.batch_size * world;
   if (dry_run) {
     out << fmt::format("{}: training manifest, {} runs of {} steps x {} x {} tokens ({} tokens each), seed {}; "
                        "reference {} steps on {}; data {}\n",
@@ -424,33 +472,42 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
     for (size_t i = 0; i < m.points.size(); ++i) out << fmt::format("{:>4}  {}\n", i + 1, m.points[i].id(s));
     return 0;
   }
-  if (out_dir.empty()) {
+  if (out_dir.empty() && writer) {
     try {
       out_dir = default_run_dir(m.name, resume);
     } catch (const std::runtime_error& e) {
       err << "collider run: " << e.what() << "\n";
-      return 2;
+      return 2;  // the other ranks' next collective fails: they end too
     }
   }
   try {
+    out_dir = from_rank0(dist, out_dir, "the output directory");  // checkpoints to resume from live there
     if (s.threads > 0) torch::set_num_threads(static_cast<int>(s.threads));
     const torch::Device device(torch::kCPU);
-    fsutil::make_dirs(out_dir);
     const std::string results_path = fsutil::join(out_dir, "results.jsonl");
-    ExistingResults existing = read_results(results_path, /*repair=*/resume);
-    if (!resume && !existing.rows.empty()) {
-      throw std::runtime_error(fmt::format("{} already holds {} rows; pass --resume to continue it or --out a new "
-                                           "directory",
-                                           results_path, existing.rows.size()));
-    }
-    fsutil::write_file(fsutil::join(out_dir, "manifest.resolved.toml"), m.resolved_toml);
+    ExistingResults existing;
     const Provenance prov = collect_provenance(device);
-    const std::string env_name = resume && fsutil::exists(fsutil::join(out_dir, "env.json"))
-                                     ? "env.resume-" + local_stamp() + ".json"
-                                     : std::string("env.json");
-    fsutil::write_file(fsutil::join(out_dir, env_name), environment_record(prov).dump(2) + "\n");
-    err << fmt::format("collider run: {} ({} training runs, {} steps each) -> {}\n", m.name, m.points.size(), s.steps,
-                       out_dir);
+    if (writer) {
+      fsutil::make_dirs(out_dir);
+      existing = read_results(results_path, /*repair=*/resume);
+      if (!resume && !existing.rows.empty()) {
+        throw std::runtime_error(fmt::format("{} already holds {} rows; pass --resume to continue it or --out a new "
+                                             "directory",
+                                             results_path, existing.rows.size()));
+      }
+      fsutil::write_file(fsutil::join(out_dir, "manifest.resolved.toml"), m.resolved_toml);
+      const std::string env_name = resume && fsutil::exists(fsutil::join(out_dir, "env.json"))
+                                       ? "env.resume-" + local_stamp() + ".json"
+                                       : std::string("env.json");
+      nlohmann::json env = environment_record(prov);
+      if (dist) {
+        env["world_size"] = world;
+        env["distributed_backend"] = dist->backend();
+      }
+      fsutil::write_file(fsutil::join(out_dir, env_name), env.dump(2) + "\n");
+    }
+    log << fmt::format("collider run: {} ({} training runs, {} steps each{}) -> {}\n", m.name, m.points.size(),
+                       s.steps, dist ? fmt::format(", {} ranks x batch {}", world, s.batch_size) : "", out_dir);
 
     // Data.
     auto shard = [&](const std::string& split) {
@@ -483,68 +540,76 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
     const std::string ref_dir = fsutil::join(fsutil::join(data_dir, "reference"), ref_tag);
     const std::string ref_losses_path =
         fsutil::join(ref_dir, fmt::format("{}.T{}.W{}.reflosses.f32", s.train_split, s.seq_len, pool));
-    fsutil::make_dirs(ref_dir);
     const std::string ref_model_dir = fsutil::join(ref_dir, "model");
-    if (!fsutil::exists(ref_losses_path)) {
-      models::CausalLM ref_model = models::build_model(cfg, models::AttentionImpl::kEager, s.seed);
-      if (fsutil::exists(fsutil::join(ref_model_dir, "config.json"))) {
-        models::load_hf_weights(ref_model, ref_model_dir);
-        err << "reference: model from " << ref_model_dir << "\n";
+    // Rank 0 alone runs the reference stage (it writes files beside the shards); the others wait at
+    // a barrier, bounded by COLLIDER_DIST_TIMEOUT_S: a long reference stage is best run once by a
+    // single process first (its results are reused).
+    run_on_rank0(dist, [&] {
+      fsutil::make_dirs(ref_dir);
+      if (!fsutil::exists(ref_losses_path)) {
+        models::CausalLM ref_model = models::build_model(cfg, models::AttentionImpl::kEager, s.seed);
+        if (fsutil::exists(fsutil::join(ref_model_dir, "config.json"))) {
+          models::load_hf_weights(ref_model, ref_model_dir);
+          log << "reference: model from " << ref_model_dir << "\n";
+        } else {
+          StepConfig sc;
+          sc.method = Method::kRegular;
+          sc.weight_decay = s.weight_decay;
+          sc.grad_clip = s.grad_clip;
+          Trainer tr(ref_model, sc, device, s.seed);
+          WindowLoader loader(ref_shard, s.seq_len, s.ref_batch_size, static_cast<uint64_t>(s.seed) + 1000);
+          RunSpec spec;
+          spec.label = "[reference " + s.reference_split + "]";
+          spec.step_cfg = sc;
+          spec.loader = &loader;
+          spec.steps = s.ref_steps;
+          spec.warmup_steps = std::min(s.warmup_steps, s.ref_steps / 2);
+          spec.lr = s.ref_lr;
+          spec.min_lr = s.min_lr * s.ref_lr / s.lr;
+          spec.ckpt_dir = fsutil::join(ref_dir, "checkpoint");
+          spec.resume = true;  // the reference stage always continues an interrupted reference run
+          nlohmann::json ref_record = {
+              {"tag", ref_tag}, {"split", s.reference_split}, {"evals", nlohmann::json::array()}};
+          train_loop(s, spec, tr, [](const RunState&, double, double, double) {},
+                     [&](const RunState& st, double) {
+                       nlohmann::json e = {{"step", st.step}, {"elapsed_s", st.elapsed_s}};
+                       for (const auto& [name, loss] : evaluate(tr.model())) {
+                         e[name] = loss;
+                         log << fmt::format("{} step {} eval {} loss {:.4f} ppl {:.2f}\n", spec.label, st.step, name,
+                                            loss, std::exp(loss));
+                       }
+                       ref_record["evals"].push_back(e);
+                     },
+                     log);
+          models::save_hf_model(tr.model(), ref_model_dir);
+          fsutil::write_file(fsutil::join(ref_dir, "reference.json"), ref_record.dump(1) + "\n");
+          fsutil::remove_tree(spec.ckpt_dir);
+        }
+        log << fmt::format("reference: scoring {} windows of {} (T = {}) -> {}\n", pool, s.train_split, s.seq_len,
+                           ref_losses_path);
+        const auto t0 = Clock::now();
+        compute_ref_losses(ref_model, *train_shard, s.seq_len, pool, s.eval_batch_size, ref_losses_path, &log);
+        log << fmt::format("reference: scored in {:.1f} s\n", seconds_since(t0));
       } else {
-        StepConfig sc;
-        sc.method = Method::kRegular;
-        sc.weight_decay = s.weight_decay;
-        sc.grad_clip = s.grad_clip;
-        Trainer tr(ref_model, sc, device, s.seed);
-        WindowLoader loader(ref_shard, s.seq_len, s.ref_batch_size, static_cast<uint64_t>(s.seed) + 1000);
-        RunSpec spec;
-        spec.label = "[reference " + s.reference_split + "]";
-        spec.step_cfg = sc;
-        spec.loader = &loader;
-        spec.steps = s.ref_steps;
-        spec.warmup_steps = std::min(s.warmup_steps, s.ref_steps / 2);
-        spec.lr = s.ref_lr;
-        spec.min_lr = s.min_lr * s.ref_lr / s.lr;
-        spec.ckpt_dir = fsutil::join(ref_dir, "checkpoint");
-        spec.resume = true;  // the reference stage always continues an interrupted reference run
-        nlohmann::json ref_record = {{"tag", ref_tag}, {"split", s.reference_split}, {"evals", nlohmann::json::array()}};
-        train_loop(s, spec, tr, [](const RunState&, double, double, double) {},
-                   [&](const RunState& st, double) {
-                     nlohmann::json e = {{"step", st.step}, {"elapsed_s", st.elapsed_s}};
-                     for (const auto& [name, loss] : evaluate(tr.model())) {
-                       e[name] = loss;
-                       err << fmt::format("{} step {} eval {} loss {:.4f} ppl {:.2f}\n", spec.label, st.step, name,
-                                          loss, std::exp(loss));
-                     }
-                     ref_record["evals"].push_back(e);
-                   },
-                   err);
-        models::save_hf_model(tr.model(), ref_model_dir);
-        fsutil::write_file(fsutil::join(ref_dir, "reference.json"), ref_record.dump(1) + "\n");
-        fsutil::remove_tree(spec.ckpt_dir);
+        log << "reference: losses from " << ref_losses_path << "\n";
       }
-      err << fmt::format("reference: scoring {} windows of {} (T = {}) -> {}\n", pool, s.train_split, s.seq_len,
-                         ref_losses_path);
-      const auto t0 = Clock::now();
-      compute_ref_losses(ref_model, *train_shard, s.seq_len, pool, s.eval_batch_size, ref_losses_path, &err);
-      err << fmt::format("reference: scored in {:.1f} s\n", seconds_since(t0));
-    } else {
-      err << "reference: losses from " << ref_losses_path << "\n";
-    }
+    });
     RefLosses ref_losses(ref_losses_path);
     if (ref_losses.shard_tokens() != train_shard->size() || ref_losses.seq_len() != s.seq_len ||
         ref_losses.num_windows() < pool) {
       throw std::runtime_error(fmt::format("{} does not match the shard {} (delete it to recompute)", ref_losses_path,
                                            train_shard->path()));
     }
-    if (fsutil::exists(fsutil::join(ref_dir, "reference.json"))) {
+    if (writer && fsutil::exists(fsutil::join(ref_dir, "reference.json"))) {
       fsutil::write_file(fsutil::join(out_dir, "reference.json"), fsutil::read_file(fsutil::join(ref_dir, "reference.json")));
     }
 
     // Training runs.
-    WindowLoader loader(train_shard, s.seq_len, s.batch_size, static_cast<uint64_t>(s.seed), pool);
-    JsonlWriter writer(results_path);
-    std::set<std::string> done;
+    // Rank r takes windows [r*B, (r+1)*B) of each step's global batch of world_size x B.
+    WindowLoader loader(train_shard, s.seq_len, s.batch_size, static_cast<uint64_t>(s.seed), pool, rank, world);
+    std::unique_ptr<JsonlWriter> rows;
+    if (writer) rows = std::make_unique<JsonlWriter>(results_path);
+    std::set<std::string> done;  // rank 0's view (it read the rows); every rank skips the same runs
     for (const auto& row : existing.rows) {
       if (row.value("final", false) && row.value("status", "") == "ok") done.insert(row.value("point_id", ""));
     }
@@ -553,8 +618,8 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
     for (size_t i = 0; i < m.points.size(); ++i) {
       const TrainPoint& p = m.points[i];
       const std::string pid = p.id(s);
-      if (done.count(pid)) {
-        err << fmt::format("[{}/{}] {}: already finished (resume)\n", i + 1, m.points.size(), pid);
+      if (from_rank0(dist, done.count(pid), "whether a run is finished") != 0) {
+        log << fmt::format("[{}/{}] {}: already finished (resume)\n", i + 1, m.points.size(), pid);
         continue;
       }
       nlohmann::json base = {{"experiment", m.name}, {"point_id", pid}, {"status", "ok"}, {"error", nullptr},
@@ -563,7 +628,8 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
                              {"attention_grad", p.attention_grad}, {"dtype", "fp32"}, {"device", "cpu"},
                              {"seed", s.seed}, {"steps_total", s.steps}, {"num_params", cfg.num_params()},
                              {"score", p.method == "regular" ? "none" : "excess_loss"}, {"reference", ref_tag},
-                             {"data_dir", data_dir}, {"train_split", s.train_split}, {"scale", "cpu"}};
+                             {"data_dir", data_dir}, {"train_split", s.train_split}, {"scale", "cpu"},
+                             {"world_size", world}, {"global_batch_size", world * s.batch_size}};
       const nlohmann::json pj = to_json(prov);
       for (auto it = pj.begin(); it != pj.end(); ++it) base[it.key()] = it.value();
       try {
@@ -577,6 +643,7 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
         sc.grad_clip = s.grad_clip;
         sc.score = p.method == "regular" ? "self" : "reference";
         Trainer tr(models::build_model(cfg, models::AttentionImpl::kEager, s.seed), sc, device, s.seed);
+        if (dist) tr.set_reducer(std::make_shared<GradientReducer>(dist_ptr, tr.model()->parameters()));
         RunSpec spec;
         spec.label = fmt::format("[{}/{} {} {}{}]", i + 1, m.points.size(), p.method,
                                  p.method == "collider" ? p.attention_grad + " " : "", fmt_num(p.filter_ratio));
@@ -592,6 +659,7 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
         spec.ckpt_dir = fsutil::join(fsutil::join(out_dir, "checkpoints"), slug);
         spec.resume = resume;
         spec.may_stop = true;
+        spec.dist = dist;
         auto progress = [&](nlohmann::json& row, const RunState& st, double lr) {
           row["step"] = st.step;
           row["elapsed_s"] = st.elapsed_s;
@@ -603,13 +671,14 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
         };
         train_loop(s, spec, tr,
                    [&](const RunState& st, double train_loss, double train_loss_kept, double lr) {
+                     if (!rows) return;
                      nlohmann::json row = base;  // a training-loss row (no eval_set)
                      progress(row, st, lr);
                      row["final"] = false;  // the eval rows of the last step mark the run finished
                      row["train_loss"] = train_loss;
                      row["train_loss_kept"] = train_loss_kept;
                      row["eval_set"] = nullptr;
-                     writer.append(row);
+                     rows->append(row);
                    },
                    [&](const RunState& st, double lr) {
                      const auto te = Clock::now();
@@ -623,16 +692,18 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
                        row["val_ppl"] = std::exp(loss);
                        row["eval_tokens"] = evals.front().windows * s.seq_len;
                        row["eval_s"] = eval_s;
-                       writer.append(row);
-                       err << fmt::format("{} step {} eval {} loss {:.4f} ppl {:.2f}\n", spec.label, st.step, name,
+                       rows->append(row);  // on_eval runs on rank 0 only
+                       log << fmt::format("{} step {} eval {} loss {:.4f} ppl {:.2f}\n", spec.label, st.step, name,
                                           loss, std::exp(loss));
                      }
                    },
-                   err);
-        fsutil::remove_tree(spec.ckpt_dir);  // finished: the rows hold the result
-        err << fmt::format("[{}/{}] {} done; all runs so far {}\n", i + 1, m.points.size(), pid,
+                   log);
+        if (writer) fsutil::remove_tree(spec.ckpt_dir);  // finished: the rows hold the result
+        log << fmt::format("[{}/{}] {} done; all runs so far {}\n", i + 1, m.points.size(), pid,
                            hms(seconds_since(t_all)));
       } catch (const SimulatedKill&) {
+        throw;
+      } catch (const DistributedError&) {
         throw;
       } catch (const std::exception& e) {
         failed += 1;
@@ -641,15 +712,25 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
         row["error"] = e.what();
         row["step"] = 0;
         row["timestamp"] = utc_timestamp();
-        writer.append(row);
-        err << fmt::format("[{}/{}] {}: error: {}\n", i + 1, m.points.size(), pid, e.what());
+        if (rows) rows->append(row);
+        err << fmt::format("{}[{}/{}] {}: error: {}\n", rank_tag, i + 1, m.points.size(), pid, e.what());
+        if (dist) {
+          // The other ranks may be inside a collective of this run: stop (exiting closes this rank's
+          // connections, so they fail fast instead of running mismatched collectives).
+          throw DistributedError(fmt::format("{}training run {} failed ({}); a data-parallel run stops at the first "
+                                             "failing run",
+                                             rank_tag, pid, e.what()));
+        }
       }
     }
-    ::rmdir(fsutil::join(out_dir, "checkpoints").c_str());  // only when empty: every run finished
-    err << fmt::format("collider run: {} runs, {} failed; rows in {}\n", m.points.size(), failed, results_path);
+    if (writer) ::rmdir(fsutil::join(out_dir, "checkpoints").c_str());  // only when empty: every run finished
+    log << fmt::format("collider run: {} runs, {} failed; rows in {}\n", m.points.size(), failed, results_path);
     return failed > 0 ? 1 : 0;
+  } catch (const DistributedError& e) {
+    err << "collider run: distributed run failed: " << e.what() << "\n";
+    return 3;
   } catch (const std::exception& e) {
-    err << "collider run: error: " << e.what() << "\n";
+    err << "collider run: " << rank_tag << "error: " << e.what() << "\n";
     return 1;
   }
 }

@@ -6,7 +6,7 @@
 //            reference = "curated_train"; eval = ["curated_eval", "mix_eval"]
 //   [train]  model, seq_len, batch_size, steps, lr, min_lr, warmup_steps, weight_decay, grad_clip,
 //            align, eval_every, eval_tokens, eval_batch_size, checkpoint_every, log_every, seed,
-//            threads, pool_windows (0 = steps x batch_size: one pass over scored windows)
+//            threads, pool_windows (0 = steps x batch_size x world_size: one pass over scored windows)
 //   [reference]  steps, lr, batch_size: the RHO-1 reference model, trained (regular) on the curated
 //            split; its per-token losses on the training pool are stored beside the shards
 //            (DATA/reference/<tag>/) and reused by every run and every later invocation
@@ -17,15 +17,22 @@
 // eval set at every evaluation (step, train_loss, val_loss, val_ppl, eval_set, elapsed_s,
 // tokens_seen, tokens_backprop), written as it comes; checkpoints every checkpoint_every steps;
 // --resume continues each unfinished run from its checkpoint.
-// Tests: tests/test_train_run.cpp.
+// Data-parallel (a process group from `collider run` under RANK/WORLD_SIZE > 1): each rank trains on
+// its own batch_size windows of every step (global batch = world_size x batch_size), gradients are
+// all-reduced (GradientReducer), rank 0 alone runs the reference stage and the evaluations (the
+// others wait at a barrier) and writes rows (with world_size), checkpoints and progress lines.
+// Tests: tests/test_utility.cpp, tests/test_distributed_train.cpp (2 ranks vs one process).
 #pragma once
 
 #include <cstdint>
 #include <iosfwd>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace collider::harness {
+
+class ProcessGroup;  // distributed.h
 
 struct TrainSettings {
   std::string data_dir = "~/.cache/collider/data";
@@ -40,12 +47,14 @@ struct TrainSettings {
   int64_t eval_every = 50, eval_tokens = 16384, eval_batch_size = 16;
   int64_t checkpoint_every = 50, log_every = 10;
   int64_t seed = 0, threads = 0;
-  int64_t pool_windows = 0;
+  int64_t pool_windows = 0;  // 0 = steps x batch_size x world_size
   int64_t ref_steps = 200, ref_batch_size = 8;
   double ref_lr = 1e-3;
   // Tests (accepted, not advertised): the process behaves as if killed right after the
   // checkpoint of this step of the first unfinished run (no error row; exit code 1).
   int64_t stop_after = 0;
+  // Tests: this rank throws at step 2 of the first unfinished run (-1: none).
+  int64_t fail_rank = -1;
 };
 
 struct TrainPoint {
@@ -68,9 +77,12 @@ bool is_training_manifest(const std::string& path);
 // Throws ManifestError (manifest.h) naming file, key, value and what is allowed.
 TrainManifest load_train_manifest(const std::string& path, const std::vector<std::string>& sets = {});
 
-// `collider run` for training manifests; returns the exit code.
+// `collider run` for training manifests; returns the exit code (3: a distributed failure, on every
+// rank). `dist`: the process group of a data-parallel run (null: one process); every rank calls this
+// with the same arguments; rank 0's out_dir is the one used.
 int run_train_command(const std::string& manifest_path, const std::vector<std::string>& sets, std::string out_dir,
-                      bool dry_run, bool resume, std::ostream& out, std::ostream& err);
+                      bool dry_run, bool resume, std::ostream& out, std::ostream& err,
+                      std::shared_ptr<ProcessGroup> dist = nullptr);
 
 // Expands "~/" with $HOME.
 std::string expand_home(const std::string& path);

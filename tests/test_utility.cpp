@@ -12,6 +12,7 @@
 #include "models/checkpoint.h"
 #include "models/model.h"
 #include "temp_dir.h"
+#include "utility_test_util.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -37,9 +38,7 @@ class Utility : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new testing::TempDir("utility");
-    const std::string cmd = fmt::format("'{}/scripts/prepare_data.sh' --out '{}' --sample > '{}' 2>&1",
-                                        COLLIDER_SOURCE_DIR, data(), (*dir_ / "prepare.log"));
-    status_ = std::system(cmd.c_str());
+    status_ = testing::prepare_sample_data(data(), *dir_ / "prepare.log");
   }
   static void TearDownTestSuite() {
     delete dir_;
@@ -165,22 +164,7 @@ TEST_F(Utility, LoaderIsDeterministicBySeedAndSplitsRanks) {
   EXPECT_THROW(harness::WindowLoader(shard, T, B, 7, a.num_windows() + 1), std::invalid_argument);
 }
 
-// Byte-level copy of the sample (the C++ tokenizer decodes every split back to its UTF-8 text;
-// each byte becomes one token) so that the -debug presets (vocab 256) train on the same real text.
-std::string byte_level_data(const std::string& src, const std::string& dst) {
-  harness::fsutil::make_dirs(dst);
-  harness::Tokenizer tok(join(src, "tokenizer.model"));
-  for (const char* split : {"curated_train", "curated_eval", "mix_train", "mix_eval"}) {
-    harness::TokenShard shard(join(src, std::string(split) + ".bin"));
-    auto ids_t = shard.slice(0, shard.size());
-    std::vector<int32_t> ids(ids_t.data_ptr<int64_t>(), ids_t.data_ptr<int64_t>() + shard.size());
-    const std::string text = tok.decode(ids);
-    std::vector<int64_t> bytes;
-    for (unsigned char ch : text) bytes.push_back(ch);
-    harness::write_token_shard(join(dst, std::string(split) + ".bin"), bytes, 256, 0);
-  }
-  return dst;
-}
+using testing::byte_level_data;
 
 std::vector<nlohmann::json> rows_of(const std::string& dir) {
   return harness::read_results(join(dir, "results.jsonl"), false).rows;

@@ -1,0 +1,44 @@
+// Sample training data shared by tests/test_utility.cpp and tests/test_distributed_train.cpp:
+// scripts/prepare_data.sh --sample (real Debian text; needs network or cached .debs) and its
+// byte-level copy, on which the -debug presets (vocab 256) train.
+#pragma once
+
+#include "harness/fsutil.h"
+#include "harness/token_data.h"
+
+#include <fmt/format.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+namespace collider::testing {
+
+// Runs scripts/prepare_data.sh --sample into `data_dir` (output to `log_path`); returns the
+// std::system status (exit status 3: no network and no cached .deb files).
+inline int prepare_sample_data(const std::string& data_dir, const std::string& log_path) {
+  const std::string cmd = fmt::format("'{}/scripts/prepare_data.sh' --out '{}' --sample > '{}' 2>&1",
+                                      COLLIDER_SOURCE_DIR, data_dir, log_path);
+  return std::system(cmd.c_str());
+}
+
+// Byte-level copy of the sample (the C++ tokenizer decodes every split back to its UTF-8 text;
+// each byte becomes one token) so that the -debug presets (vocab 256) train on the same real text.
+inline std::string byte_level_data(const std::string& src, const std::string& dst) {
+  using harness::fsutil::join;
+  harness::fsutil::make_dirs(dst);
+  harness::Tokenizer tok(join(src, "tokenizer.model"));
+  for (const char* split : {"curated_train", "curated_eval", "mix_train", "mix_eval"}) {
+    harness::TokenShard shard(join(src, std::string(split) + ".bin"));
+    auto ids_t = shard.slice(0, shard.size());
+    std::vector<int32_t> ids(ids_t.data_ptr<int64_t>(), ids_t.data_ptr<int64_t>() + shard.size());
+    const std::string text = tok.decode(ids);
+    std::vector<int64_t> bytes;
+    for (unsigned char ch : text) bytes.push_back(ch);
+    harness::write_token_shard(join(dst, std::string(split) + ".bin"), bytes, 256, 0);
+  }
+  return dst;
+}
+
+}  // namespace collider::testing
