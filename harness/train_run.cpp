@@ -68,7 +68,7 @@ const std::map<std::string, std::vector<std::string>> kKeys = {
     {"train",
      {"model", "seq_len", "batch_size", "steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "align",
       "eval_every", "eval_tokens", "eval_batch_size", "checkpoint_every", "log_every", "seed", "threads",
-      "pool_windows", "stop_after", "fail_rank"}},
+      "pool_windows", "stop_after", "fail_rank", "score"}},
     {"reference", {"steps", "lr", "batch_size"}},
     {"axes", {"method", "attention_grad", "filter_ratio"}},
 };
@@ -216,6 +216,10 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
            {"lr", &s.lr}, {"min_lr", &s.min_lr}, {"weight_decay", &s.weight_decay}, {"grad_clip", &s.grad_clip}}) {
     L.get(tr, "train", key, ptr);
   }
+  L.get(tr, "train", "score", &s.score);
+  if (s.score != "excess_loss" && s.score != "reference_loss") {
+    L.fail("train.score", fmt::format("'{}': allowed excess_loss (RHO-1) or reference_loss", s.score));
+  }
   L.get(ref, "reference", "steps", &s.ref_steps);
   L.get(ref, "reference", "batch_size", &s.ref_batch_size);
   L.get(ref, "reference", "lr", &s.ref_lr);
@@ -280,7 +284,8 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
                                   {"grad_clip", s.grad_clip}, {"align", s.align}, {"eval_every", s.eval_every},
                                   {"eval_tokens", s.eval_tokens}, {"eval_batch_size", s.eval_batch_size},
                                   {"checkpoint_every", s.checkpoint_every}, {"log_every", s.log_every},
-                                  {"seed", s.seed}, {"threads", s.threads}, {"pool_windows", s.pool_windows}});
+                                  {"seed", s.seed}, {"threads", s.threads}, {"pool_windows", s.pool_windows},
+                                  {"score", s.score}});
   res.insert("reference", toml::table{{"steps", s.ref_steps}, {"lr", s.ref_lr}, {"batch_size", s.ref_batch_size}});
   toml::array am, ag, ar;
   for (const auto& x : methods) am.push_back(x);
@@ -627,7 +632,7 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
                              {"filter_ratio", p.filter_ratio}, {"method", p.method},
                              {"attention_grad", p.attention_grad}, {"dtype", "fp32"}, {"device", "cpu"},
                              {"seed", s.seed}, {"steps_total", s.steps}, {"num_params", cfg.num_params()},
-                             {"score", p.method == "regular" ? "none" : "excess_loss"}, {"reference", ref_tag},
+                             {"score", p.method == "regular" ? "none" : s.score}, {"reference", ref_tag},
                              {"data_dir", data_dir}, {"train_split", s.train_split}, {"scale", "cpu"},
                              {"world_size", world}, {"global_batch_size", world * s.batch_size}};
       const nlohmann::json pj = to_json(prov);
@@ -641,7 +646,7 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
         sc.align = s.align;
         sc.weight_decay = s.weight_decay;
         sc.grad_clip = s.grad_clip;
-        sc.score = p.method == "regular" ? "self" : "reference";
+        sc.score = p.method == "regular" ? "self" : s.score == "excess_loss" ? "reference" : "reference_only";
         Trainer tr(models::build_model(cfg, models::AttentionImpl::kEager, s.seed), sc, device, s.seed);
         if (dist) tr.set_reducer(std::make_shared<GradientReducer>(dist_ptr, tr.model()->parameters()));
         RunSpec spec;

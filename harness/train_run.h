@@ -6,7 +6,8 @@
 //            reference = "curated_train"; eval = ["curated_eval", "mix_eval"]
 //   [train]  model, seq_len, batch_size, steps, lr, min_lr, warmup_steps, weight_decay, grad_clip,
 //            align, eval_every, eval_tokens, eval_batch_size, checkpoint_every, log_every, seed,
-//            threads, pool_windows (0 = steps x batch_size x world_size: one pass over scored windows)
+//            threads, pool_windows (0 = steps x batch_size x world_size: one pass over scored windows),
+//            score ("excess_loss" = RHO-1, default; "reference_loss")
 //   [reference]  steps, lr, batch_size: the RHO-1 reference model, trained (regular) on the curated
 //            split; its per-token losses on the training pool are stored beside the shards
 //            (DATA/reference/<tag>/) and reused by every run and every later invocation
@@ -48,6 +49,10 @@ struct TrainSettings {
   int64_t checkpoint_every = 50, log_every = 10;
   int64_t seed = 0, threads = 0;
   int64_t pool_windows = 0;  // 0 = steps x batch_size x world_size
+  // Selection score of loss_only / collider: "excess_loss" (RHO-1: current - reference loss) or
+  // "reference_loss" (lowest reference loss first; does not depend on the current model's
+  // rounding, which the data-parallel equivalence test needs).
+  std::string score = "excess_loss";
   int64_t ref_steps = 200, ref_batch_size = 8;
   double ref_lr = 1e-3;
   // Tests (accepted, not advertised): the process behaves as if killed right after the

@@ -80,8 +80,9 @@ Trainer::Trainer(models::CausalLM model, StepConfig cfg, torch::Device device, u
   if (cfg_.bf16_autocast && !device_.is_cuda()) {
     throw std::invalid_argument("Trainer: bf16 autocast is for CUDA devices; on CPU the step runs in fp32");
   }
-  if (cfg_.score != "self" && cfg_.score != "reference" && cfg_.score != "random") {
-    throw std::invalid_argument("Trainer: unknown score '" + cfg_.score + "'; allowed: self, reference, random");
+  if (cfg_.score != "self" && cfg_.score != "reference" && cfg_.score != "reference_only" && cfg_.score != "random") {
+    throw std::invalid_argument("Trainer: unknown score '" + cfg_.score +
+                                "'; allowed: self, reference, reference_only, random");
   }
   model_->to(device_);
   model_->train();
@@ -157,11 +158,11 @@ torch::Tensor Trainer::select(const torch::Tensor& loss_BT, const Batch& batch) 
   torch::Tensor scores_BT;
   if (cfg_.score == "self") {
     scores_BT = loss_BT.detach();
-  } else if (cfg_.score == "reference") {
-    TORCH_CHECK(batch.ref_loss_BT.has_value(),
-                "Trainer: score 'reference' needs Batch::ref_loss_BT (reference per-token losses, e.g. from "
-                "`collider score`)");
-    scores_BT = collider::excess_loss(loss_BT, batch.ref_loss_BT->to(loss_BT.device()));
+  } else if (cfg_.score == "reference" || cfg_.score == "reference_only") {
+    TORCH_CHECK(batch.ref_loss_BT.has_value(), "Trainer: score '", cfg_.score,
+                "' needs Batch::ref_loss_BT (reference per-token losses, e.g. from `collider score`)");
+    auto ref_BT = batch.ref_loss_BT->to(loss_BT.device());
+    scores_BT = cfg_.score == "reference" ? collider::excess_loss(loss_BT, ref_BT) : -ref_BT;
   } else {
     scores_BT = torch::rand(loss_BT.sizes(), score_gen_, torch::kFloat).to(loss_BT.device());
   }

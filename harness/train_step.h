@@ -46,7 +46,9 @@ struct StepConfig {
   double lr = 3e-4, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double grad_clip = 1.0;     // max global grad norm; <= 0 disables clipping
   // Token scores for selection: "self" = the model's own per-token loss, "reference" = excess
-  // loss against Batch::ref_loss_BT (RHO-1), "random" = seeded uniform scores (timing runs).
+  // loss against Batch::ref_loss_BT (RHO-1), "reference_only" = minus the reference loss (tokens
+  // the reference predicts best; independent of the current model, so the same tokens are kept
+  // whatever the batch layout), "random" = seeded uniform scores (timing runs).
   std::string score = "self";
   bool bf16_autocast = false;  // CUDA only: forward under bf16 autocast
   bool layer_timing = false;   // install per-layer markers
