@@ -3,6 +3,7 @@
 // remembers where its value came from so that an error names the file (and the --set) at fault.
 #include "harness/manifest.h"
 
+#include "harness/toml_set.h"
 #include "harness/train_step.h"
 #include "models/model.h"
 
@@ -110,21 +111,9 @@ class Loader {
       throw ManifestError(fmt::format("{}: set one key of [{}] at a time (e.g. {}.{}=...)", where, key, key,
                                       key == "run" ? "seed" : "method"));
     }
-    // The value in TOML syntax ([64, 128], 0.4, true, "x"); a bare word is taken as a string.
-    toml::table parsed;
-    bool ok = false;
-    try {
-      parsed = toml::parse("v = " + text);
-      ok = parsed.contains("v");
-    } catch (const toml::parse_error&) {
-      ok = false;
-    }
+    const toml::table parsed = parse_set_value(text);
     std::string old = describe_current(key);
-    if (ok) {
-      apply_key(key, *parsed.get("v"), where);
-    } else {
-      apply_key(key, toml::value<std::string>(text), where);
-    }
+    apply_key(key, *parsed.get("v"), where);
     m_.overrides.push_back(fmt::format("override {} = {} (was {}; from --set)", key, describe_current(key), old));
   }
 

@@ -10,6 +10,7 @@
 #include "harness/manifest.h"
 #include "harness/results.h"
 #include "harness/token_data.h"
+#include "harness/toml_set.h"
 #include "harness/train_step.h"
 #include "models/checkpoint.h"
 #include "models/model.h"
@@ -95,18 +96,7 @@ class Loader {
     const std::string tbl = key.substr(0, dot), leaf = key.substr(dot + 1);
     if (!root.contains(tbl)) root.insert(tbl, toml::table{});
     auto* t = root[tbl].as_table();
-    toml::table parsed;
-    bool ok = false;
-    try {
-      parsed = toml::parse("v = " + text);
-      ok = parsed.contains("v");
-    } catch (const toml::parse_error&) {
-    }
-    if (ok) {
-      t->insert_or_assign(leaf, *parsed.get("v"));
-    } else {
-      t->insert_or_assign(leaf, text);
-    }
+    t->insert_or_assign(leaf, *parse_set_value(text).get("v"));
     echo.push_back(fmt::format("override {} = {} (from --set)", key, text));
   }
 
