@@ -59,6 +59,12 @@ class KeyRowsNode final : public Node {
   bool zero_only_;
 };
 
+// COLLIDER_DEBUG_GATHER=1: one line per gather and the rewrite's phases (read once per process).
+bool debug_gather() {
+  static const bool on = std::getenv("COLLIDER_DEBUG_GATHER") != nullptr;
+  return on;
+}
+
 struct CacheKey {
   const void* data;
   int64_t numel;
@@ -118,7 +124,7 @@ class Rewriter {
     if (!out.is_contiguous() && !broadcast) out = out.contiguous();
     const double dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - g0).count();
     stats_.gather_ms += dt;
-    if (debug_gather_) {  // COLLIDER_DEBUG_GATHER=1: one line per gather, to find slow copies
+    if (debug_gather()) {  // one line per gather, to find slow copies
       fmt::print(stderr, "collider gather {:7.2f} ms [{}] strides [{}] contiguous {} {} -> [{}]\n", dt, fmt::join(t.sizes(), ","),
                  fmt::join(t.strides(), ","), t.is_contiguous(), std::string(c10::toString(t.scalar_type())), fmt::join(out.sizes(), ","));
     }
@@ -140,7 +146,6 @@ class Rewriter {
   bool masked_;
   FilterStats& stats_;
   std::map<CacheKey, torch::Tensor> cache_;
-  bool debug_gather_ = std::getenv("COLLIDER_DEBUG_GATHER") != nullptr;
 };
 
 // Applies one node's FieldSpecs through the generated field handlers.
@@ -359,7 +364,7 @@ FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT,
     ++stats.gather_nodes_inserted;
   }
   stats.rewrite_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  if (std::getenv("COLLIDER_DEBUG_GATHER")) {
+  if (debug_gather()) {
     auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
     // "rest" (field visits, size edits, releases) includes the time of the per-gather lines above.
     fmt::print(stderr, "collider rewrite {:.2f} ms: graph+check {:.2f}, index {:.2f}, gathers {:.2f}, rest {:.2f}\n",
