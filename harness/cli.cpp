@@ -148,6 +148,18 @@ std::string default_run_dir(const std::string& name, bool resume) {
   return fsutil::join(base, runs.back());
 }
 
+int run_failure_status(std::ostream& err, const std::string& rank_tag, std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const DistributedError& d) {
+    err << "collider run: distributed run failed: " << d.what() << "\n";
+    return 3;
+  } catch (const std::exception& x) {
+    err << "collider run: " << rank_tag << "error: " << x.what() << "\n";
+  }  // anything else propagates, as before
+  return 1;
+}
+
 int run_run_command(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
   std::string manifest_path, out_dir, trace_path;
   std::vector<std::string> sets;
@@ -265,12 +277,8 @@ int run_run_command(const std::vector<std::string>& args, std::ostream& out, std
   SweepSummary s;
   try {
     s = run_sweep(m, so);
-  } catch (const DistributedError& e) {
-    err << "collider run: distributed run failed: " << e.what() << "\n";
-    return 3;
-  } catch (const std::exception& e) {
-    err << "collider run: " << rank_tag << "error: " << e.what() << "\n";
-    return 1;
+  } catch (...) {
+    return run_failure_status(err, rank_tag, std::current_exception());
   }
   if (distributed && denv.rank != 0) return s.failed > 0 ? 1 : 0;  // rank 0 reports the run
   err << fmt::format("collider run: {} points: {} ok, {} failed, {} already ok (resumed); rows in {}\n", s.points,

@@ -721,12 +721,8 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
     if (writer) ::rmdir(fsutil::join(out_dir, "checkpoints").c_str());  // only when empty: every run finished
     log << fmt::format("collider run: {} runs, {} failed; rows in {}\n", m.points.size(), failed, results_path);
     return failed > 0 ? 1 : 0;
-  } catch (const DistributedError& e) {
-    err << "collider run: distributed run failed: " << e.what() << "\n";
-    return 3;
-  } catch (const std::exception& e) {
-    err << "collider run: " << rank_tag << "error: " << e.what() << "\n";
-    return 1;
+  } catch (...) {
+    return run_failure_status(err, rank_tag, std::current_exception());
   }
 }
 
