@@ -88,8 +88,8 @@ double median(std::vector<double> v) {
 }
 
 struct Sample {
-  double bwd_ms = 0, rewrite_ms = 0;
-  int64_t peak_bytes = 0;
+  double bwd_ms = 0, rewrite_ms = 0, gather_ms = 0;  // gather_ms: the rewrite's copies of saved tensors
+  int64_t peak_bytes = 0, gathered_bytes = 0, tensors_gathered = 0;
 };
 
 enum class Kind { kRegular, kLossOnly, kKeptOnly, kExactQuery, kFloor };
@@ -128,9 +128,12 @@ Sample run_once(collider::models::CausalLM& m, const collider::Plan& plan, Kind 
     opts.attention = kind == Kind::kKeptOnly ? AttentionGrad::kKeptOnly : AttentionGrad::kExactQuery;
     sync(idx);
     auto t0 = Clock::now();
-    collider::filter_backward(loss, keep, plan, opts);
+    const auto stats = collider::filter_backward(loss, keep, plan, opts);
     sync(idx);
     s.rewrite_ms = ms_since(t0);
+    s.gather_ms = stats.gather_ms;
+    s.gathered_bytes = stats.bytes_gathered;
+    s.tensors_gathered = stats.tensors_gathered;
   }
   sync(idx);
   auto t0 = Clock::now();
@@ -213,12 +216,22 @@ int main(int argc, char** argv) try {
                     100 * rw / reg, (b + rw) / floor_ms, peak(k) / 1048576.0);
         rows.push_back({{"model", name}, {"seq_len", T}, {"batch_size", o.batch}, {"filter_ratio", o.ratio},
                         {"kept", N}, {"method", name_of(k)}, {"bwd_ms", b}, {"rewrite_ms", rw},
+                        {"gather_ms", med(k, &Sample::gather_ms)}, {"gathered_bytes", samples[k].front().gathered_bytes},
+                        {"tensors_gathered", samples[k].front().tensors_gathered},
                         {"reduction", red}, {"ideal", ideal}, {"floor_ms", floor_ms}, {"peak_mem_bytes", peak(k)},
                         {"attention_linear_ratio", collider::models::attention_linear_ratio(cfg, T)},
                         {"num_threads", torch::get_num_threads()}, {"torch_version", TORCH_VERSION},
                         {"device", o.device}, {"dtype", o.bf16 ? "bf16" : "fp32"},
                         {"cpu_allocator", collider::harness::cpu_allocator_mode()},
                         {"samples_bwd_ms", [&] { std::vector<double> v; for (auto& s : samples[k]) v.push_back(s.bwd_ms); return v; }()}});
+      }
+      // Where the rewrite's time goes: copies (bandwidth) vs the graph walk and bookkeeping.
+      for (Kind k : {Kind::kKeptOnly, Kind::kExactQuery}) {
+        const double rw = med(k, &Sample::rewrite_ms), g = med(k, &Sample::gather_ms);
+        const double mb = samples[k].front().gathered_bytes / 1e6;
+        std::printf("  rewrite %-20s %6.2f ms: %ld gathers %6.2f ms (%.1f MB written, %.1f GB/s), rest %5.2f ms\n",
+                    name_of(k), rw, static_cast<long>(samples[k].front().tensors_gathered), g, mb,
+                    g > 0 ? mb / g : 0.0, rw - g);
       }
     }
   }

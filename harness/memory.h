@@ -14,7 +14,7 @@
 namespace collider::harness {
 
 // Installs the tracking CPU allocator (idempotent; tensors allocated before keep their deleter).
-// It also caches freed blocks of >= 1 MiB for reuse, like CUDA's caching allocator, so that a
+// It also caches freed blocks of >= 64 KiB for reuse, like CUDA's caching allocator, so that a
 // step does not page-fault fresh memory in for every large tensor (on 2 cores that costs ~5 ms
 // per 20 MB); COLLIDER_CPU_CACHING=0 turns the caching off, COLLIDER_CPU_CACHE_MIB bounds it.
 void install_cpu_memory_tracking();

@@ -114,14 +114,16 @@ class Rewriter {
     if (spec.pad_rank == 0 && want == t.sizes().vec()) return t;  // nothing to cut (keys under exact_query)
     const int64_t want_numel = c10::multiply_integers(want);
     auto it = cache_.find(key);
-    if (it != cache_.end() && it->second.numel() == want_numel && spec.pad_rank == 0) {
+    if (it != cache_.end() && it->second.numel() == want_numel && spec.pad_rank == 0 &&
+        (it->second.is_contiguous() || it->second.sizes().vec() == want)) {
       return it->second.view(want);
     }
     const auto g0 = std::chrono::steady_clock::now();
     torch::Tensor out = ix_->cut(t, spec, cut_keys_);
     const auto st = out.strides();
     const bool broadcast = std::find(st.begin(), st.end(), 0) != st.end();  // expanded on purpose (TokenIndex::cut)
-    if (!out.is_contiguous() && !broadcast) out = out.contiguous();
+    // Dense results keep the input's layout (TokenIndex cuts permuted views in memory order).
+    if (!out.is_non_overlapping_and_dense() && !broadcast) out = out.contiguous();
     const double dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - g0).count();
     stats_.gather_ms += dt;
     if (debug_gather()) {  // one line per gather, to find slow copies
@@ -131,7 +133,9 @@ class Rewriter {
     ++stats_.tensors_gathered;
     stats_.bytes_before += static_cast<int64_t>(t.numel() * t.element_size());
     stats_.bytes_gathered += static_cast<int64_t>(out.numel() * out.element_size());
-    if (spec.pad_rank == 0 && out.is_contiguous()) cache_[key] = out;
+    // A contiguous input's entry serves every view of its memory (.view(want) above); any other
+    // is found only by its own sizes and strides, so its cut has the wanted shape already.
+    if (spec.pad_rank == 0 && (out.is_contiguous() || (!key.strides.empty() && !broadcast))) cache_[key] = out;
     return out;
   }
 

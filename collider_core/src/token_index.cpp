@@ -9,7 +9,10 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <cstring>
+#include <numeric>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -174,6 +177,27 @@ torch::Tensor TokenIndex::cut_last_two(const torch::Tensor& x_in, int64_t batch_
   return batch_dim > 0 ? out.movedim(0, batch_dim) : out;
 }
 
+// out_NP[i] = x_MP[idx_N[i]] for a contiguous CPU x: one memcpy per row, rows split over the
+// intra-op threads. index_select does the same through TensorIterator at ~1.7x the time
+// (0.33 vs 0.19 ms for a 5 MB gather on 2 cores); other devices keep index_select.
+static torch::Tensor gather_rows(const torch::Tensor& x_MP, const torch::Tensor& idx_N) {
+  if (!x_MP.is_cpu() || !x_MP.is_contiguous() || !idx_N.is_cpu() || x_MP.dim() != 2) {
+    return x_MP.index_select(0, idx_N);
+  }
+  const int64_t N = idx_N.numel();
+  auto out_NP = torch::empty({N, x_MP.size(1)}, x_MP.options());
+  const size_t row_bytes = static_cast<size_t>(x_MP.size(1)) * x_MP.element_size();
+  if (N == 0 || row_bytes == 0) return out_NP;
+  const char* src = static_cast<const char*>(x_MP.const_data_ptr());
+  char* dst = static_cast<char*>(out_NP.data_ptr());
+  const int64_t* idx = idx_N.const_data_ptr<int64_t>();
+  const int64_t grain = std::max<int64_t>(1, static_cast<int64_t>((size_t(64) << 10) / row_bytes));  // >= 64 KiB a task
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) std::memcpy(dst + i * row_bytes, src + idx[i] * row_bytes, row_bytes);
+  });
+  return out_NP;
+}
+
 // x: [.., B*m @batch_dim, .., T @token_dim, ..] with batch_dim < token_dim; batch_dim -1 when
 // B = 1 (every row belongs to the one sequence).
 torch::Tensor TokenIndex::cut_dim(const torch::Tensor& x_in, int64_t batch_dim, int64_t token_dim) {
@@ -192,7 +216,7 @@ torch::Tensor TokenIndex::cut_dim(const torch::Tensor& x_in, int64_t batch_dim, 
   if (post == 1) {
     out = x.reshape({rows, T_}).gather(1, idx_rows(rpb));
   } else {
-    out = x.reshape({rows * T_, post}).index_select(0, flat_rows(rpb));
+    out = gather_rows(x.reshape({rows * T_, post}), flat_rows(rpb));
   }
   sizes[token_dim] = N_;
   out = out.view(sizes);
@@ -249,16 +273,51 @@ torch::Tensor TokenIndex::cut(const torch::Tensor& x_in, const ShapeSpec& spec, 
       bdim < rank - 2 && x.size(rank - 1) == T_ && x.size(rank - 2) == T_) {
     return cut_last_two(x, bdim);
   }
+  if (spec.pad_rank == 0 && !x.is_contiguous()) {
+    if (auto out = cut_in_memory_order(x, spec, cut_keys); out.defined()) return out;
+  }
   for (const auto& d : spec.dims) {
     if (!cut_this(d, cut_keys)) continue;
     if (d.kind == DimKind::kFlatToken) {
-      x = x.index_select(d.dim + off, flat_rows(d.mult));
+      x = d.dim + off == 0 && x.dim() == 2 ? gather_rows(x, flat_rows(d.mult)) : x.index_select(d.dim + off, flat_rows(d.mult));
     } else {
       TORCH_CHECK(bdim >= 0 || B_ == 1, "collider: token dimension without a batch dimension (plan bug)");
       x = cut_dim(x, bdim, d.dim + off);
     }
   }
   return x;
+}
+
+// A permuted view of contiguous memory (attention's q/k/v as [B, H, T, E] views of [B, T, H, E]):
+// cut it as the contiguous tensor it is a view of and permute the result back, so the kept
+// rows are copied once, in memory order, and the result keeps the input's layout (reshaping
+// the view first would copy the whole tensor before the gather). Undefined when the layout
+// does not allow it (not a permutation of contiguous memory, or the batch dimension not
+// outside every cut dimension).
+torch::Tensor TokenIndex::cut_in_memory_order(const torch::Tensor& x, const ShapeSpec& spec, bool cut_keys) {
+  const int64_t r = x.dim();
+  std::vector<int64_t> perm(r);  // memory order: outermost (largest stride) first
+  std::iota(perm.begin(), perm.end(), 0);
+  std::stable_sort(perm.begin(), perm.end(), [&](int64_t a, int64_t b) { return x.stride(a) > x.stride(b); });
+  auto xp = x.permute(perm);
+  if (!xp.is_contiguous()) return {};
+  std::vector<int32_t> pos(r);  // pos[original dim] = its place in memory order
+  for (int64_t i = 0; i < r; ++i) pos[perm[i]] = static_cast<int32_t>(i);
+  ShapeSpec sp = spec;
+  for (auto& d : sp.dims) d.dim = pos[d.dim];
+  std::sort(sp.dims.begin(), sp.dims.end(), [](const DimSpec& a, const DimSpec& b) { return a.dim < b.dim; });
+  int32_t bdim = -1;
+  for (const auto& d : sp.dims)
+    if (d.kind == DimKind::kBatch) bdim = d.dim;
+  for (const auto& d : sp.dims) {
+    if (!cut_this(d, cut_keys)) continue;
+    if (d.kind == DimKind::kToken && bdim > d.dim) return {};                 // batch inside a token dim
+    if (d.kind == DimKind::kToken && bdim < 0 && B_ != 1) return {};          // no batch dim to index by
+  }
+  auto out = cut(xp, sp, cut_keys);
+  std::vector<int64_t> inv(r);
+  for (int64_t i = 0; i < r; ++i) inv[i] = pos[i];
+  return out.permute(inv);
 }
 
 torch::Tensor TokenIndex::zero_dropped(const torch::Tensor& x, const ShapeSpec& spec, bool keys_too) {

@@ -33,6 +33,7 @@ class TokenIndex {
 
  private:
   torch::Tensor cut_dim(const torch::Tensor& x, int64_t batch_dim, int64_t token_dim);
+  torch::Tensor cut_in_memory_order(const torch::Tensor& x, const ShapeSpec& spec, bool cut_keys);
   const torch::Tensor& flat_rows(int64_t rows_per_batch);  // [B*rpb*N] row indices into [B*rpb*T]
   const torch::Tensor& idx_rows(int64_t rows_per_batch);   // [B*rpb, N] column indices
   const torch::Tensor& idx_square(int64_t rows_per_batch); // [B*rpb, N*N] flat (i*T + j) indices
