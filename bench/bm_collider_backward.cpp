@@ -4,7 +4,8 @@
 // repetition, so machine drift hits all methods alike; medians are reported with the FLOP ideal
 // (1 - analytic backward FLOPs / regular's), the rewrite overhead and the live-tensor peak.
 // bwd_ms is loss.backward() alone; collider's reduction and "vs floor" count bwd_ms + rewrite_ms;
-// rewrite% is rewrite_ms / collider's bwd_ms, rw/reg% rewrite_ms / regular's bwd_ms. The CPU allocator caches freed blocks like CUDA's (harness/memory.h;
+// rewrite% is rewrite_ms / collider's bwd_ms, rw/reg% rewrite_ms / regular's bwd_ms. Below each
+// table: the rewrite's copies (time, bytes, bandwidth) and a plain cold copy of the same bytes. The CPU allocator caches freed blocks like CUDA's (harness/memory.h;
 // COLLIDER_CPU_CACHING=0 for glibc's behaviour): the allocator mode is printed in the header.
 //   build/bench/bm_collider_backward [--models tinyllama-mini,qwen2.5-mini,phi-1.5-mini]
 //       [--seq 512,1024] [--ratio 0.4] [--batch 1] [--reps 7] [--warmup 2] [--json FILE]
@@ -144,6 +145,28 @@ Sample run_once(collider::models::CausalLM& m, const collider::Plan& plan, Kind 
   return s;
 }
 
+// What a plain copy of `bytes` costs on this machine with both sides out of cache: the floor
+// of any rewrite that copies the kept rows, which must write that much and read at least as
+// much. Median of 5; a 64 MiB fill before each copy evicts both buffers from the caches.
+double cold_copy_ms(int64_t bytes, const torch::Device& dev) {
+  if (bytes <= 0) return 0;
+  auto opts = torch::TensorOptions().dtype(torch::kFloat).device(dev);
+  auto src = torch::rand({bytes / 4}, opts), dst = torch::empty({bytes / 4}, opts);
+  auto evict = torch::empty({(int64_t(64) << 20) / 4}, opts);
+  std::vector<double> ts;
+  for (int i = 0; i < 5; ++i) {
+    evict.fill_(static_cast<double>(i));
+    dst.fill_(0.0);
+    evict.fill_(static_cast<double>(i + 1));
+    sync(src);
+    const auto t0 = Clock::now();
+    dst.copy_(src);
+    sync(src);
+    ts.push_back(ms_since(t0));
+  }
+  return median(ts);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -225,13 +248,18 @@ int main(int argc, char** argv) try {
                         {"cpu_allocator", collider::harness::cpu_allocator_mode()},
                         {"samples_bwd_ms", [&] { std::vector<double> v; for (auto& s : samples[k]) v.push_back(s.bwd_ms); return v; }()}});
       }
-      // Where the rewrite's time goes: copies (bandwidth) vs the graph walk and bookkeeping.
+      // Where the rewrite's time goes: copies (bandwidth) vs the graph walk and bookkeeping, and
+      // what a plain copy of the same bytes costs here (the floor of a copying rewrite).
       for (Kind k : {Kind::kKeptOnly, Kind::kExactQuery}) {
         const double rw = med(k, &Sample::rewrite_ms), g = med(k, &Sample::gather_ms);
-        const double mb = samples[k].front().gathered_bytes / 1e6;
-        std::printf("  rewrite %-20s %6.2f ms: %ld gathers %6.2f ms (%.1f MB written, %.1f GB/s), rest %5.2f ms\n",
-                    name_of(k), rw, static_cast<long>(samples[k].front().tensors_gathered), g, mb,
-                    g > 0 ? mb / g : 0.0, rw - g);
+        const int64_t bytes = samples[k].front().gathered_bytes;
+        const double copy_ms = cold_copy_ms(bytes, dev), b = med(k, &Sample::bwd_ms);
+        std::printf("  rewrite %-20s %6.2f ms: %ld gathers %6.2f ms (%.1f MB written, %.1f GB/s), rest %5.2f ms; "
+                    "plain copy of those bytes %5.2f ms = %.2f%% of the backward\n",
+                    name_of(k), rw, static_cast<long>(samples[k].front().tensors_gathered), g, bytes / 1e6,
+                    g > 0 ? bytes / 1e6 / g : 0.0, rw - g, copy_ms, 100 * copy_ms / b);
+        for (auto& r : rows)
+          if (r["model"] == name && r["seq_len"] == T && r["method"] == name_of(k)) r["copy_floor_ms"] = copy_ms;
       }
     }
   }

@@ -127,6 +127,22 @@ void square_cut_avx512(const float* x, float* out, const int64_t* idx_BN, const 
   });
 }
 
+// Row copies with non-temporal stores: the cut copies go to memory the backward reads much
+// later, so writing around the cache saves the read-for-ownership of every destination line
+// (~20% on a cold destination: 23 -> 28 GB/s for 6 KB rows on 2 cores). Rows are whole
+// 64-byte lines, source and destination 64-byte aligned (checked by the caller).
+__attribute__((target("avx512f"))) void stream_rows_avx512(const char* src, char* dst, const int64_t* idx,
+                                                            int64_t begin, int64_t end, size_t row_bytes) {
+  for (int64_t i = begin; i < end; ++i) {
+    const char* s = src + idx[i] * row_bytes;
+    char* d = dst + i * row_bytes;
+    for (size_t o = 0; o < row_bytes; o += 64) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + o), _mm512_load_si512(reinterpret_cast<const void*>(s + o)));
+    }
+  }
+  _mm_sfence();  // the stores are visible before the task ends
+}
+
 // COLLIDER_NO_AVX512=1 forces the portable loop (tested that way too: tests/CMakeLists.txt).
 bool have_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f") && std::getenv("COLLIDER_NO_AVX512") == nullptr;
@@ -192,6 +208,15 @@ static torch::Tensor gather_rows(const torch::Tensor& x_MP, const torch::Tensor&
   char* dst = static_cast<char*>(out_NP.data_ptr());
   const int64_t* idx = idx_N.const_data_ptr<int64_t>();
   const int64_t grain = std::max<int64_t>(1, static_cast<int64_t>((size_t(64) << 10) / row_bytes));  // >= 64 KiB a task
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (have_avx512() && row_bytes % 64 == 0 && reinterpret_cast<uintptr_t>(src) % 64 == 0 &&
+      reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
+    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+      stream_rows_avx512(src, dst, idx, begin, end, row_bytes);
+    });
+    return out_NP;
+  }
+#endif
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) std::memcpy(dst + i * row_bytes, src + idx[i] * row_bytes, row_bytes);
   });

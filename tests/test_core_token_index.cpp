@@ -1,0 +1,124 @@
+// TokenIndex, the rewriter's copy kernels (collider_core/src/token_index.cpp), against a plain
+// reference built with masked_select-style indexing: row gathers of every row width (whole
+// 64-byte lines take the streaming-store path, others memcpy), unaligned sources, permuted
+// views cut in memory order (and keeping their layout), attention's [.., T, T] cut for T not a
+// multiple of 16, and batch rows keeping different tokens. The model-level gradient suites
+// cover the same kernels end to end; this pins them one by one.
+//   build/tests/test_core_token_index   (also run with COLLIDER_NO_AVX512=1 in CTest)
+#include "../collider_core/src/token_index.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+namespace {
+
+using collider::detail::DimKind;
+using collider::detail::DimSpec;
+using collider::detail::Role;
+using collider::detail::ShapeSpec;
+using collider::detail::TokenIndex;
+
+// keep_BT: a mask keeping n tokens per row, different tokens in every row.
+torch::Tensor keep_mask(int64_t B, int64_t T, int64_t n, int64_t seed) {
+  torch::manual_seed(seed);
+  auto keep = torch::zeros({B, T}, torch::kBool);
+  for (int64_t b = 0; b < B; ++b) keep[b].index_fill_(0, torch::randperm(T).narrow(0, 0, n), true);
+  return keep;
+}
+
+// Reference: x indexed along `dim` by the kept positions of each batch row (batch at dim 0).
+torch::Tensor reference_cut(const torch::Tensor& x, const torch::Tensor& keep_BT, int64_t dim) {
+  std::vector<torch::Tensor> rows;
+  for (int64_t b = 0; b < keep_BT.size(0); ++b) {
+    auto idx = keep_BT[b].nonzero().squeeze(1);
+    rows.push_back(x[b].index_select(dim - 1, idx));
+  }
+  return torch::stack(rows);
+}
+
+ShapeSpec spec(int32_t rank, std::vector<DimSpec> dims) {
+  ShapeSpec s;
+  s.rank = rank;
+  s.dims = std::move(dims);
+  return s;
+}
+DimSpec batch_at(int32_t d) { return {d, DimKind::kBatch, Role::kQuery, 1}; }
+DimSpec token_at(int32_t d, Role r = Role::kQuery) { return {d, DimKind::kToken, r, 1}; }
+
+TEST(TokenIndexCut, RowGatherMatchesReferenceForEveryRowWidth) {
+  const int64_t B = 3, T = 37, N = 20;
+  auto keep = keep_mask(B, T, N, 1);
+  TokenIndex ix(keep);
+  for (int64_t D : {1, 3, 16, 17, 64, 100, 256}) {
+    auto x_BTD = torch::randn({B, T, D});
+    auto out = ix.cut(x_BTD, spec(3, {batch_at(0), token_at(1)}), true);
+    EXPECT_TRUE(torch::equal(out, reference_cut(x_BTD, keep, 1))) << "D = " << D;
+  }
+}
+
+TEST(TokenIndexCut, UnalignedSourceRows) {
+  const int64_t B = 2, T = 40, N = 24, D = 64;
+  auto keep = keep_mask(B, T, N, 2);
+  TokenIndex ix(keep);
+  // A view starting 4 bytes into its storage: rows are whole lines but not line-aligned.
+  auto base = torch::randn({B * T * D + 1});
+  auto x_BTD = base.narrow(0, 1, B * T * D).view({B, T, D});
+  auto out = ix.cut(x_BTD, spec(3, {batch_at(0), token_at(1)}), true);
+  EXPECT_TRUE(torch::equal(out, reference_cut(x_BTD.contiguous(), keep, 1)));
+}
+
+TEST(TokenIndexCut, FlatTokenRows) {
+  const int64_t B = 2, T = 33, N = 17, D = 48;
+  auto keep = keep_mask(B, T, N, 3);
+  TokenIndex ix(keep);
+  auto x_MD = torch::randn({B * T, D});  // [B*T, D], as linear layers save their input
+  auto out = ix.cut(x_MD, spec(2, {{0, DimKind::kFlatToken, Role::kQuery, 1}}), true);
+  auto want = reference_cut(x_MD.view({B, T, D}), keep, 1).reshape({B * N, D});
+  EXPECT_TRUE(torch::equal(out, want));
+}
+
+TEST(TokenIndexCut, PermutedViewIsCutInMemoryOrderAndKeepsItsLayout) {
+  const int64_t B = 3, T = 29, H = 4, E = 16, N = 13;
+  auto keep = keep_mask(B, T, N, 4);
+  TokenIndex ix(keep);
+  // Attention's q as [B, H, T, E], a transposed view of [B, T, H, E] memory.
+  auto q_BHTE = torch::randn({B, T, H, E}).transpose(1, 2);
+  ASSERT_FALSE(q_BHTE.is_contiguous());
+  auto out = ix.cut(q_BHTE, spec(4, {batch_at(0), token_at(2)}), true);
+  EXPECT_TRUE(torch::equal(out, reference_cut(q_BHTE, keep, 2)));
+  EXPECT_TRUE(out.is_non_overlapping_and_dense());
+  EXPECT_GT(out.stride(2), out.stride(1)) << "the cut should keep the [B, T, H, E] memory order";
+  EXPECT_EQ(out.stride(1), E);
+}
+
+TEST(TokenIndexCut, AttentionSquareCutForTNotAMultipleOf16) {
+  for (int64_t T : {16, 23, 97}) {
+    const int64_t B = 2, H = 3, N = T / 2 + 1;
+    auto keep = keep_mask(B, T, N, T);
+    TokenIndex ix(keep);
+    auto p_BHTT = torch::randn({B, H, T, T});
+    auto out = ix.cut(p_BHTT, spec(4, {batch_at(0), token_at(2), token_at(3, Role::kKey)}), true);
+    auto want = reference_cut(reference_cut(p_BHTT, keep, 2), keep, 3);
+    EXPECT_TRUE(torch::equal(out, want)) << "T = " << T;
+    // exact_query keeps the key columns: rows only.
+    auto rows = ix.cut(p_BHTT, spec(4, {batch_at(0), token_at(2), token_at(3, Role::kKey)}), false);
+    EXPECT_TRUE(torch::equal(rows, reference_cut(p_BHTT, keep, 2))) << "T = " << T;
+  }
+}
+
+TEST(TokenIndexCut, ThreadCountDoesNotChangeTheResult) {
+  const int64_t B = 2, T = 512, N = 304, H = 2;
+  auto keep = keep_mask(B, T, N, 5);
+  TokenIndex ix(keep);
+  auto p_BHTT = torch::randn({B, H, T, T});
+  const auto s = spec(4, {batch_at(0), token_at(2), token_at(3, Role::kKey)});
+  const int threads = torch::get_num_threads();
+  torch::set_num_threads(1);
+  auto one = ix.cut(p_BHTT, s, true);
+  torch::set_num_threads(std::max(2, threads));
+  auto many = ix.cut(p_BHTT, s, true);
+  torch::set_num_threads(threads);
+  EXPECT_TRUE(torch::equal(one, many));
+}
+
+}  // namespace
