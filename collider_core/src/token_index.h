@@ -39,13 +39,20 @@ class TokenIndex {
   const torch::Tensor& idx_square(int64_t rows_per_batch); // [B*rpb, N*N] flat (i*T + j) indices
   // Both of the last two dims are token dims of one batch row (attention's [.., Tq, Tk]): one pass.
   torch::Tensor cut_last_two(const torch::Tensor& x, int64_t batch_dim);
-  const std::vector<uint16_t>& keep_masks16();  // [B, ceil(T / 16)] keep bits, for the AVX-512 cut
+  // For the AVX-512 cut, per batch row b and 16-column chunk c of its keep mask: the kept
+  // columns' lanes (perm [B, C, 16]), their count ([B, C]), and how many leading chunks can be
+  // stored as whole 16-lane vectors without passing a kept row's end (full_stores [B]).
+  struct ChunkTables {
+    std::vector<int32_t> perm, count;
+    std::vector<int64_t> full_stores;
+  };
+  const ChunkTables& chunk_tables();
 
   int64_t B_, T_, N_;
   torch::Tensor keep_BT_;
   torch::Tensor idx_BN_;  // int64 [B, N], ascending per row
   std::map<int64_t, torch::Tensor> flat_cache_, rows_cache_, square_cache_;
-  std::vector<uint16_t> masks16_;
+  ChunkTables chunks_;
 };
 
 }  // namespace collider::detail
