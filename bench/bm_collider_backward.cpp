@@ -90,6 +90,7 @@ double median(std::vector<double> v) {
 
 struct Sample {
   double bwd_ms = 0, rewrite_ms = 0, gather_ms = 0;  // gather_ms: the rewrite's copies of saved tensors
+  double copy_ms = 0;                                 // a plain cold copy of the gathered bytes (cold_copy_ms)
   int64_t peak_bytes = 0, gathered_bytes = 0, tensors_gathered = 0;
 };
 
@@ -147,24 +148,20 @@ Sample run_once(collider::models::CausalLM& m, const collider::Plan& plan, Kind 
 
 // What a plain copy of `bytes` costs on this machine with both sides out of cache: the floor
 // of any rewrite that copies the kept rows, which must write that much and read at least as
-// much. Median of 5; a 64 MiB fill before each copy evicts both buffers from the caches.
+// much. Timed once per repetition right after the rewrite it is compared with (memory
+// bandwidth on a shared host drifts; the medians then cover the same minutes); a 64 MiB fill
+// before the copy evicts both buffers from the caches.
+// The buffers live only inside the call, so the next step's peak memory does not see them.
 double cold_copy_ms(int64_t bytes, const torch::Device& dev) {
   if (bytes <= 0) return 0;
   auto opts = torch::TensorOptions().dtype(torch::kFloat).device(dev);
-  auto src = torch::rand({bytes / 4}, opts), dst = torch::empty({bytes / 4}, opts);
-  auto evict = torch::empty({(int64_t(64) << 20) / 4}, opts);
-  std::vector<double> ts;
-  for (int i = 0; i < 5; ++i) {
-    evict.fill_(static_cast<double>(i));
-    dst.fill_(0.0);
-    evict.fill_(static_cast<double>(i + 1));
-    sync(src);
-    const auto t0 = Clock::now();
-    dst.copy_(src);
-    sync(src);
-    ts.push_back(ms_since(t0));
-  }
-  return median(ts);
+  auto src = torch::rand({bytes / 4}, opts), dst = torch::zeros({bytes / 4}, opts);
+  torch::empty({(int64_t(64) << 20) / 4}, opts).fill_(1.0);
+  sync(src);
+  const auto t0 = Clock::now();
+  dst.copy_(src);
+  sync(src);
+  return ms_since(t0);
 }
 
 }  // namespace
@@ -207,6 +204,7 @@ int main(int argc, char** argv) try {
         for (Kind k : kinds) {
           Sample s = k == Kind::kFloor ? run_once(m, plan, k, idx_N, labels_N, keep_N, mem, o.bf16)
                                        : run_once(m, plan, k, idx, labels, keep, mem, o.bf16);
+          if (k == Kind::kKeptOnly || k == Kind::kExactQuery) s.copy_ms = cold_copy_ms(s.gathered_bytes, dev);
           if (r >= o.warmup) samples[k].push_back(s);
         }
       }
@@ -253,7 +251,7 @@ int main(int argc, char** argv) try {
       for (Kind k : {Kind::kKeptOnly, Kind::kExactQuery}) {
         const double rw = med(k, &Sample::rewrite_ms), g = med(k, &Sample::gather_ms);
         const int64_t bytes = samples[k].front().gathered_bytes;
-        const double copy_ms = cold_copy_ms(bytes, dev), b = med(k, &Sample::bwd_ms);
+        const double copy_ms = med(k, &Sample::copy_ms), b = med(k, &Sample::bwd_ms);
         std::printf("  rewrite %-20s %6.2f ms: %ld gathers %6.2f ms (%.1f MB written, %.1f GB/s), rest %5.2f ms; "
                     "plain copy of those bytes %5.2f ms = %.2f%% of the backward\n",
                     name_of(k), rw, static_cast<long>(samples[k].front().tensors_gathered), g, bytes / 1e6,
