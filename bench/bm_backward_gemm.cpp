@@ -8,6 +8,8 @@
 // Scales: paper (T=2048, real widths; GPU) or cpu (T and every width divided by 4); see bench/README.md.
 // Legend: T sequence, N kept rows, K input width of the projection, M output width (W_MK as in
 // torch.nn.Linear: y_TM = x_TK · W_MKᵀ).
+#include "bench_args.h"
+
 #include <torch/torch.h>
 
 #include <benchmark/benchmark.h>
@@ -250,14 +252,8 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "bm_backward_gemm: {}\n", e.what());
     return 2;
   }
-  // Burn-in: unless the user passes their own, every benchmark warms up for 0.2 s before timing.
-  std::vector<char*> args(argv, argv + argc);
-  bool has_warmup = false;
-  for (int i = 1; i < argc; ++i) has_warmup |= std::string(argv[i]).rfind("--benchmark_min_warmup_time", 0) == 0;
-  static char warmup_flag[] = "--benchmark_min_warmup_time=0.2";
-  if (!has_warmup) args.push_back(warmup_flag);
-  int new_argc = static_cast<int>(args.size());
-  args.push_back(nullptr);
+  std::vector<char*> args = with_default_warmup(argc, argv);
+  int new_argc = argc_of(args);
 
   const torch::Device device = bench_device();
   benchmark::AddCustomContext("collider_scale", scale.name);

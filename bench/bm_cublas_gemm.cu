@@ -9,6 +9,8 @@
 //   build/bench/bm_cublas_gemm --benchmark_list_tests      (the names; works without a device)
 // Without a CUDA device it prints why it skips and exits 0. Built only with COLLIDER_CUDA=ON.
 // Legend: T sequence, N kept rows, K input width, M output width (W_MK: y_TM = x_TK · W_MKᵀ).
+#include "bench_args.h"
+
 #include <benchmark/benchmark.h>
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -359,13 +361,6 @@ void register_benchmarks() {
   }
 }
 
-bool has_flag(int argc, char** argv, const char* prefix) {
-  for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], prefix, std::strlen(prefix)) == 0) return true;
-  }
-  return false;
-}
-
 }  // namespace
 }  // namespace collider::bench
 
@@ -380,12 +375,8 @@ int main(int argc, char** argv) {
                 dev_err != cudaSuccess ? cudaGetErrorString(dev_err) : "cudaGetDeviceCount found 0 devices");
     return 0;
   }
-  // Burn-in: 0.2 s per benchmark unless the user passes their own.
-  std::vector<char*> args(argv, argv + argc);
-  static char warmup_flag[] = "--benchmark_min_warmup_time=0.2";
-  if (!has_flag(argc, argv, "--benchmark_min_warmup_time")) args.push_back(warmup_flag);
-  int new_argc = static_cast<int>(args.size());
-  args.push_back(nullptr);
+  std::vector<char*> args = with_default_warmup(argc, argv);  // 0.2 s burn-in unless the user sets one
+  int new_argc = argc_of(args);
 
   std::unique_ptr<Context> ctx;
   if (!list_only) {
