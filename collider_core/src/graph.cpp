@@ -5,8 +5,11 @@
 
 namespace collider::detail {
 
-Graph collect_graph(const std::shared_ptr<torch::autograd::Node>& root) {
+Graph collect_graph(const std::shared_ptr<torch::autograd::Node>& root, size_t expected_nodes) {
   Graph g;
+  g.nodes.reserve(expected_nodes);
+  g.parents.reserve(expected_nodes);
+  g.index.reserve(expected_nodes);
   std::deque<torch::autograd::Node*> queue;
   auto visit = [&](const std::shared_ptr<torch::autograd::Node>& n) {
     auto [it, inserted] = g.index.emplace(n.get(), static_cast<int>(g.nodes.size()));

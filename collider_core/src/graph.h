@@ -18,6 +18,7 @@ struct Graph {
   std::vector<std::vector<std::pair<int, int>>> parents;
 };
 
-Graph collect_graph(const std::shared_ptr<torch::autograd::Node>& root);
+// expected_nodes: a size hint (a plan's node count), so replaying a plan does not regrow tables.
+Graph collect_graph(const std::shared_ptr<torch::autograd::Node>& root, size_t expected_nodes = 0);
 
 }  // namespace collider::detail

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <tuple>
 #include <typeindex>
@@ -110,8 +111,8 @@ class Rewriter {
       key.strides = t.strides().vec();
       key.sizes = t.sizes().vec();
     }
-    auto want = ix_->cut_sizes(t.sizes().vec(), spec, cut_keys_);
-    if (spec.pad_rank == 0 && want == t.sizes().vec()) return t;  // nothing to cut (keys under exact_query)
+    auto want = ix_->cut_sizes(t.sizes(), spec, cut_keys_);
+    if (spec.pad_rank == 0 && c10::IntArrayRef(want) == t.sizes()) return t;  // nothing to cut (keys under exact_query)
     const int64_t want_numel = c10::multiply_integers(want);
     auto it = cache_.find(key);
     if (it != cache_.end() && it->second.numel() == want_numel && spec.pad_rank == 0 &&
@@ -165,16 +166,17 @@ class Rewriter::Apply final : public FieldVisitor {
     for (size_t i = 0; i < v.size(); ++i) on_saved(name, static_cast<int32_t>(i), v[i]);
   }
   void sizes(const char* name, std::vector<c10::SymInt>& v) override {
-    const std::string n(name);
-    if (ends_with(n, "_strides")) {
+    const size_t len = std::strlen(name);
+    if (len > 8 && std::strcmp(name + len - 8, "_strides") == 0) {
       // Recompute as contiguous strides of the sibling sizes, when those were cut.
-      auto it = cut_sizes_.find(n.substr(0, n.size() - 8) + "_sizes");
+      if (cut_sizes_.empty()) return;
+      auto it = cut_sizes_.find(std::string(name, len - 8) + "_sizes");
       if (it != cut_sizes_.end()) v = to_syms(contiguous_strides(it->second));
       return;
     }
     if (auto* f = find(name, 0, FieldKind::kSizes)) {
       auto out = apply_sizes(*f, to_ints(v));
-      cut_sizes_[n] = out;
+      cut_sizes_[name] = out;
       v = to_syms(out);
     }
   }
@@ -208,10 +210,6 @@ class Rewriter::Apply final : public FieldVisitor {
   }
 
  private:
-  static bool ends_with(const std::string& s, const char* suffix) {
-    const size_t n = std::char_traits<char>::length(suffix);
-    return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
-  }
   static std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes) {
     std::vector<int64_t> st(sizes.size(), 1);
     for (int64_t d = static_cast<int64_t>(sizes.size()) - 2; d >= 0; --d) st[d] = st[d + 1] * std::max<int64_t>(sizes[d + 1], 1);
@@ -247,7 +245,7 @@ class Rewriter::Apply final : public FieldVisitor {
                               name, index_, spec_.type, e.what()));
     }
     if (!t.defined()) return;
-    auto bad = rw_.ix_->mismatch(t.sizes().vec(), f->shape);
+    auto bad = rw_.ix_->mismatch(t.sizes(), f->shape);
     if (!bad.empty()) mismatch(*f, bad);
     torch::NoGradGuard no_grad;
     torch::Tensor out;
@@ -285,7 +283,7 @@ Graph checked_graph(const torch::Tensor& loss, const PlanData& plan, const char*
   }
   if (loss.numel() != 1) throw Error(fmt::format("{}: the loss must be a scalar", who));
   if (plan.nodes.empty()) throw Error(fmt::format("{}: empty plan; build one with collider::trace_plan", who));
-  Graph g = collect_graph(loss.grad_fn());
+  Graph g = collect_graph(loss.grad_fn(), plan.nodes.size());
   const size_t n = std::min(g.nodes.size(), plan.nodes.size());
   // Node::name() demangles the node's type on every call: one demangle per type, not per node.
   std::unordered_map<std::type_index, std::string> names;

@@ -29,17 +29,40 @@ TokenIndex::TokenIndex(const torch::Tensor& keep_BT) {
   B_ = keep_BT.size(0);
   T_ = keep_BT.size(1);
   keep_BT_ = keep_BT;
-  auto counts = keep_BT.sum(1).cpu();
-  const int64_t n0 = counts[0].item<int64_t>();
-  if (!counts.eq(n0).all().item<bool>()) {
+  // Per-row kept counts and the kept positions. On the CPU one pass over the mask (the torch
+  // ops below cost ~80 us of dispatch at B = 1, T = 512); on a GPU the counts come to the host
+  // once (N sizes every cut tensor) and nonzero finds the positions.
+  std::vector<int64_t> counts(B_, 0);
+  const bool on_cpu = keep_BT.is_cpu();
+  torch::Tensor keep_cpu;
+  if (on_cpu) {
+    keep_cpu = keep_BT.contiguous();
+    const bool* k = keep_cpu.const_data_ptr<bool>();
+    for (int64_t b = 0; b < B_; ++b)
+      for (int64_t t = 0; t < T_; ++t) counts[b] += k[b * T_ + t];
+  } else {
+    auto c = keep_BT.sum(1).cpu();
+    std::copy(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + B_, counts.begin());
+  }
+  if (B_ == 0 || T_ == 0) throw Error("filter_backward: the keep mask is empty (B or T is 0)");
+  const int64_t n0 = counts[0];
+  if (std::any_of(counts.begin(), counts.end(), [&](int64_t c) { return c != n0; })) {
     throw Error(fmt::format("filter_backward: every row must keep the same number of tokens (Collider cuts all rows "
                             "to one T'), got per-row counts {}; select with SelectPolicy::kPerSequence",
-                            fmt::join(std::vector<int64_t>(counts.data_ptr<int64_t>(),
-                                                           counts.data_ptr<int64_t>() + counts.numel()), ", ")));
+                            fmt::join(counts, ", ")));
   }
   if (n0 == 0) throw Error("filter_backward: the keep mask keeps no token");
   N_ = n0;
-  idx_BN_ = keep_BT.nonzero().select(1, 1).reshape({B_, N_}).contiguous();
+  if (on_cpu) {
+    idx_BN_ = torch::empty({B_, N_}, torch::kLong);
+    const bool* k = keep_cpu.const_data_ptr<bool>();
+    int64_t* idx = idx_BN_.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B_; ++b)
+      for (int64_t t = 0; t < T_; ++t)
+        if (k[b * T_ + t]) *idx++ = t;
+  } else {
+    idx_BN_ = keep_BT.nonzero().select(1, 1).reshape({B_, N_}).contiguous();
+  }
 }
 
 const TokenIndex::ChunkTables& TokenIndex::chunk_tables() {
@@ -128,7 +151,8 @@ __attribute__((target("avx512f"))) void pack_rows_avx512(const float* x, float* 
     const int64_t full = full_B[b];
     for (int64_t c = 0; c < C; ++c) {
       const __m512 v = _mm512_maskz_loadu_ps(c + 1 == C ? tail : 0xFFFF, src_T + 16 * c);
-      const __m512 packed = _mm512_permutexvar_ps(_mm512_loadu_si512(perm_C16 + 16 * c), v);
+      // (maskz with all lanes: the plain intrinsic makes GCC 12 warn about an undefined source)
+      const __m512 packed = _mm512_maskz_permutexvar_ps(0xFFFF, _mm512_loadu_si512(perm_C16 + 16 * c), v);
       const int n = count_C[c];
       if (c < full) {
         _mm512_storeu_ps(dst, packed);
@@ -393,7 +417,7 @@ torch::Tensor TokenIndex::zero_dropped(const torch::Tensor& x, const ShapeSpec& 
   return out;
 }
 
-std::vector<int64_t> TokenIndex::cut_sizes(const std::vector<int64_t>& sizes, const ShapeSpec& spec,
+std::vector<int64_t> TokenIndex::cut_sizes(c10::IntArrayRef sizes, const ShapeSpec& spec,
                                            bool cut_keys) const {
   std::vector<int64_t> out;
   int32_t off = 0;
@@ -410,7 +434,7 @@ std::vector<int64_t> TokenIndex::cut_sizes(const std::vector<int64_t>& sizes, co
   return out;
 }
 
-std::string TokenIndex::mismatch(const std::vector<int64_t>& sizes, const ShapeSpec& spec) const {
+std::string TokenIndex::mismatch(c10::IntArrayRef sizes, const ShapeSpec& spec) const {
   if (static_cast<int32_t>(sizes.size()) != spec.rank) {
     return fmt::format("rank {} where the plan has {}", sizes.size(), spec.rank);
   }

@@ -27,9 +27,9 @@ class TokenIndex {
   // Zeroes the dropped positions along every marked token dimension (the `masked` method).
   torch::Tensor zero_dropped(const torch::Tensor& x, const ShapeSpec& spec, bool keys_too);
   // The sizes a cut gives: T -> N, B*T -> B*N; broadcast fields are padded and batch-expanded.
-  std::vector<int64_t> cut_sizes(const std::vector<int64_t>& sizes, const ShapeSpec& spec, bool cut_keys) const;
+  std::vector<int64_t> cut_sizes(c10::IntArrayRef sizes, const ShapeSpec& spec, bool cut_keys) const;
   // Empty when `sizes` fit `spec` for this B and T; else what differs.
-  std::string mismatch(const std::vector<int64_t>& sizes, const ShapeSpec& spec) const;
+  std::string mismatch(c10::IntArrayRef sizes, const ShapeSpec& spec) const;
 
  private:
   torch::Tensor cut_dim(const torch::Tensor& x, int64_t batch_dim, int64_t token_dim);
