@@ -2,8 +2,8 @@
 // reference built with masked_select-style indexing: row gathers of every row width (whole
 // 64-byte lines take the streaming-store path, others memcpy), unaligned sources, permuted
 // views cut in memory order (and keeping their layout), attention's [.., T, T] cut for T not a
-// multiple of 16, and batch rows keeping different tokens. The model-level gradient suites
-// cover the same kernels end to end; this pins them one by one.
+// multiple of 16, batch rows keeping different tokens, and the mask checks. The model-level
+// gradient suites cover the same kernels end to end; this pins them one by one.
 //   build/tests/test_core_token_index   (also run with COLLIDER_NO_AVX512=1 in CTest)
 #include "../collider_core/src/token_index.h"
 
@@ -119,6 +119,21 @@ TEST(TokenIndexCut, ThreadCountDoesNotChangeTheResult) {
   auto many = ix.cut(p_BHTT, s, true);
   torch::set_num_threads(threads);
   EXPECT_TRUE(torch::equal(one, many));
+}
+
+TEST(TokenIndexMask, BuildsKeptPositionsAndRefusesBadMasks) {
+  auto keep = keep_mask(3, 29, 11, 6);
+  TokenIndex ix(keep);
+  ASSERT_EQ(ix.N(), 11);
+  // The positions are ascending per row (the cuts rely on it) and match the mask.
+  auto positions = ix.cut(torch::arange(29).expand({3, 29}).contiguous(), spec(2, {batch_at(0), token_at(1)}), true);
+  for (int64_t b = 0; b < 3; ++b) EXPECT_TRUE(torch::equal(positions[b], keep[b].nonzero().squeeze(1)));
+  auto ragged = keep.clone();
+  ragged[1][ragged[1].nonzero()[0][0]] = false;
+  EXPECT_THROW(TokenIndex{ragged}, collider::Error);
+  EXPECT_THROW(TokenIndex{torch::zeros({2, 8}, torch::kBool)}, collider::Error);
+  EXPECT_THROW(TokenIndex{torch::zeros({0, 8}, torch::kBool)}, collider::Error);
+  EXPECT_THROW(TokenIndex{torch::ones({2, 8})}, collider::Error);  // not bool
 }
 
 }  // namespace
