@@ -1,5 +1,10 @@
-// Cutting token-shaped tensors to kept rows (see token_index.h). The gathers are plain
-// index_select / gather on a [rows, T, rest] view, so each saved tensor is copied once.
+// Cutting token-shaped tensors to kept rows (see token_index.h). Each saved tensor is viewed as
+// [rows, T, rest] in memory order and copied once: on the CPU by parallel row copies (streaming
+// stores for whole 64-byte lines) and, for attention's [.., T, T] probabilities, by an AVX-512
+// kernel packing kept columns with per-sequence permutation tables; elsewhere (CUDA, odd
+// layouts) by index_select / gather. The CPU kernels run on torch's intra-op threads, which is
+// why this file is compiled with OpenMP (collider_core/CMakeLists.txt). On this project's 2-core
+// machine they run at its copy bandwidth (results/README.md, issue 3's benchmark).
 #include "token_index.h"
 
 #include <collider/collider.h>
