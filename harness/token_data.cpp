@@ -58,6 +58,12 @@ const uint8_t* map_file(const std::string& path, size_t* bytes) {
   return static_cast<const uint8_t*>(p);
 }
 
+// Releases a mapping made by map_file (no-op when already released) and forgets it.
+void unmap_file(const uint8_t*& base, size_t bytes) {
+  if (base) ::munmap(const_cast<uint8_t*>(base), bytes);
+  base = nullptr;
+}
+
 template <typename T>
 T read_le(const uint8_t* p) {
   T v;
@@ -195,8 +201,7 @@ void write_token_shard(const std::string& path, const std::vector<int64_t>& ids,
 TokenShard::TokenShard(const std::string& path) : path_(path) {
   base_ = map_file(path, &map_bytes_);
   auto fail = [&](const std::string& what) {
-    ::munmap(const_cast<uint8_t*>(base_), map_bytes_);
-    base_ = nullptr;
+    unmap_file(base_, map_bytes_);
     throw std::runtime_error(fmt::format("token shard '{}': {} (re-create it with ./scripts/prepare_data.sh)", path, what));
   };
   if (map_bytes_ < kShardHeaderBytes || std::memcmp(base_, kShardMagic, 8) != 0) fail("not a CLDRTOK1 shard");
@@ -214,7 +219,7 @@ TokenShard::TokenShard(const std::string& path) : path_(path) {
 }
 
 TokenShard::~TokenShard() {
-  if (base_) ::munmap(const_cast<uint8_t*>(base_), map_bytes_);
+  unmap_file(base_, map_bytes_);
 }
 
 int64_t TokenShard::at(int64_t i) const {
@@ -307,8 +312,7 @@ Batch WindowLoader::batch_of(const std::vector<int64_t>& windows) const {
 RefLosses::RefLosses(const std::string& path) : path_(path) {
   base_ = map_file(path, &map_bytes_);
   auto fail = [&](const std::string& what) {
-    ::munmap(const_cast<uint8_t*>(base_), map_bytes_);
-    base_ = nullptr;
+    unmap_file(base_, map_bytes_);
     throw std::runtime_error(fmt::format("reference-loss file '{}': {} (delete it to recompute)", path, what));
   };
   if (map_bytes_ < kRefHeaderBytes || std::memcmp(base_, kRefMagic, 8) != 0) fail("not a CLDRREF1 file");
@@ -320,7 +324,7 @@ RefLosses::RefLosses(const std::string& path) : path_(path) {
 }
 
 RefLosses::~RefLosses() {
-  if (base_) ::munmap(const_cast<uint8_t*>(base_), map_bytes_);
+  unmap_file(base_, map_bytes_);
 }
 
 torch::Tensor RefLosses::rows(const std::vector<int64_t>& windows) const {
