@@ -70,7 +70,9 @@ def ms(x: float | None) -> str:
 
 
 def frac(x: float | None) -> str:
-    return "n/a" if x is None or not math.isfinite(x) else f"{x:.2f}"
+    if x is None or not math.isfinite(x):
+        return "n/a"
+    return f"{x:.2f}" if abs(x) >= 0.01 or x == 0 else f"{x:.2g}"  # tiny rehearsal MFUs stay visible
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
