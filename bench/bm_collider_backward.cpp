@@ -1,5 +1,5 @@
-// Collider's backward vs regular and loss_only, measured side by side in one process (issue 3's
-// benchmark). For each model and T: regular, loss_only, collider kept_only, collider exact_query
+// Collider's backward vs regular and loss_only, measured side by side in one process (the
+// backward benchmark of results/README.md). For each model and T: regular, loss_only, collider kept_only, collider exact_query
 // and the T' floor (regular on a batch of T' = N tokens) run interleaved, repetition by
 // repetition, so machine drift hits all methods alike; medians are reported with the FLOP ideal
 // (1 - analytic backward FLOPs / regular's), the rewrite overhead and the live-tensor peak.

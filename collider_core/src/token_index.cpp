@@ -4,7 +4,7 @@
 // kernel packing kept columns with per-sequence permutation tables; elsewhere (CUDA, odd
 // layouts) by index_select / gather. The CPU kernels run on torch's intra-op threads, which is
 // why this file is compiled with OpenMP (collider_core/CMakeLists.txt). On this project's 2-core
-// machine they run at its copy bandwidth (results/README.md, issue 3's benchmark).
+// machine they run at its copy bandwidth (results/README.md, the side-by-side backward benchmark).
 #include "token_index.h"
 
 #include <collider/collider.h>
