@@ -4,6 +4,7 @@
 
 #include <collider/collider.h>
 
+#include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <map>
@@ -20,6 +21,21 @@ inline torch::Tensor masked_ce(const torch::Tensor& logits_BTV, const torch::Ten
                      .view(labels_BT.sizes());
   auto keep = keep_BT.to(loss_BT.scalar_type());
   return (loss_BT * keep).sum() / keep.sum();
+}
+
+// One gradient test point: semantics, filter_ratio, B, T; printed and named readably in CTest.
+struct GradCase {
+  AttentionGrad attention;
+  double ratio;
+  int64_t B, T;
+};
+inline void PrintTo(const GradCase& c, std::ostream* os) {
+  *os << to_string(c.attention) << " r=" << c.ratio << " B=" << c.B << " T=" << c.T;
+}
+inline std::string grad_case_name(const ::testing::TestParamInfo<GradCase>& info) {
+  const auto& c = info.param;
+  return std::string(to_string(c.attention)) + "_r" + std::to_string(static_cast<int>(c.ratio * 100)) + "_B" +
+         std::to_string(c.B) + "_T" + std::to_string(c.T);
 }
 
 inline torch::Tensor random_keep(int64_t B, int64_t T, double ratio, uint64_t seed) {

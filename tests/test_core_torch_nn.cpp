@@ -85,21 +85,7 @@ Plan make_plan(SeqFirstLm& m) {
   });
 }
 
-struct Case {
-  AttentionGrad attention;
-  double ratio;
-  int64_t B, T;
-};
-
-void PrintTo(const Case& c, std::ostream* os) {
-  *os << to_string(c.attention) << " r=" << c.ratio << " B=" << c.B << " T=" << c.T;
-}
-
-std::string name_of(const ::testing::TestParamInfo<Case>& info) {
-  const auto& c = info.param;
-  return std::string(to_string(c.attention)) + "_r" + std::to_string(static_cast<int>(c.ratio * 100)) + "_B" +
-         std::to_string(c.B) + "_T" + std::to_string(c.T);
-}
+using Case = GradCase;
 
 class TorchNnEncoderGrad : public ::testing::TestWithParam<Case> {};
 
@@ -153,7 +139,7 @@ std::vector<Case> all_cases() {
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(SequenceFirst, TorchNnEncoderGrad, ::testing::ValuesIn(all_cases()), name_of);
+INSTANTIATE_TEST_SUITE_P(SequenceFirst, TorchNnEncoderGrad, ::testing::ValuesIn(all_cases()), grad_case_name);
 
 TEST(TorchNnEncoder, PlanFindsAttentionCoresAndSequenceFirstRows) {
   SeqFirstLm m = make_model();
