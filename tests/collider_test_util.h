@@ -76,4 +76,23 @@ inline double max_rel_diff(const std::map<std::string, torch::Tensor>& a, const 
   return out;
 }
 
+// filter_ratio 0 (every token kept) reproduces the plain backward, for both semantics. `m` is a
+// module holder whose forward(idx_BT) gives logits [B, T, V].
+template <typename Model>
+void expect_ratio_zero_equals_regular(Model& m, const Plan& plan, int64_t vocab, int64_t B, int64_t T, double tol) {
+  auto idx = torch::randint(vocab, {B, T});
+  auto labels = torch::randint(vocab, {B, T});
+  auto keep = torch::ones({B, T}, torch::kBool);
+  zero_grads(*m);
+  masked_ce(m->forward(idx), labels, keep).backward();
+  auto g_regular = grads_of(*m);
+  for (auto a : {AttentionGrad::kKeptOnly, AttentionGrad::kExactQuery}) {
+    zero_grads(*m);
+    auto loss = masked_ce(m->forward(idx), labels, keep);
+    filter_backward(loss, keep, plan, {a});
+    loss.backward();
+    EXPECT_LE(max_rel_diff(grads_of(*m), g_regular), tol) << to_string(a);
+  }
+}
+
 }  // namespace collider::testing
