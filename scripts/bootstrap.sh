@@ -79,6 +79,10 @@ if command -v ccache >/dev/null; then
   say "optional ccache: $(command -v ccache)"
   LAUNCHER=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
   export CCACHE_BASEDIR="$ROOT"  # relative paths in the cache key: a fresh clone reuses the cache
+  # Every target compiles with the torch precompiled header (cmake/ColliderDeps.cmake); without
+  # this sloppiness ccache refuses each such call ("could not use precompiled header") and caches
+  # nothing. It still hashes the .gch itself, so a changed header is a miss, not a stale object.
+  export CCACHE_SLOPPINESS="pch_defines,time_macros${CCACHE_SLOPPINESS:+,$CCACHE_SLOPPINESS}"
 else
   say "optional ccache: not found"
 fi
