@@ -193,4 +193,66 @@ TEST(Gpt2Collider, PlanFindsAttentionCores) {
   EXPECT_NE(plan.summary().find("exact_query available"), std::string::npos) << plan.summary();
 }
 
+// K and V concatenated onto an empty KV cache (transformers with use_cache left on): the
+// concatenation keeps every position in place, so it is rewritten like a token-wise op.
+class Gpt2EmptyCacheGrad : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Gpt2EmptyCacheGrad, MatchesOracle) {
+  const Case c = GetParam();
+  Gpt2 m = make_model();
+  m->empty_kv_cache = true;
+  Plan plan = make_plan(m);
+  torch::manual_seed(4);
+  auto idx = torch::randint(kVocab, {c.B, c.T});
+  auto labels = torch::randint(kVocab, {c.B, c.T});
+  auto keep = random_keep(c.B, c.T, c.ratio, 17);
+  zero_grads(*m);
+  auto loss = masked_ce(m->forward(idx), labels, keep);
+  filter_backward(loss, keep, plan, {c.attention});
+  loss.backward();
+  auto g_collider = grads_of(*m);
+  auto ref = reference_grads(m, plan, idx, labels, keep, c.attention);
+  EXPECT_GT(max_rel_diff(ref.oracle, ref.loss_only), 1e-3);
+  std::string worst;
+  EXPECT_LE(max_rel_diff(g_collider, ref.oracle, &worst), 1e-4) << "worst parameter: " << worst;
+}
+
+std::vector<Case> cache_cases() {
+  std::vector<Case> out;
+  for (auto a : {AttentionGrad::kKeptOnly, AttentionGrad::kExactQuery})
+    for (int64_t B : {1, 3}) out.push_back({a, 0.5, B, 97});
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(KvCache, Gpt2EmptyCacheGrad, ::testing::ValuesIn(cache_cases()), name_of);
+
+// All or nothing: a refusal met deep in the graph (the first layer's fused attention, reached
+// after the head and the last layer were prepared) leaves the graph as the forward built it, so
+// a plain backward still gives the loss_only gradient.
+TEST(Gpt2Collider, RefusalDeepInTheGraphLeavesItUnchanged) {
+  Gpt2 m = make_model();
+  m->use_sdpa = true;
+  Plan plan = make_plan(m);
+  torch::manual_seed(5);
+  auto idx = torch::randint(kVocab, {3, 40});
+  auto labels = torch::randint(kVocab, {3, 40});
+  auto keep = random_keep(3, 40, 0.5, 19);
+  m->explicit_mask_layer = 0;
+  for (auto a : {AttentionGrad::kKeptOnly, AttentionGrad::kExactQuery}) {
+    zero_grads(*m);
+    masked_ce(m->forward(idx), labels, keep).backward();
+    auto g_loss_only = grads_of(*m);
+    zero_grads(*m);
+    auto loss = masked_ce(m->forward(idx), labels, keep);
+    try {
+      filter_backward(loss, keep, plan, {a});
+      FAIL() << "filter_backward accepted a fused attention with an explicit mask";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("explicit mask"), std::string::npos) << e.what();
+    }
+    loss.backward();
+    EXPECT_LE(max_rel_diff(grads_of(*m), g_loss_only), 1e-6) << to_string(a);
+  }
+}
+
 }  // namespace

@@ -56,6 +56,37 @@ TEST(TokenIndexCut, RowGatherMatchesReferenceForEveryRowWidth) {
   }
 }
 
+// Sequence-first tensors (torch::nn's [T, B, D]) and their flattened [T*B, D] rows (row t*B + b).
+TEST(TokenIndexCut, SequenceFirstTensorsAndRows) {
+  const int64_t B = 3, T = 29, N = 13, D = 8;
+  auto keep = keep_mask(B, T, N, 5);
+  TokenIndex ix(keep);
+  auto x_TBD = torch::randn({T, B, D});
+  auto want_NBD = reference_cut(x_TBD.transpose(0, 1), keep, 1).transpose(0, 1);  // [N, B, D]
+  auto out = ix.cut(x_TBD, spec(3, {token_at(0), batch_at(1)}), true);
+  EXPECT_TRUE(torch::equal(out, want_NBD));
+  EXPECT_EQ(ix.cut_sizes(x_TBD.sizes(), spec(3, {token_at(0), batch_at(1)}), true), (std::vector<int64_t>{N, B, D}));
+  auto flat = spec(2, {DimSpec{0, DimKind::kFlatSeqFirst, Role::kQuery, 1}});
+  auto out_flat = ix.cut(x_TBD.reshape({T * B, D}), flat, true);
+  EXPECT_TRUE(torch::equal(out_flat, want_NBD.reshape({N * B, D})));
+  // A batch dimension of B*H rows (row b*H + h) after the token dimension: [T, B*H, E].
+  const int64_t H = 2;
+  auto y = torch::randn({T, B * H, D});
+  DimSpec bh{1, DimKind::kBatch, Role::kQuery, H};
+  auto want = reference_cut(y.view({T, B, H * D}).transpose(0, 1), keep, 1).transpose(0, 1).reshape({N, B * H, D});
+  EXPECT_TRUE(torch::equal(ix.cut(y, spec(3, {token_at(0), bh}), true), want));
+  // A non-contiguous [T, B, D] (the transpose of a [B, T, D]) is cut in memory order.
+  auto z_BTD = torch::randn({B, T, D});
+  auto z_TBD = z_BTD.transpose(0, 1);
+  EXPECT_TRUE(torch::equal(ix.cut(z_TBD, spec(3, {token_at(0), batch_at(1)}), true),
+                           reference_cut(z_BTD, keep, 1).transpose(0, 1)));
+  // Zeroing (the masked method) along the same layouts.
+  auto keep_TB1 = keep.t().unsqueeze(2).to(torch::kFloat);
+  EXPECT_TRUE(torch::equal(ix.zero_dropped(x_TBD, spec(3, {token_at(0), batch_at(1)}), true), x_TBD * keep_TB1));
+  EXPECT_TRUE(torch::equal(ix.zero_dropped(x_TBD.reshape({T * B, D}), flat, true),
+                           (x_TBD * keep_TB1).reshape({T * B, D})));
+}
+
 TEST(TokenIndexCut, UnalignedSourceRows) {
   const int64_t B = 2, T = 40, N = 24, D = 64;
   auto keep = keep_mask(B, T, N, 2);

@@ -62,7 +62,7 @@ detail::ShapeSpec parse_shape(std::istringstream& in, int line_no) {
   while (std::getline(ds, item, ',')) {
     detail::DimSpec d;
     int kind = 0, role = 0;
-    if (std::sscanf(item.c_str(), "%d:%d:%d:%ld", &d.dim, &kind, &role, &d.mult) != 4 || kind < 0 || kind > 2 ||
+    if (std::sscanf(item.c_str(), "%d:%d:%d:%ld", &d.dim, &kind, &role, &d.mult) != 4 || kind < 0 || kind > 3 ||
         role < 0 || role > 1) {
       throw Error(fmt::format("Plan::from_string: line {}: malformed dimension '{}'", line_no, item));
     }

@@ -101,6 +101,17 @@ const torch::Tensor& TokenIndex::flat_rows(int64_t rpb) {
   return flat_cache_.emplace(rpb, flat).first->second;
 }
 
+const torch::Tensor& TokenIndex::flat_rows_seq_first(int64_t mult) {
+  auto it = seq_first_cache_.find(mult);
+  if (it != seq_first_cache_.end()) return it->second;
+  // out row (n*B + b)*mult + j = in row (idx[b, n]*B + b)*mult + j
+  auto t_NB1 = idx_BN_.t().mul(B_ * mult).unsqueeze(2);
+  auto b_1B1 = torch::arange(B_, idx_BN_.options()).mul_(mult).view({1, B_, 1});
+  auto j_11M = torch::arange(mult, idx_BN_.options()).view({1, 1, mult});
+  auto flat = (t_NB1 + b_1B1 + j_11M).reshape({-1}).contiguous();
+  return seq_first_cache_.emplace(mult, flat).first->second;
+}
+
 const torch::Tensor& TokenIndex::idx_rows(int64_t rpb) {
   auto it = rows_cache_.find(rpb);
   if (it != rows_cache_.end()) return it->second;
@@ -274,14 +285,15 @@ static torch::Tensor gather_rows(const torch::Tensor& x_MP, const torch::Tensor&
   return out_NP;
 }
 
-// x: [.., B*m @batch_dim, .., T @token_dim, ..] with batch_dim < token_dim; batch_dim -1 when
-// B = 1 (every row belongs to the one sequence).
+// x: [.., B*m @batch_dim, .., T @token_dim, ..]; batch_dim -1 when B = 1 (every row belongs to
+// the one sequence). A batch dimension after the token dimension (sequence-first [T, B, D]) is
+// moved in front, which costs one copy of the whole tensor before the gather.
 torch::Tensor TokenIndex::cut_dim(const torch::Tensor& x_in, int64_t batch_dim, int64_t token_dim) {
   torch::Tensor x = x_in;
   bool moved = false;
   if (batch_dim > 0) {
-    TORCH_CHECK(batch_dim < token_dim, "collider: a batch dimension after the token dimension is not supported");
-    x = x.movedim(batch_dim, 0);  // dims before batch_dim shift right; token_dim unchanged
+    x = x.movedim(batch_dim, 0);  // dims before batch_dim shift right by one
+    if (token_dim < batch_dim) ++token_dim;
     moved = true;
   }
   auto sizes = x.sizes().vec();
@@ -354,8 +366,9 @@ torch::Tensor TokenIndex::cut(const torch::Tensor& x_in, const ShapeSpec& spec, 
   }
   for (const auto& d : spec.dims) {
     if (!cut_this(d, cut_keys)) continue;
-    if (d.kind == DimKind::kFlatToken) {
-      x = d.dim + off == 0 && x.dim() == 2 ? gather_rows(x, flat_rows(d.mult)) : x.index_select(d.dim + off, flat_rows(d.mult));
+    if (d.flat()) {
+      const auto& rows = d.kind == DimKind::kFlatToken ? flat_rows(d.mult) : flat_rows_seq_first(d.mult);
+      x = d.dim + off == 0 && x.dim() == 2 ? gather_rows(x, rows) : x.index_select(d.dim + off, rows);
     } else {
       TORCH_CHECK(bdim >= 0 || B_ == 1, "collider: token dimension without a batch dimension (plan bug)");
       x = cut_dim(x, bdim, d.dim + off);
@@ -410,10 +423,13 @@ torch::Tensor TokenIndex::zero_dropped(const torch::Tensor& x, const ShapeSpec& 
     if (d.kind == DimKind::kFlatToken) {
       shape[d.dim] = B_ * d.mult * T_;
       f = keep.repeat_interleave(d.mult, 0).reshape(shape);
+    } else if (d.kind == DimKind::kFlatSeqFirst) {
+      shape[d.dim] = B_ * d.mult * T_;
+      f = keep.t().repeat_interleave(d.mult, 1).reshape(shape);  // [T, B*m] in row order
     } else {
-      TORCH_CHECK((bdim >= 0 && bdim < d.dim) || B_ == 1,
-                  "collider: masking needs a batch dimension before the token dimension");
+      TORCH_CHECK(bdim >= 0 || B_ == 1, "collider: masking needs a batch dimension (plan bug)");
       f = keep.repeat_interleave(mult, 0);  // [B*m, T]
+      if (bdim > d.dim) f = f.t();          // sequence-first: [T, B*m]
       if (bdim >= 0) shape[bdim] = B_ * mult;
       shape[d.dim] = T_;
       f = f.reshape(shape);
@@ -435,7 +451,7 @@ std::vector<int64_t> TokenIndex::cut_sizes(c10::IntArrayRef sizes, const ShapeSp
   if (spec.pad_rank > 0) out[spec.bcast_batch_dim] = B_ * spec.bcast_mult;
   for (const auto& d : spec.dims) {
     if (!cut_this(d, cut_keys)) continue;
-    out[d.dim + off] = d.kind == DimKind::kFlatToken ? B_ * d.mult * N_ : N_;
+    out[d.dim + off] = d.flat() ? B_ * d.mult * N_ : N_;
   }
   return out;
 }
@@ -446,7 +462,7 @@ std::string TokenIndex::mismatch(c10::IntArrayRef sizes, const ShapeSpec& spec) 
   }
   for (const auto& d : spec.dims) {
     const int64_t want = d.kind == DimKind::kToken       ? T_
-                         : d.kind == DimKind::kFlatToken ? B_ * d.mult * T_
+                         : d.flat()                      ? B_ * d.mult * T_
                                                          : B_ * d.mult;
     if (sizes[d.dim] != want) {
       return fmt::format("size {} at dimension {} where the plan expects {} (B={}, T={})", sizes[d.dim], d.dim, want,

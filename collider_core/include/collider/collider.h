@@ -13,6 +13,7 @@
 // Legend: B batch, T sequence, N = T' kept tokens per sequence.
 #pragma once
 
+#include <collider/error.h>
 #include <collider/select.h>
 
 #include <torch/torch.h>
@@ -25,13 +26,6 @@
 #include <vector>
 
 namespace collider {
-
-// Every failure of the rewriter: a node it cannot rewrite (named, with its saved fields), a
-// graph that does not match the plan, a bad mask. Never a silent dense fallback.
-class Error : public std::runtime_error {
- public:
-  explicit Error(const std::string& what) : std::runtime_error(what) {}
-};
 
 // Attention gradient semantics (DESIGN.md section 3).
 enum class AttentionGrad {

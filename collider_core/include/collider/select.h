@@ -3,6 +3,8 @@
 // Legend: B batch, T sequence, N kept tokens per sequence.
 #pragma once
 
+#include <collider/error.h>
+
 #include <torch/torch.h>
 
 #include <optional>
@@ -24,6 +26,7 @@ struct SelectOptions {
   std::optional<torch::Tensor> valid_BT;
 };
 
+// Failures of the three functions below are collider::Error.
 // scores_BT: higher = more worth keeping. filter_ratio in [0, 1): fraction of (valid) positions
 // dropped. Returns the keep mask, bool [B, T]. Ties break toward the earlier position.
 torch::Tensor select_tokens(const torch::Tensor& scores_BT, double filter_ratio,
