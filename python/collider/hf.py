@@ -108,11 +108,14 @@ def drop_labels(labels: torch.Tensor, keep_mask: torch.Tensor) -> torch.Tensor:
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-token cross-entropy [B, T] (float32) on the hidden-state positions: position t against
-    labels[t + 1]; 0 where there is no label. The per-token loss form."""
+    """Per-token cross-entropy [B, T] on the hidden-state positions: position t against
+    labels[t + 1]; 0 where there is no label. The per-token loss form. Half-precision logits are
+    upcast to float32 (as transformers' loss does); float32 and float64 stay as they are."""
     B, T, V = logits.shape
     target = shift_labels(labels).to(logits.device)
-    return F.cross_entropy(logits.float().reshape(B * T, V), target.reshape(B * T), reduction="none",
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    return F.cross_entropy(logits.reshape(B * T, V), target.reshape(B * T), reduction="none",
                            ignore_index=IGNORE_INDEX).view(B, T)
 
 

@@ -5,9 +5,13 @@
 // no TORCH_CHECK or raw shape error leaves the package as something else). A Python exception
 // raised inside the trace callable comes back unchanged (pybind11::error_already_set).
 // Built by python/CMakeLists.txt (in the main CMake build, or by python/setup.py standalone) with
-// the pybind11 that torch ships. Tested by python/tests/test_api.py.
+// the pybind11 that torch ships. Tested by python/tests/test_api.py. It also compiles in the C++
+// harness's caching CPU allocator (harness/memory.cpp, torch-only), which the benchmark
+// python/bench/bench_hf_backward.py installs so that its numbers compare with bm_collider_backward.
 #include <collider/collider.h>
 #include <collider/select.h>
+
+#include "harness/memory.h"
 
 #include <torch/extension.h>
 
@@ -157,6 +161,13 @@ PYBIND11_MODULE(_C, m) {
       "register_passthrough_node",
       [](const std::string& name) { guarded("register_passthrough_node", [&] { collider::register_passthrough_node(name); }); },
       py::arg("name"));
+
+  // For benchmarks: the C++ harness's CPU allocator (caches freed blocks >= 64 KiB as CUDA's caching
+  // allocator does; COLLIDER_CPU_CACHING=0 turns caching off). Returns its mode.
+  m.def("_install_caching_cpu_allocator", [] {
+    collider::harness::install_cpu_memory_tracking();
+    return std::string(collider::harness::cpu_allocator_mode());
+  });
 
   // The torch this module was compiled against (its C++ ABI is tied to that exact version).
   m.attr("TORCH_VERSION_BUILT") = py::str(std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) +

@@ -6,8 +6,8 @@ filter_ratio 0.25 and 0.5; batch 1 and 3; T = 37 (odd); both loss forms: the per
 (collider.hf.token_losses + masked_mean, plan from collider.hf.trace_plan) and transformers' own
 model(input_ids, labels=labels).loss with dropped labels -100 (plan from collider.trace_plan on
 that call). Tiny random models in train() mode, float64: max relative difference <= 1e-4 over all
-parameter gradients (measured ~1e-7 for sdpa, whose replacement node computes in fp32, and ~1e-15
-for eager). filter_ratio 0 equals a plain backward.
+parameter gradients (transformers' eager softmax and Collider's SDPA replacement node compute in
+fp32, so the differences are at fp32 level). filter_ratio 0 equals a plain backward.
   pytest python/tests/test_hf_gradients.py
 """
 import functools
@@ -98,7 +98,8 @@ def test_matches_oracle(family, attn, form):
                 assert stats.kept == n_kept and stats.seq_len == T and stats.batch == batch
                 assert stats.tensors_gathered > 0
                 ref, loss_o = oracle_grads(model, form, ids, keep, attention)
-                torch.testing.assert_close(loss_c, loss_o, rtol=1e-12, atol=0)  # forward is never changed
+                # the forward is never changed (the oracle's softmax runs in fp32, as transformers' eager one)
+                torch.testing.assert_close(loss_c, loss_o, rtol=1e-6, atol=0)
                 worst[(attention, ratio, batch)] = max_rel_diff(got, ref)
     bad = {k: v for k, v in worst.items() if not v <= TOL}
     assert not bad, f"{family}/{attn}/{form}: max relative gradient difference above {TOL}: {bad}"
@@ -138,7 +139,7 @@ def test_both_loss_forms_agree():
     with torch.no_grad():
         a = step_loss(model, "per_token", ids, keep)
         b = step_loss(model, "hf_labels", ids, keep)
-    torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
+    torch.testing.assert_close(a.double(), b.double(), rtol=1e-6, atol=0)  # transformers' loss runs in fp32
 
 
 def test_mask_backward_matches_filter_backward():
