@@ -1,16 +1,12 @@
-"""Collider from Python: token-filtered backward for LLM training (arXiv 2502.00340).
+"""Collider from Python: token-filtered backward for LLM training (arXiv 2502.00340), DESIGN.md 4b.
 
-The one added line of a training step that already filters tokens (DESIGN.md section 4b):
-
-    import collider
     plan = collider.trace_plan(loss_on_random_batch)     # once: callable (batch, seq_len) -> scalar loss
-    ...
-    collider.filter_backward(loss, keep_mask, plan, attention="kept_only")   # or "exact_query"
+    collider.filter_backward(loss, keep_mask, plan, attention="kept_only")   # the one added line
     loss.backward()                                       # runs on the kept rows only
 
 A thin typed wrapper over the C++ library (collider._C, built from collider_core): arguments are
 checked here with plain messages, and every refusal, here or in C++, is a `collider.Error`.
-Hugging Face transformers helpers (a plan from the model alone, RHO-1 with Trainer): `collider.hf`.
+transformers helpers (a plan from the model alone, RHO-1 with Trainer): `collider.hf`.
 Tests: python/tests/ (run by ./scripts/test.sh).
 """
 from __future__ import annotations

@@ -258,3 +258,16 @@ def test_hf_helpers_positions():
     assert chf.keep_mask_from_labels(labels).tolist() == [[True, False, True, True, False],
                                                           [False, True, True, False, False]]
     assert chf.shift_labels(ids)[:, -1].tolist() == [-100, -100]
+
+
+def test_installed_package_imports_from_any_directory(tmp_path):
+    """scripts/bootstrap.sh installs the package into the environment pytest runs in."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", "import collider, collider.hf; print(collider.__file__, "
+                        "collider._C.TORCH_VERSION_BUILT)"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, f"`import collider` fails outside the checkout (run ./scripts/bootstrap.sh):\n{r.stderr}"
+    path, built = r.stdout.split()
+    assert "site-packages" in path and built == torch.__version__.split("+")[0]
