@@ -337,16 +337,8 @@ class Loader {
     check_unique("axes.method", axes_.method);
     check_unique("axes.attention_grad", axes_.attention_grad);
 
-    bool filtering = false, needs_equal_rows = false;
-    for (const auto& m : axes_.method) {
-      filtering |= m != "regular";
-      needs_equal_rows |= m == "collider" || m == "masked";
-    }
-    if (needs_equal_rows && r.policy != "per_sequence") {
-      throw ManifestError(fmt::format("{}: key 'run.policy' = \"{}\" cannot run methods collider/masked (they need "
-                                      "the same kept count per row); allowed with them: per_sequence",
-                                      src("run.policy"), r.policy));
-    }
+    bool filtering = false;
+    for (const auto& m : axes_.method) filtering |= m != "regular";
     if (filtering) {
       const int64_t align = r.policy == "per_sequence" ? r.align : 1;
       for (int64_t T : axes_.seq_len) {

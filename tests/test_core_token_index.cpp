@@ -152,16 +152,35 @@ TEST(TokenIndexCut, ThreadCountDoesNotChangeTheResult) {
   EXPECT_TRUE(torch::equal(one, many));
 }
 
-TEST(TokenIndexMask, BuildsKeptPositionsAndRefusesBadMasks) {
+TEST(TokenIndexMask, BuildsKeptPositionsPadsRaggedRowsAndRefusesBadMasks) {
   auto keep = keep_mask(3, 29, 11, 6);
   TokenIndex ix(keep);
   ASSERT_EQ(ix.N(), 11);
   // The positions are ascending per row (the cuts rely on it) and match the mask.
   auto positions = ix.cut(torch::arange(29).expand({3, 29}).contiguous(), spec(2, {batch_at(0), token_at(1)}), true);
   for (int64_t b = 0; b < 3; ++b) EXPECT_TRUE(torch::equal(positions[b], keep[b].nonzero().squeeze(1)));
+  EXPECT_FALSE(ix.ragged());
+  // Ragged counts: rows are cut to the largest count, padded with their first dropped positions,
+  // still ascending; the padding is marked.
   auto ragged = keep.clone();
-  ragged[1][ragged[1].nonzero()[0][0]] = false;
-  EXPECT_THROW(TokenIndex{ragged}, collider::Error);
+  ragged[1][ragged[1].nonzero()[0][0]] = false;  // row 1 keeps 10
+  ragged[2].fill_(false);                        // row 2 keeps none
+  TokenIndex rx(ragged);
+  ASSERT_TRUE(rx.ragged());
+  EXPECT_EQ(rx.N(), 11);
+  EXPECT_EQ(rx.kept_counts(), (std::vector<int64_t>{11, 10, 0}));
+  EXPECT_EQ(rx.kept_total(), 21);
+  for (int64_t b = 0; b < 3; ++b) {
+    auto pos = rx.idx_BN()[b];
+    EXPECT_TRUE(torch::equal(std::get<0>(pos.sort()), pos)) << "row " << b << " not ascending";
+    // the kept positions, each unpadded; the padding, dropped positions
+    auto kept_at = ragged[b].index_select(0, pos);
+    EXPECT_TRUE(torch::equal(kept_at, ~rx.pad_BN()[b])) << "row " << b;
+    EXPECT_EQ(kept_at.sum().item<int64_t>(), rx.kept_counts()[b]);
+  }
+  auto x_BND = torch::ones({3, 11, 4});
+  auto zeroed = rx.zero_padding(x_BND, spec(3, {batch_at(0), token_at(1)}), false);
+  EXPECT_EQ(zeroed.sum().item<double>(), 21 * 4);
   EXPECT_THROW(TokenIndex{torch::zeros({2, 8}, torch::kBool)}, collider::Error);
   EXPECT_THROW(TokenIndex{torch::zeros({0, 8}, torch::kBool)}, collider::Error);
   EXPECT_THROW(TokenIndex{torch::ones({2, 8})}, collider::Error);  // not bool

@@ -85,21 +85,7 @@ Plan make_plan(SeqFirstLm& m) {
   });
 }
 
-struct Case {
-  AttentionGrad attention;
-  double ratio;
-  int64_t B, T;
-};
-
-void PrintTo(const Case& c, std::ostream* os) {
-  *os << to_string(c.attention) << " r=" << c.ratio << " B=" << c.B << " T=" << c.T;
-}
-
-std::string name_of(const ::testing::TestParamInfo<Case>& info) {
-  const auto& c = info.param;
-  return std::string(to_string(c.attention)) + "_r" + std::to_string(static_cast<int>(c.ratio * 100)) + "_B" +
-         std::to_string(c.B) + "_T" + std::to_string(c.T);
-}
+using Case = GradCase;
 
 class TorchNnEncoderGrad : public ::testing::TestWithParam<Case> {};
 
@@ -153,7 +139,7 @@ std::vector<Case> all_cases() {
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(SequenceFirst, TorchNnEncoderGrad, ::testing::ValuesIn(all_cases()), name_of);
+INSTANTIATE_TEST_SUITE_P(SequenceFirst, TorchNnEncoderGrad, ::testing::ValuesIn(all_cases()), grad_case_name);
 
 TEST(TorchNnEncoder, PlanFindsAttentionCoresAndSequenceFirstRows) {
   SeqFirstLm m = make_model();
@@ -170,20 +156,7 @@ TEST(TorchNnEncoder, PlanFindsAttentionCoresAndSequenceFirstRows) {
 
 TEST(TorchNnEncoder, RatioZeroEqualsRegular) {
   SeqFirstLm m = make_model();
-  Plan plan = make_plan(m);
-  auto idx = torch::randint(kVocab, {2, 29});
-  auto labels = torch::randint(kVocab, {2, 29});
-  auto keep = torch::ones({2, 29}, torch::kBool);
-  zero_grads(*m);
-  masked_ce(m->forward(idx), labels, keep).backward();
-  auto g_regular = grads_of(*m);
-  for (auto a : {AttentionGrad::kKeptOnly, AttentionGrad::kExactQuery}) {
-    zero_grads(*m);
-    auto loss = masked_ce(m->forward(idx), labels, keep);
-    filter_backward(loss, keep, plan, {a});
-    loss.backward();
-    EXPECT_LE(max_rel_diff(grads_of(*m), g_regular), 1e-10) << to_string(a);
-  }
+  expect_ratio_zero_equals_regular(m, make_plan(m), kVocab, 2, 29, 1e-10);
 }
 
 }  // namespace

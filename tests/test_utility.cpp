@@ -1,4 +1,4 @@
-// Utility pipeline (issue 6): data preparation on a small sample of the real Debian text
+// Utility pipeline: data preparation on a small sample of the real Debian text
 // (scripts/prepare_data.sh --sample; needs network or cached .debs), the SentencePiece tokenizer
 // from C++ (round trip, agreement with the Python-written shards), token-shard and window-loader
 // determinism, stored reference losses equal to a recomputation, and a 20-step training run of

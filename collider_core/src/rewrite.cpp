@@ -56,13 +56,34 @@ class KeyRowsNode final : public Node {
     torch::Tensor g = grads.at(0);
     if (!g.defined()) return {g};
     torch::NoGradGuard no_grad;
-    return {zero_only_ ? index_->zero_dropped(g, spec_, true) : index_->cut(g, spec_, /*cut_keys=*/true)};
+    if (zero_only_) return {index_->zero_dropped(g, spec_, true)};
+    // Padding rows of ragged masks are dropped tokens: their dK/dV are discarded too.
+    return {index_->zero_padding(index_->cut(g, spec_, /*cut_keys=*/true), spec_, /*keys_only=*/false)};
   }
 
  private:
   std::shared_ptr<TokenIndex> index_;
   ShapeSpec spec_;
   bool zero_only_;
+};
+
+// Ragged kept counts: zeroes the padding rows of a gradient where it is born (an edge from a node
+// without token dimensions, the loss's reduction, into one with them), so padding positions
+// carry no gradient even when the loss does not mask them (see token_index.cpp).
+class ZeroPaddingNode final : public Node {
+ public:
+  ZeroPaddingNode(std::shared_ptr<TokenIndex> index, ShapeSpec spec) : index_(std::move(index)), spec_(std::move(spec)) {}
+  std::string name() const override { return "collider::ZeroPadding"; }
+  variable_list apply(variable_list&& grads) override {
+    torch::Tensor g = grads.at(0);
+    if (!g.defined()) return {g};
+    torch::NoGradGuard no_grad;
+    return {index_->zero_padding(g, spec_, /*keys_only=*/false)};
+  }
+
+ private:
+  std::shared_ptr<TokenIndex> index_;
+  ShapeSpec spec_;
 };
 
 // COLLIDER_DEBUG_GATHER=1: one line per gather and the rewrite's phases (read once per process).
@@ -230,6 +251,11 @@ class Rewriter::Apply final : public FieldVisitor {
   }
 
  private:
+  static bool two_token_dims(const ShapeSpec& s) {
+    int n = 0;
+    for (const auto& d : s.dims) n += d.kind != DimKind::kBatch;
+    return n >= 2;
+  }
   // The field is written in the commit pass, from the value computed now.
   template <typename V>
   void assign(V& field, V value) {
@@ -283,6 +309,12 @@ class Rewriter::Apply final : public FieldVisitor {
       }
     } else {
       out = rw_.cut_saved(t.detach(), f->shape);
+      // Ragged masks: padding keys get no attention probability (kept_only), so they neither
+      // give nor receive gradient; P is the field with a query and a key dimension.
+      if (rw_.cut_keys_ && rw_.ix_->ragged() && spec_.attention_core && f->shape.has_key() &&
+          two_token_dims(f->shape)) {
+        out = rw_.ix_->zero_padding(out, f->shape, /*keys_only=*/true);
+      }
     }
     rw_.defer([&v, out = std::move(out)] { v = SavedVariable(out, /*is_output=*/false); });
     changed = true;
@@ -353,6 +385,9 @@ FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT,
   stats.batch = ix->B();
   stats.seq_len = ix->T();
   stats.kept = ix->N();
+  stats.kept_total = ix->kept_total();
+  stats.kept_min = *std::min_element(ix->kept_counts().begin(), ix->kept_counts().end());
+  stats.kept_max = *std::max_element(ix->kept_counts().begin(), ix->kept_counts().end());
 
   // exact_query: remember the key/value edges before their targets' shapes shrink.
   struct PendingInsert {
@@ -374,6 +409,34 @@ FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT,
 
   Rewriter rw(data, ix, /*cut_keys=*/!exact, masked, stats);
   rw.prepare(g);
+
+  // Ragged masks: where token-shaped gradients are born, padding rows are zeroed.
+  if (ix->ragged() && !masked) {
+    auto token_input = [&](int node, uint32_t input_nr) -> const FieldSpec* {
+      for (const auto& f : data.nodes[node].fields)
+        if (f.kind == FieldKind::kInputMeta && f.item == static_cast<int32_t>(input_nr) && f.shape.has_token()) return &f;
+      return nullptr;
+    };
+    for (size_t i = 0; i < g.nodes.size(); ++i) {
+      bool has_token_input = false;
+      for (const auto& f : data.nodes[i].fields) has_token_input = has_token_input || (f.kind == FieldKind::kInputMeta && f.shape.has_token());
+      if (has_token_input || data.nodes[i].fused_attention) continue;
+      const auto& edges = g.nodes[i]->next_edges();
+      for (size_t e = 0; e < edges.size(); ++e) {
+        if (!edges[e].function) continue;
+        const int c = g.index.at(edges[e].function.get());
+        const FieldSpec* f = token_input(c, edges[e].input_nr);
+        if (!f) continue;
+        const auto& meta = edges[e].function->input_metadata(edges[e].input_nr);
+        auto shape = ix->cut_sizes(to_ints(meta.shape_as_dim_vector()), f->shape, !exact);
+        auto node = std::make_shared<ZeroPaddingNode>(ix, f->shape);
+        node->add_input_metadata(meta.options(), to_syms(shape), false, false, std::nullopt);
+        node->add_next_edge(edges[e]);
+        auto* list = &const_cast<torch::autograd::edge_list&>(edges);
+        rw.defer([list, e, node] { (*list)[e] = Edge(node, 0); });
+      }
+    }
+  }
 
   for (auto& p : pending) {
     auto bad = ix->mismatch(p.shape, p.ins->shape);

@@ -99,7 +99,7 @@ class FilteredAttentionNode final : public Node {
     auto q = f32(ix_->cut(s_.q, spec4, true));
     auto lse = f32(ix_->cut(s_.lse.narrow(2, 0, T), spec3, true)).unsqueeze(-1);  // [B, H, N, 1]
     auto dOf = f32(dO);
-    auto pos = ix_->keep_BT().nonzero().select(1, 1).view({ix_->B(), 1, ix_->N(), 1});  // [B, 1, N, 1]
+    auto pos = ix_->idx_BN().view({ix_->B(), 1, ix_->N(), 1});  // [B, 1, N, 1]: original positions
     // Grouped-query attention (SDPA's enable_gqa): K and V carry G = H / rep heads; query head h
     // reads kv head h / rep. They are repeated to H heads here and their gradients summed back.
     const int64_t H = s_.q.size(1), G = s_.k.size(1), rep = H / G;
@@ -113,6 +113,7 @@ class FilteredAttentionNode final : public Node {
       auto k = to_heads(f32(ix_->cut(s_.k, spec4, true))), v = to_heads(f32(ix_->cut(s_.v, spec4, true)));
       auto p = (q.matmul(k.transpose(-2, -1)) * s_.scale - lse).exp_();  // [B, H, N, N]
       if (s_.causal) p.masked_fill_(pos.transpose(-2, -1) > pos, 0.0);
+      if (ix_->ragged()) p.masked_fill_(ix_->pad_BN().view({ix_->B(), 1, 1, ix_->N()}), 0.0);  // padding keys
       dv = p.transpose(-2, -1).matmul(dOf);
       auto dp = dOf.matmul(v.transpose(-2, -1));
       auto ds = p * (dp - (dp * p).sum(-1, true));
@@ -130,8 +131,9 @@ class FilteredAttentionNode final : public Node {
       auto d = (dOf * o).sum(-1, true);  // rowsum(dO O): the exact softmax correction
       auto ds = p * (dOf.matmul(v.transpose(-2, -1)) - d);
       dq = ds.matmul(k) * s_.scale;
-      dk = ix_->cut(to_groups(ds.transpose(-2, -1).matmul(q) * s_.scale), spec4, true);
-      dv = ix_->cut(to_groups(p.transpose(-2, -1).matmul(dOf)), spec4, true);
+      // dropped keys' gradients discarded, padding rows (dropped tokens too) included
+      dk = ix_->zero_padding(ix_->cut(to_groups(ds.transpose(-2, -1).matmul(q) * s_.scale), spec4, true), spec4, false);
+      dv = ix_->zero_padding(ix_->cut(to_groups(p.transpose(-2, -1).matmul(dOf)), spec4, true), spec4, false);
     }
     variable_list out = {dq.to(dtype), dk.to(dtype), dv.to(dtype)};
     if (masked_) {
@@ -144,7 +146,7 @@ class FilteredAttentionNode final : public Node {
  private:
   torch::Tensor scatter_full(const torch::Tensor& g_BHNE, int64_t T) const {
     auto full = torch::zeros({g_BHNE.size(0), g_BHNE.size(1), T, g_BHNE.size(3)}, g_BHNE.options());
-    auto idx = ix_->keep_BT().nonzero().select(1, 1).view({ix_->B(), 1, ix_->N(), 1}).expand_as(g_BHNE);
+    auto idx = ix_->idx_BN().view({ix_->B(), 1, ix_->N(), 1}).expand_as(g_BHNE);
     return full.scatter_(2, idx, g_BHNE);
   }
   Saved s_;

@@ -10,7 +10,7 @@
 // filter_backward rewrites the autograd graph hanging off `loss` in place: every saved
 // activation with a token dimension is cut to the kept rows, recorded sizes and expected input
 // shapes shrink, so the whole backward (GEMMs, norms, softmax, loss, embedding) runs on T' rows.
-// Legend: B batch, T sequence, N = T' kept tokens per sequence.
+// Legend: B batch, T sequence, N = T' kept tokens per sequence (the largest count when ragged).
 #pragma once
 
 #include <collider/error.h>
@@ -46,7 +46,10 @@ struct FilterStats {
   int64_t bytes_before = 0;         // bytes of those tensors before the cut
   int64_t bytes_gathered = 0;       // bytes of the cut copies
   int64_t gather_nodes_inserted = 0;  // exact_query: nodes that cut dK/dV to kept rows
-  int64_t batch = 0, seq_len = 0, kept = 0;  // B, T, T'
+  int64_t batch = 0, seq_len = 0;  // B, T
+  int64_t kept = 0;                 // positions per row after the cut: T', the largest kept count
+  int64_t kept_total = 0;           // kept tokens over the batch (B * T' unless ragged)
+  int64_t kept_min = 0, kept_max = 0;  // kept counts of the rows (differ under batch_topk)
   double rewrite_ms = 0.0;          // whole call
   double gather_ms = 0.0;           // of which: copying saved tensors to kept rows
 };
@@ -90,7 +93,9 @@ struct TraceOptions {
 
 Plan trace_plan(const LossOnBatchFn& loss_on_random_batch, const TraceOptions& opts = {});
 
-// The one added line. keep_mask_BT: bool [B, T], the same count T' of `true` in every row.
+// The one added line. keep_mask_BT: bool [B, T]. Rows may keep different numbers of tokens
+// (batch_topk), every position, or none (such a row gives no gradient): ragged rows are cut to
+// the largest count, the padding excluded exactly (collider_core/src/token_index.cpp).
 FilterStats filter_backward(const torch::Tensor& loss, const torch::Tensor& keep_mask_BT,
                             const Plan& plan, const FilterOptions& opts = {});
 

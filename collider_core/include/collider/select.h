@@ -14,7 +14,7 @@ namespace collider {
 
 enum class SelectPolicy {
   kPerSequence,  // the same kept count in every row (Collider needs it); drop count rounded up to `align`
-  kBatchTopK,    // RHO-1: top (1 - filter_ratio) of the whole batch; ragged rows, loss_only only
+  kBatchTopK,    // RHO-1: top (1 - filter_ratio) of the whole batch; ragged rows (a row may keep all or none)
 };
 const char* to_string(SelectPolicy p);
 SelectPolicy select_policy_from_string(const std::string& s);  // "per_sequence" | "batch_topk"
