@@ -50,7 +50,8 @@ FilterStats = _C.FilterStats
 FilterStats.__module__ = "collider"
 
 _STATS_FIELDS = ("nodes_visited", "nodes_rewritten", "tensors_gathered", "bytes_before", "bytes_gathered",
-                 "gather_nodes_inserted", "batch", "seq_len", "kept", "rewrite_ms", "gather_ms")
+                 "gather_nodes_inserted", "batch", "seq_len", "kept", "kept_total", "kept_min", "kept_max",
+                 "rewrite_ms", "gather_ms")
 
 
 def _stats_to_dict(self: FilterStats) -> dict:
@@ -140,9 +141,10 @@ def filter_backward(loss: torch.Tensor, keep_mask: torch.Tensor, plan: Plan,
     """The one added line: rewrites the autograd graph of `loss` in place so that the next
     loss.backward() runs on the kept positions only.
 
-    keep_mask: bool [B, T] on the positions of the model's hidden states (True = kept), the same
-    count in every row (collider.select_tokens(policy="per_sequence")); the loss must already be
-    the masked loss (dropped positions contribute nothing). attention: "kept_only" (paper v1) or
+    keep_mask: bool [B, T] on the positions of the model's hidden states (True = kept); rows may
+    keep different counts (collider.select_tokens(policy="batch_topk")), every position or none.
+    The loss must already be the masked loss (dropped positions contribute nothing). The stats'
+    `kept` is the largest kept count per row, `kept_total` the batch's. attention: "kept_only" (paper v1) or
     "exact_query" (v2). All or nothing: on a collider.Error the graph is unchanged, so a plain
     loss.backward() still gives the loss_only gradient.
     """
@@ -162,8 +164,8 @@ def select_tokens(scores: torch.Tensor, filter_ratio: float, policy: str = "per_
                   valid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The keep mask (bool [B, T]) from per-token scores (higher = more worth keeping; RHO-1: the
     excess loss). filter_ratio in [0, 1) is the fraction dropped. policy "per_sequence" keeps the
-    same count in every row (drop count rounded up to a multiple of `align`; what filter_backward
-    needs), "batch_topk" ranks the whole batch (ragged rows; loss_only). valid: optional bool
+    same count in every row (drop count rounded up to a multiple of `align`), "batch_topk" ranks
+    the whole batch (RHO-1; ragged rows, which filter_backward pads to the largest). valid: optional bool
     [B, T], False = no label there (always dropped, not counted toward the ratio)."""
     _check_tensor(scores, "scores", "select_tokens")
     if isinstance(filter_ratio, bool) or not isinstance(filter_ratio, (int, float)):

@@ -17,7 +17,7 @@ Loss forms (the plan must be traced with the form the training step uses):
   "labels"     transformers' own loss: model.loss_function(logits, drop_labels(labels, keep)), the
                same code as model(input_ids, labels=...).loss (mean over the kept labels);
   "per_token"  a per-token loss written by the user: masked_mean(token_losses(logits, labels), keep).
-Sequences must be packed (no padding): per_sequence selection keeps the same count in every row.
+Sequences must be packed (no padding; an attention_mask with zeros is refused).
 Tests: python/tests/test_hf_gradients.py, test_hf_trainer.py; example: examples/train_rho1_llama.py.
 """
 from __future__ import annotations
@@ -189,7 +189,8 @@ if _Trainer is not None:
 
         Every training step: the model's per-token loss and the reference model's (no grad) give
         the excess loss; collider.select_tokens keeps the top (1 - filter_ratio) of every sequence
-        (per_sequence, same count per row); the labels of the dropped positions are set to -100
+        (policy="per_sequence", the same count per row) or of the whole batch ("batch_topk", RHO-1's
+        own, ragged rows); the labels of the dropped positions are set to -100
         (loss="labels": transformers' own loss; "per_token": a masked mean of token_losses); then
         collider.filter_backward(loss, keep, plan, attention) rewrites the graph, and Trainer's
         training_step runs accelerator.backward on it. The plan is traced on the first step
@@ -201,12 +202,14 @@ if _Trainer is not None:
         attention_mask, if present, must be all ones. The last step's keep mask and FilterStats are
         in `last_keep_mask` and `last_filter_stats`.
         Data-parallel: DDP averages the ranks' gradients, which equals the mean over every kept
-        token because per_sequence gives every rank the same kept count.
+        token because per_sequence gives every rank the same kept count; with batch_topk each rank
+        ranks its own rows and the ranks' kept counts differ, so the average of the ranks' means is
+        not the mean over all kept tokens (use per_sequence for data-parallel runs).
         """
 
         def __init__(self, *args, reference_model: Optional[torch.nn.Module] = None, filter_ratio: float = 0.4,
                      method: str = "collider", attention: str = "kept_only", loss: str = "labels", align: int = 8,
-                     **kwargs):
+                     policy: str = "per_sequence", **kwargs):
             if method not in METHODS:
                 raise Error(f"Rho1Trainer: method must be one of {', '.join(METHODS)}; got {method!r}")
             if attention not in ("kept_only", "exact_query"):
@@ -216,6 +219,8 @@ if _Trainer is not None:
             if method != "regular" and reference_model is None:
                 raise Error("Rho1Trainer: RHO-1 selection needs a reference_model (trained on the curated data); "
                             "use method='regular' to train on every token")
+            if policy not in ("per_sequence", "batch_topk"):
+                raise Error(f"Rho1Trainer: policy must be per_sequence or batch_topk; got {policy!r}")
             if not 0.0 <= float(filter_ratio) < 1.0:
                 raise Error(f"Rho1Trainer: filter_ratio {filter_ratio} is outside [0, 1): it is the fraction dropped")
             super().__init__(*args, **kwargs)
@@ -231,6 +236,7 @@ if _Trainer is not None:
             self.attention = attention
             self.loss_form = loss
             self.align = int(align)
+            self.policy = policy
             # The loss is the mean over this micro-batch's kept tokens: let Trainer divide it by
             # the gradient-accumulation steps (it skips that when the model takes num_items_in_batch).
             self.model_accepts_loss_kwargs = False
@@ -245,8 +251,8 @@ if _Trainer is not None:
                 labels = input_ids
             mask = inputs.get("attention_mask")
             if mask is not None and not bool(mask.bool().all()):
-                raise Error("Rho1Trainer: the batch has padding (attention_mask with zeros); Collider's per_sequence "
-                            "selection needs packed sequences of equal length (every row the same kept count)")
+                raise Error("Rho1Trainer: the batch has padding (attention_mask with zeros); train on packed "
+                            "sequences of equal length (windows of the token stream, as the example does)")
             training = model.training and torch.is_grad_enabled()
             if training and self.method == "collider" and self.collider_plan is None:
                 self.collider_plan = trace_plan(model, loss=self.loss_form)  # once, before the first step
@@ -262,7 +268,7 @@ if _Trainer is not None:
                 if next(reference.parameters()).device != logits.device:
                     reference.to(logits.device)
                 scores = _token_scores(model_losses, reference, input_ids, labels)
-                keep = _collider.select_tokens(scores, self.filter_ratio, policy="per_sequence", align=self.align,
+                keep = _collider.select_tokens(scores, self.filter_ratio, policy=self.policy, align=self.align,
                                                valid=valid)
             loss = training_loss(model, input_ids, labels, keep, loss=self.loss_form, logits=logits)
             if training:

@@ -100,6 +100,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("batch", &collider::FilterStats::batch)
       .def_readonly("seq_len", &collider::FilterStats::seq_len)
       .def_readonly("kept", &collider::FilterStats::kept)
+      .def_readonly("kept_total", &collider::FilterStats::kept_total)
+      .def_readonly("kept_min", &collider::FilterStats::kept_min)
+      .def_readonly("kept_max", &collider::FilterStats::kept_max)
       .def_readonly("rewrite_ms", &collider::FilterStats::rewrite_ms)
       .def_readonly("gather_ms", &collider::FilterStats::gather_ms);
 

@@ -153,3 +153,24 @@ def test_mask_backward_matches_filter_backward():
         collider.mask_backward(loss, keep, plan, attention=attention)
         loss.backward()
         assert max_rel_diff(got, grads(model)) <= TOL
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ragged_batch_topk_matches_oracle(family, attn):
+    """RHO-1's own batch_topk selection: rows keep different counts (one row keeps none)."""
+    model = model_for(family, attn)
+    plan = plan_for(family, attn, "per_token")
+    gen = torch.Generator().manual_seed(17)
+    ids = torch.randint(0, 128, (3, T), generator=gen)
+    scores = torch.rand(3, T, generator=gen)
+    scores[1] -= 2.0  # row 1 scores lowest: it keeps nothing at filter_ratio 0.6
+    scores[2] += torch.linspace(0, 1, T)  # row 2 keeps more than row 0
+    keep = collider.select_tokens(scores, 0.6, policy="batch_topk", valid=chf.keep_mask_from_labels(ids))
+    counts = keep.sum(1).tolist()
+    assert counts[1] == 0 and counts[0] != counts[2], counts
+    for attention in ("kept_only", "exact_query"):
+        got, _, stats = collider_grads(model, plan, "per_token", ids, keep, attention)
+        assert (stats.kept_min, stats.kept_max, stats.kept_total) == (0, max(counts), sum(counts))
+        ref, _ = oracle_grads(model, "per_token", ids, keep, attention)
+        assert max_rel_diff(got, ref) <= TOL, attention

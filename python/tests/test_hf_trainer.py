@@ -67,11 +67,11 @@ def run_one_step(tmp_path, monkeypatch, **trainer_kwargs):
     return trainer, model, reference, events, seen
 
 
-def expected_keep(model_params, model, reference, ids, filter_ratio):
+def expected_keep(model_params, model, reference, ids, filter_ratio, policy):
     with torch.no_grad():
         mine = chf.token_losses(model(input_ids=ids, use_cache=False).logits, ids)
         ref = chf.token_losses(reference(input_ids=ids, use_cache=False).logits, ids)
-    return collider.select_tokens(mine - ref, filter_ratio, valid=chf.keep_mask_from_labels(ids))
+    return collider.select_tokens(mine - ref, filter_ratio, policy=policy, valid=chf.keep_mask_from_labels(ids))
 
 
 def reference_grads(model, params, ids, keep, loss_form, attention):
@@ -88,18 +88,23 @@ def reference_grads(model, params, ids, keep, loss_form, attention):
         return dict(zip(names, torch.autograd.grad(loss, list(model.parameters()))))
 
 
-@pytest.mark.parametrize("loss_form, attention", [("labels", "kept_only"), ("per_token", "exact_query"),
-                                                  ("labels", "exact_query")])
-def test_trainer_step_runs_collider_before_backward(tmp_path, monkeypatch, loss_form, attention):
+@pytest.mark.parametrize("loss_form, attention, policy", [("labels", "kept_only", "per_sequence"),
+                                                          ("per_token", "exact_query", "per_sequence"),
+                                                          ("labels", "exact_query", "batch_topk")])
+def test_trainer_step_runs_collider_before_backward(tmp_path, monkeypatch, loss_form, attention, policy):
     trainer, model, reference, events, seen = run_one_step(tmp_path, monkeypatch, filter_ratio=0.5,
-                                                           attention=attention, loss=loss_form)
+                                                           attention=attention, loss=loss_form, policy=policy)
     assert [e[0] for e in events] == ["filter_backward", "backward"], events
     filtered, backpropagated = events[0][1], events[1][1]
     # Trainer divides by the accumulation steps: the backward's loss is the filtered one or one op on top of it
     assert backpropagated is filtered or any(e[0] is not None and e[0] is filtered.grad_fn
                                              for e in backpropagated.grad_fn.next_functions)
     stats = trainer.last_filter_stats
-    assert stats.kept == collider.kept_count(T - 1, 0.5) and stats.batch == B and stats.tensors_gathered > 0
+    assert stats.batch == B and stats.tensors_gathered > 0
+    if policy == "per_sequence":
+        assert stats.kept == collider.kept_count(T - 1, 0.5) and stats.kept_total == B * stats.kept
+    else:
+        assert stats.kept_total == int(trainer.last_keep_mask.sum())
     ids = seen["input_ids"]
     keep = trainer.last_keep_mask
     # the keep mask is RHO-1's: per_sequence top excess loss against the reference model
@@ -107,7 +112,7 @@ def test_trainer_step_runs_collider_before_backward(tmp_path, monkeypatch, loss_
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(seen["params"][n])
-    assert torch.equal(keep, expected_keep(seen["params"], model, reference, ids, 0.5))
+    assert torch.equal(keep, expected_keep(seen["params"], model, reference, ids, 0.5, policy))
     ref = reference_grads(model, seen["params"], ids, keep, loss_form, attention)
     assert max_rel_diff(seen["grads"], ref) <= 1e-4
     # and the step changed the weights
@@ -131,5 +136,7 @@ def test_trainer_argument_checks(tmp_path):
         chf.Rho1Trainer(model=model, args=args, train_dataset=Windows(3))
     with pytest.raises(collider.Error, match="attention"):
         chf.Rho1Trainer(model=model, args=args, train_dataset=Windows(3), reference_model=model, attention="all")
+    with pytest.raises(collider.Error, match="policy"):
+        chf.Rho1Trainer(model=model, args=args, train_dataset=Windows(3), reference_model=model, policy="top")
     with pytest.raises(collider.Error, match="filter_ratio"):
         chf.Rho1Trainer(model=model, args=args, train_dataset=Windows(3), reference_model=model, filter_ratio=1.5)
