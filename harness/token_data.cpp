@@ -71,35 +71,12 @@ T read_le(const uint8_t* p) {
   return v;
 }
 
-void write_all(int fd, const void* data, size_t n, const std::string& path) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (n > 0) {
-    const ssize_t w = ::write(fd, p, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      throw std::runtime_error(fmt::format("write to '{}' failed: {}", path, std::strerror(errno)));
-    }
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-}
-
-// Writes header + payload to path.tmp, fsyncs, renames onto path.
+// Header + payload through fsutil's atomic writer (temporary name, fsync, rename): two processes
+// writing the same shard or reference losses never interleave, and a reader never sees half a file.
 void write_atomically(const std::string& path, const std::vector<uint8_t>& header, const void* payload,
                       size_t payload_bytes) {
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw std::runtime_error(fmt::format("cannot create '{}': {}", tmp, std::strerror(errno)));
-  try {
-    write_all(fd, header.data(), header.size(), tmp);
-    write_all(fd, payload, payload_bytes, tmp);
-    ::fsync(fd);
-  } catch (...) {
-    ::close(fd);
-    throw;
-  }
-  ::close(fd);
-  fsutil::rename_path(tmp, path);
+  fsutil::write_file_atomic(path, {std::string_view(reinterpret_cast<const char*>(header.data()), header.size()),
+                                   std::string_view(static_cast<const char*>(payload), payload_bytes)});
 }
 
 template <typename T>
