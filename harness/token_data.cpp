@@ -189,7 +189,10 @@ TokenShard::TokenShard(const std::string& path) : path_(path) {
   header_.eos_id = read_le<uint32_t>(base_ + 28);
   if (header_.version != 1) fail(fmt::format("version {} (this build reads 1)", header_.version));
   if (header_.token_bytes != 2 && header_.token_bytes != 4) fail(fmt::format("{} bytes per token", header_.token_bytes));
-  if (map_bytes_ != kShardHeaderBytes + header_.num_tokens * header_.token_bytes) {
+  // Compared by division: a corrupt token count must not overflow the product (found by
+  // fuzz/fuzz_tokens.cpp; tests/fuzz_regressions/tokens/).
+  const uint64_t payload = map_bytes_ - kShardHeaderBytes;
+  if (payload % header_.token_bytes != 0 || payload / header_.token_bytes != header_.num_tokens) {
     fail(fmt::format("{} bytes on disk but the header says {} tokens of {} bytes", map_bytes_, header_.num_tokens,
                      header_.token_bytes));
   }
@@ -297,7 +300,14 @@ RefLosses::RefLosses(const std::string& path) : path_(path) {
   T_ = read_le<uint32_t>(base_ + 12);
   W_ = static_cast<int64_t>(read_le<uint64_t>(base_ + 16));
   shard_tokens_ = static_cast<int64_t>(read_le<uint64_t>(base_ + 24));
-  if (map_bytes_ != kRefHeaderBytes + static_cast<size_t>(W_ * T_) * sizeof(float)) fail("size disagrees with header");
+  if (T_ < 1) fail("window length 0 in the header");
+  // W * T * 4 bytes of losses, compared by division: a corrupt W must not overflow the product
+  // (found by fuzz/fuzz_tokens.cpp; tests/fuzz_regressions/tokens/).
+  const uint64_t row_bytes = static_cast<uint64_t>(T_) * sizeof(float), payload = map_bytes_ - kRefHeaderBytes;
+  if (payload % row_bytes != 0 || payload / row_bytes != read_le<uint64_t>(base_ + 16)) {
+    fail(fmt::format("{} bytes on disk but the header says {} windows of {} losses", map_bytes_,
+                     read_le<uint64_t>(base_ + 16), T_));
+  }
 }
 
 RefLosses::~RefLosses() {

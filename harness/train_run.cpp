@@ -99,6 +99,10 @@ class Loader {
     const std::string tbl = key.substr(0, dot), leaf = key.substr(dot + 1);
     if (!root.contains(tbl)) root.insert(tbl, toml::table{});
     auto* t = root[tbl].as_table();
+    if (t == nullptr) {
+      throw ManifestError(fmt::format("{}: --set '{}': '{}' is not a table in the manifest (write it as [{}])", path_,
+                                      arg, tbl, tbl));
+    }
     t->insert_or_assign(leaf, *parse_set_value(text).get("v"));
     echo.push_back(fmt::format("override {} = {} (from --set)", key, text));
   }
