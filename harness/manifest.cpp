@@ -382,6 +382,13 @@ class Loader {
     for (size_t i = 0; i < excludes_.size(); ++i) {
       if (hits[i] == 0) m_.notes.push_back(fmt::format("{} matches no point (a typo?)", excludes_[i].where));
     }
+    // A run with nothing to do is a mistake in the manifest, not a success (found by
+    // fuzz/fuzz_manifest.cpp; tests/fuzz_regressions/manifest/).
+    if (m_.points.empty()) {
+      throw ManifestError(fmt::format("{}: [[exclude]] removes all {} points of the axes; nothing would run (narrow "
+                                      "an exclusion or widen the axes)",
+                                      path_, m_.num_expanded));
+    }
   }
 
   static bool matches(const Exclude& e, const Point& p) {

@@ -3,6 +3,7 @@
 
 #include "harness/fsutil.h"
 #include "harness/memory.h"
+#include "harness/run_lock.h"
 #include "harness/timer.h"
 #include "harness/train_step.h"
 #include "models/flops.h"
@@ -375,7 +376,13 @@ SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
   const bool writer = dist == nullptr || dist->rank() == 0;  // only rank 0 touches files
   const std::string results_path = fsutil::join(opts.out_dir, "results.jsonl");
   sum.results_path = results_path;
-  if (writer) fsutil::make_dirs(opts.out_dir);
+  // Rank 0 alone writes the directory, so rank 0 alone locks it; a refusal ends it before any
+  // compute, and the other ranks fail at the next collective when it exits.
+  RunDirLock dir_lock;
+  if (writer) {
+    fsutil::make_dirs(opts.out_dir);
+    dir_lock = RunDirLock::acquire(opts.out_dir);
+  }
 
   ExistingResults existing;
   if (writer) existing = read_results(results_path, /*repair=*/opts.resume);
@@ -394,7 +401,7 @@ SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
       log << "resume: the resolved manifest differs from the one saved in " << resolved_path
           << "; the new one replaces it (rows keep their own settings)\n";
     }
-    fsutil::write_file(resolved_path, m.resolved_toml);
+    fsutil::write_file_atomic(resolved_path, m.resolved_toml);
   }
   // Which points to skip (--resume) is rank 0's decision: every rank must run the same points.
   std::vector<bool> skip(m.points.size(), false);
@@ -425,7 +432,7 @@ SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
       env["world_size"] = dist->world_size();
       env["distributed_backend"] = dist->backend();
     }
-    fsutil::write_file(fsutil::join(opts.out_dir, env_name), env.dump(2) + "\n");
+    fsutil::write_file_atomic(fsutil::join(opts.out_dir, env_name), env.dump(2) + "\n");
   }
 
   std::unique_ptr<TraceWriter> trace;

@@ -23,9 +23,10 @@ JOBS=${COLLIDER_JOBS:-$(nproc)}
 say() { echo "[bootstrap] $*"; }
 
 # 1. Debian packages the build needs.
+# clang + libclang-rt-14-dev: libFuzzer and the sanitizer runtimes of scripts/fuzz.sh.
 APT_PKGS=(g++ cmake ninja-build python3-venv python3-dev libtomlplusplus-dev nlohmann-json3-dev
           libgtest-dev libgmock-dev libbenchmark-dev ccache libgloo-dev
-          libsentencepiece-dev)
+          libsentencepiece-dev clang libclang-rt-14-dev)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -38,7 +38,7 @@ class Utility : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new testing::TempDir("utility");
-    status_ = testing::prepare_sample_data(data(), *dir_ / "prepare.log");
+    status_ = testing::prepare_sample_data(data(), *dir_ / "prepare.log");  // shared, read only
   }
   static void TearDownTestSuite() {
     delete dir_;
@@ -50,7 +50,7 @@ class Utility : public ::testing::Test {
     }
     ASSERT_EQ(status_, 0) << "prepare_data.sh --sample failed:\n" << read_file(*dir_ / "prepare.log");
   }
-  static std::string data() { return *dir_ / "data"; }
+  static std::string data() { return testing::shared_sample_dir(); }
   static nlohmann::json meta() { return nlohmann::json::parse(read_file(join(data(), "meta.json"))); }
 
   static testing::TempDir* dir_;

@@ -150,7 +150,10 @@ Plan Plan::from_string(const std::string& text) {
       ins.shape = parse_shape(in, line_no);
       d.inserts.push_back(std::move(ins));
     } else if (tag == "blocker") {
-      d.exact_query_blocker = line.substr(8);
+      std::string why;
+      std::getline(in >> std::ws, why);  // the rest of the line (a bare "blocker" has none)
+      if (why.empty()) throw Error(fmt::format("Plan::from_string: line {}: blocker without its reason", line_no));
+      d.exact_query_blocker = why;
     } else {
       throw Error(fmt::format("Plan::from_string: line {}: unknown record '{}'", line_no, tag));
     }
