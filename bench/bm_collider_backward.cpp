@@ -1,5 +1,5 @@
-// Collider's backward vs regular and loss_only, measured side by side in one process (issue 3's
-// benchmark). For each model and T: regular, loss_only, collider kept_only, collider exact_query
+// Collider's backward vs regular and loss_only, measured side by side in one process (the
+// backward benchmark of results/README.md). For each model and T: regular, loss_only, collider kept_only, collider exact_query
 // and the T' floor (regular on a batch of T' = N tokens) run interleaved, repetition by
 // repetition, so machine drift hits all methods alike; medians are reported with the FLOP ideal
 // (1 - analytic backward FLOPs / regular's), the rewrite overhead and the live-tensor peak.
@@ -10,9 +10,16 @@
 //   build/bench/bm_collider_backward [--models tinyllama-mini,qwen2.5-mini,phi-1.5-mini]
 //       [--seq 512,1024] [--ratio 0.4] [--batch 1] [--reps 7] [--warmup 2] [--json FILE]
 //       [--device cpu|cuda] [--bf16]
+//       [--selection batch_topk --data DIR --ref-losses FILE]   ragged kept counts (RHO-1)
+// --selection batch_topk: the batch is real text (DIR/mix_train.bin of scripts/prepare_data.sh)
+// scored by excess loss against stored reference losses (the *.reflosses.f32 file the utility
+// experiment's reference stage writes under DIR/reference/); Collider then runs with the ragged batch_topk mask and
+// with per-sequence masks of the same total kept count, interleaved with the rest; each ragged
+// point is reported against its own FLOP ideal (counted row by row on the actual counts).
 // CPU timings are relative figures only (DESIGN.md section 7); absolute times count on a GPU
 // (there: --device cuda --bf16, timed with device synchronisation around each backward).
 #include "harness/memory.h"
+#include "harness/token_data.h"
 #include "harness/train_step.h"
 #include "models/flops.h"
 #include "models/model.h"
@@ -46,6 +53,8 @@ struct Options {
   std::string json;
   std::string device = "cpu";
   bool bf16 = false;
+  std::string selection = "per_sequence";  // or batch_topk (needs data)
+  std::string data, ref_losses;
 };
 
 std::vector<std::string> split(const std::string& s) {
@@ -73,7 +82,17 @@ Options parse(int argc, char** argv) {
     else if (a == "--json") o.json = next();
     else if (a == "--device") o.device = next();
     else if (a == "--bf16") o.bf16 = true;
+    else if (a == "--selection") o.selection = next();
+    else if (a == "--data") o.data = next();
+    else if (a == "--ref-losses") o.ref_losses = next();
     else throw std::invalid_argument("unknown option " + a + " (see the header of bench/bm_collider_backward.cpp)");
+  }
+  if (o.selection != "per_sequence" && o.selection != "batch_topk") {
+    throw std::invalid_argument("--selection must be per_sequence or batch_topk, got " + o.selection);
+  }
+  if (o.selection == "batch_topk" && (o.data.empty() || o.ref_losses.empty())) {
+    throw std::invalid_argument("--selection batch_topk needs --data DIR (scripts/prepare_data.sh's output) and "
+                                "--ref-losses FILE (a *.reflosses.f32 of the utility experiment's reference stage)");
   }
   return o;
 }
@@ -94,7 +113,7 @@ struct Sample {
   int64_t peak_bytes = 0, gathered_bytes = 0, tensors_gathered = 0;
 };
 
-enum class Kind { kRegular, kLossOnly, kKeptOnly, kExactQuery, kFloor };
+enum class Kind { kRegular, kLossOnly, kKeptOnly, kExactQuery, kFloor, kRaggedKeptOnly, kRaggedExactQuery };
 const char* name_of(Kind k) {
   switch (k) {
     case Kind::kRegular: return "regular";
@@ -102,9 +121,15 @@ const char* name_of(Kind k) {
     case Kind::kKeptOnly: return "collider kept_only";
     case Kind::kExactQuery: return "collider exact_query";
     case Kind::kFloor: return "floor (regular at T')";
+    case Kind::kRaggedKeptOnly: return "ragged kept_only";
+    case Kind::kRaggedExactQuery: return "ragged exact_query";
   }
   return "?";
 }
+bool is_collider(Kind k) {
+  return k == Kind::kKeptOnly || k == Kind::kExactQuery || k == Kind::kRaggedKeptOnly || k == Kind::kRaggedExactQuery;
+}
+bool is_exact(Kind k) { return k == Kind::kExactQuery || k == Kind::kRaggedExactQuery; }
 
 // One forward + (rewrite) + backward; times the backward alone.
 void sync(const torch::Tensor& t) {
@@ -125,9 +150,9 @@ Sample run_once(collider::models::CausalLM& m, const collider::Plan& plan, Kind 
   }
   const bool dense_keep = kind == Kind::kRegular || kind == Kind::kFloor;
   auto loss = collider::models::masked_mean_loss(loss_BT, dense_keep ? torch::ones_like(keep) : keep);
-  if (kind == Kind::kKeptOnly || kind == Kind::kExactQuery) {
+  if (is_collider(kind)) {
     collider::FilterOptions opts;
-    opts.attention = kind == Kind::kKeptOnly ? AttentionGrad::kKeptOnly : AttentionGrad::kExactQuery;
+    opts.attention = is_exact(kind) ? AttentionGrad::kExactQuery : AttentionGrad::kKeptOnly;
     sync(idx);
     auto t0 = Clock::now();
     const auto stats = collider::filter_backward(loss, keep, plan, opts);
@@ -164,6 +189,42 @@ double cold_copy_ms(int64_t bytes, const torch::Device& dev) {
   return ms_since(t0);
 }
 
+// The first B windows of T tokens of the prepared training mixture, with the reference model's
+// per-token losses (stored per window of the utility experiment's length; consecutive windows
+// are consecutive positions, so T a multiple of it reads several in a row).
+collider::harness::Batch real_batch(const std::string& dir, const std::string& ref_path, int64_t B, int64_t T,
+                                    int64_t vocab) {
+  auto shard = std::make_shared<collider::harness::TokenShard>(dir + "/mix_train.bin");
+  collider::harness::RefLosses ref(ref_path);
+  if (ref.num_windows() * ref.seq_len() < B * T) {
+    throw std::invalid_argument("the reference losses cover " + std::to_string(ref.num_windows()) + " windows of " +
+                                std::to_string(ref.seq_len()) + ", fewer than B x T = " + std::to_string(B * T) +
+                                " positions");
+  }
+  const int64_t Tr = ref.seq_len();
+  if (T % Tr != 0) {
+    throw std::invalid_argument("--seq " + std::to_string(T) + " must be a multiple of the reference losses' window " +
+                                std::to_string(Tr));
+  }
+  if (static_cast<int64_t>(shard->header().vocab_size) > vocab) {
+    throw std::invalid_argument("the data's vocabulary (" + std::to_string(shard->header().vocab_size) +
+                                ") is larger than the model's (" + std::to_string(vocab) + ")");
+  }
+  collider::harness::Batch b;
+  std::vector<torch::Tensor> ids, refs;
+  for (int64_t r = 0; r < B; ++r) {
+    ids.push_back(shard->slice(r * T, T + 1));
+    std::vector<int64_t> w;
+    for (int64_t j = 0; j < T / Tr; ++j) w.push_back(r * (T / Tr) + j);
+    refs.push_back(ref.rows(w).reshape({T}));
+  }
+  auto all = torch::stack(ids);
+  b.input_ids_BT = all.narrow(1, 0, T).contiguous();
+  b.labels_BT = all.narrow(1, 1, T).contiguous();
+  b.ref_loss_BT = torch::stack(refs);
+  return b;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -196,15 +257,39 @@ int main(int argc, char** argv) try {
       auto idx = torch::randint(cfg.vocab_size, {o.batch, T}).to(dev);
       auto labels = torch::randint(cfg.vocab_size, {o.batch, T}).to(dev);
       auto keep = collider::select_tokens(torch::rand({o.batch, T}), o.ratio).to(dev);
+      torch::Tensor keep_ragged;  // batch_topk on real excess losses
+      if (o.selection == "batch_topk") {
+        auto real = real_batch(o.data, o.ref_losses, o.batch, T, cfg.vocab_size);
+        idx = real.input_ids_BT.to(dev);
+        labels = real.labels_BT.to(dev);
+        torch::Tensor model_loss_BT;
+        {
+          torch::NoGradGuard no_grad;
+          model_loss_BT = collider::models::token_losses(m->forward(idx), labels).cpu();
+        }
+        auto excess_BT = collider::excess_loss(model_loss_BT, *real.ref_loss_BT);
+        collider::SelectOptions per_row, batch;
+        per_row.align = 1;  // the same total kept count as batch_topk (no rounding to 8)
+        batch.policy = collider::SelectPolicy::kBatchTopK;
+        keep = collider::select_tokens(excess_BT, o.ratio, per_row).to(dev);
+        keep_ragged = collider::select_tokens(excess_BT, o.ratio, batch).to(dev);
+      }
       const int64_t N = keep.sum(1)[0].item<int64_t>();
       auto idx_N = idx.narrow(1, 0, N), labels_N = labels.narrow(1, 0, N), keep_N = torch::ones({o.batch, N}, keep.options());
-      const std::vector<Kind> kinds = {Kind::kRegular, Kind::kLossOnly, Kind::kKeptOnly, Kind::kExactQuery, Kind::kFloor};
+      std::vector<Kind> kinds = {Kind::kRegular, Kind::kLossOnly, Kind::kKeptOnly, Kind::kExactQuery, Kind::kFloor};
+      if (keep_ragged.defined()) kinds.insert(kinds.end(), {Kind::kRaggedKeptOnly, Kind::kRaggedExactQuery});
+      std::vector<int64_t> ragged_rows;
+      if (keep_ragged.defined()) {
+        auto c = keep_ragged.sum(1).cpu();
+        ragged_rows.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+      }
       std::map<Kind, std::vector<Sample>> samples;
       for (int r = 0; r < o.warmup + o.reps; ++r) {
         for (Kind k : kinds) {
+          const bool ragged = k == Kind::kRaggedKeptOnly || k == Kind::kRaggedExactQuery;
           Sample s = k == Kind::kFloor ? run_once(m, plan, k, idx_N, labels_N, keep_N, mem, o.bf16)
-                                       : run_once(m, plan, k, idx, labels, keep, mem, o.bf16);
-          if (k == Kind::kKeptOnly || k == Kind::kExactQuery) s.copy_ms = cold_copy_ms(s.gathered_bytes, dev);
+                                       : run_once(m, plan, k, idx, labels, ragged ? keep_ragged : keep, mem, o.bf16);
+          if (is_collider(k)) s.copy_ms = cold_copy_ms(s.gathered_bytes, dev);
           if (r >= o.warmup) samples[k].push_back(s);
         }
       }
@@ -212,6 +297,15 @@ int main(int argc, char** argv) try {
       const double f_dense = collider::models::backward_flops(cfg, o.batch, T, T, BackwardMode::kDense).total();
       const double ideal_kept = 1 - collider::models::backward_flops(cfg, o.batch, T, N, BackwardMode::kKeptOnly).total() / f_dense;
       const double ideal_exact = 1 - collider::models::backward_flops(cfg, o.batch, T, N, BackwardMode::kExactQuery).total() / f_dense;
+      // Ragged rows: the FLOP ideal on the actual counts, row by row.
+      auto ragged_ideal = [&](BackwardMode mode) {
+        double f = 0;
+        for (int64_t n : ragged_rows)
+          if (n > 0) f += collider::models::backward_flops(cfg, 1, T, n, mode).total();
+        return 1 - f / f_dense;
+      };
+      const double ideal_ragged_kept = ragged_rows.empty() ? 0.0 : ragged_ideal(BackwardMode::kKeptOnly);
+      const double ideal_ragged_exact = ragged_rows.empty() ? 0.0 : ragged_ideal(BackwardMode::kExactQuery);
       auto med = [&](Kind k, double Sample::*f) {
         std::vector<double> v;
         for (const auto& s : samples[k]) v.push_back(s.*f);
@@ -225,18 +319,34 @@ int main(int argc, char** argv) try {
       const double reg = med(Kind::kRegular, &Sample::bwd_ms), floor_ms = med(Kind::kFloor, &Sample::bwd_ms);
       std::printf("\n%s  T=%ld  T'=%ld  attention/linear FLOPs %.3f\n", name.c_str(), static_cast<long>(T),
                   static_cast<long>(N), collider::models::attention_linear_ratio(cfg, T));
+      if (!ragged_rows.empty()) {
+        std::string c;
+        int64_t total = 0;
+        for (int64_t n : ragged_rows) c += (c.empty() ? "" : ", ") + std::to_string(n), total += n;
+        std::printf("  batch_topk on real excess losses keeps %ld tokens, per row [%s] (padded to %ld); per_sequence "
+                    "keeps %ld (%ld per row)\n", static_cast<long>(total), c.c_str(),
+                    static_cast<long>(*std::max_element(ragged_rows.begin(), ragged_rows.end())),
+                    static_cast<long>(N * o.batch), static_cast<long>(N));
+      }
       std::printf("  %-24s %9s %10s %8s %9s %10s %8s %9s %10s\n", "method", "bwd_ms", "reduction", "ideal", "of ideal",
                   "rewrite%", "rw/reg%", "vs floor", "peak_MiB");
       for (Kind k : kinds) {
         const double b = med(k, &Sample::bwd_ms), rw = med(k, &Sample::rewrite_ms);
         const double red = 1 - (b + rw) / reg;  // the rewrite is part of collider's backward cost
-        const double ideal = k == Kind::kKeptOnly ? ideal_kept : k == Kind::kExactQuery ? ideal_exact : 0.0;
-        const bool collider_kind = k == Kind::kKeptOnly || k == Kind::kExactQuery;
+        const double ideal = k == Kind::kKeptOnly           ? ideal_kept
+                             : k == Kind::kExactQuery       ? ideal_exact
+                             : k == Kind::kRaggedKeptOnly   ? ideal_ragged_kept
+                             : k == Kind::kRaggedExactQuery ? ideal_ragged_exact
+                                                            : 0.0;
+        const bool collider_kind = is_collider(k);
         std::printf("  %-24s %9.2f %9.1f%% %7.1f%% %9s %9.2f%% %7.2f%% %8.2fx %10.1f\n", name_of(k), b, 100 * red,
                     100 * ideal, collider_kind ? std::to_string(red / ideal).substr(0, 5).c_str() : "-", 100 * rw / b,
                     100 * rw / reg, (b + rw) / floor_ms, peak(k) / 1048576.0);
         rows.push_back({{"model", name}, {"seq_len", T}, {"batch_size", o.batch}, {"filter_ratio", o.ratio},
                         {"kept", N}, {"method", name_of(k)}, {"bwd_ms", b}, {"rewrite_ms", rw},
+                        {"selection", k == Kind::kRaggedKeptOnly || k == Kind::kRaggedExactQuery ? "batch_topk" : "per_sequence"},
+                        {"kept_per_row", k == Kind::kRaggedKeptOnly || k == Kind::kRaggedExactQuery ? ragged_rows
+                                                                                                  : std::vector<int64_t>(o.batch, N)},
                         {"gather_ms", med(k, &Sample::gather_ms)}, {"gathered_bytes", samples[k].front().gathered_bytes},
                         {"tensors_gathered", samples[k].front().tensors_gathered},
                         {"reduction", red}, {"ideal", ideal}, {"floor_ms", floor_ms}, {"peak_mem_bytes", peak(k)},
@@ -248,7 +358,8 @@ int main(int argc, char** argv) try {
       }
       // Where the rewrite's time goes: copies (bandwidth) vs the graph walk and bookkeeping, and
       // what a plain copy of the same bytes costs here (the floor of a copying rewrite).
-      for (Kind k : {Kind::kKeptOnly, Kind::kExactQuery}) {
+      for (Kind k : kinds) {
+        if (!is_collider(k)) continue;
         const double rw = med(k, &Sample::rewrite_ms), g = med(k, &Sample::gather_ms);
         const int64_t bytes = samples[k].front().gathered_bytes;
         const double copy_ms = med(k, &Sample::copy_ms), b = med(k, &Sample::bwd_ms);

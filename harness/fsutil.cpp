@@ -1,7 +1,10 @@
 // POSIX file-system helpers (fsutil.h).
 #include "harness/fsutil.h"
 
+#include "harness/fault.h"
+
 #include <dirent.h>
+#include <fcntl.h>
 #include <ftw.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -85,10 +88,74 @@ std::string read_file(const std::string& path) {
 }
 
 void write_file(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw std::runtime_error("cannot write '" + path + "'");
-  out << text;
-  if (!out) throw std::runtime_error("write to '" + path + "' failed (disk full?)");
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    const int e = errno;
+    throw WriteError("cannot write '" + path + "': " + std::strerror(e), e);
+  }
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int e = n < 0 ? errno : ENOSPC;
+      ::close(fd);
+      throw WriteError("cannot write '" + path + "': " + std::strerror(e), e);
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::close(fd) != 0) {
+    const int e = errno;
+    throw WriteError("cannot write '" + path + "': " + std::strerror(e), e);
+  }
+}
+
+std::string parent_dir(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+void sync_directory(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+
+void write_file_atomic(const std::string& path, std::initializer_list<std::string_view> pieces) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  auto fail = [&](int e, int fd) {
+    if (fd >= 0) ::close(fd);
+    ::unlink(tmp.c_str());
+    throw WriteError(std::string("cannot write '") + path + "': " + std::strerror(e) + " (while writing '" + tmp +
+                         "'; the previous version of the file, if any, is unchanged)",
+                     e);
+  };
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail(errno, -1);
+  size_t total = 0, written = 0;
+  for (auto p : pieces) total += p.size();
+  // Tests (COLLIDER_FAULT_AT names the current fault::Scope): stop half-way through the temporary file.
+  const char* scope = fault::current_scope();
+  if (scope != nullptr && !fault::armed(scope)) scope = nullptr;
+  for (auto p : pieces) {
+    size_t done = 0;
+    while (done < p.size()) {
+      size_t chunk = p.size() - done;
+      if (scope != nullptr && written < total / 2 && written + chunk > total / 2) chunk = total / 2 - written;
+      const ssize_t n = ::write(fd, p.data() + done, chunk);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) fail(n < 0 ? errno : ENOSPC, fd);
+      done += static_cast<size_t>(n);
+      written += static_cast<size_t>(n);
+      if (scope != nullptr && written == total / 2) fault::hit(scope);
+    }
+  }
+  if (::fsync(fd) != 0) fail(errno, fd);
+  if (::close(fd) != 0) fail(errno, -1);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) fail(errno, -1);
+  sync_directory(parent_dir(path));
 }
 
 }  // namespace collider::harness::fsutil

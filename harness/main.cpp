@@ -2,10 +2,15 @@
 // harness/cli.cpp (models, run) and harness/score.cpp (score). Run `build/collider --help`.
 #include "harness/cli.h"
 
+#include <signal.h>
+
 #include <string>
 #include <vector>
 
 int main(int argc, char** argv) {
+  // Past a file size limit (ulimit -f) write(2) then fails with EFBIG, which the writers report
+  // with the file's name, instead of the default SIGXFSZ killing the run with a core dump.
+  ::signal(SIGXFSZ, SIG_IGN);
   std::vector<std::string> args(argv + 1, argv + argc);
   return collider::harness::cli_main(args);
 }

@@ -337,16 +337,8 @@ class Loader {
     check_unique("axes.method", axes_.method);
     check_unique("axes.attention_grad", axes_.attention_grad);
 
-    bool filtering = false, needs_equal_rows = false;
-    for (const auto& m : axes_.method) {
-      filtering |= m != "regular";
-      needs_equal_rows |= m == "collider" || m == "masked";
-    }
-    if (needs_equal_rows && r.policy != "per_sequence") {
-      throw ManifestError(fmt::format("{}: key 'run.policy' = \"{}\" cannot run methods collider/masked (they need "
-                                      "the same kept count per row); allowed with them: per_sequence",
-                                      src("run.policy"), r.policy));
-    }
+    bool filtering = false;
+    for (const auto& m : axes_.method) filtering |= m != "regular";
     if (filtering) {
       const int64_t align = r.policy == "per_sequence" ? r.align : 1;
       for (int64_t T : axes_.seq_len) {
@@ -389,6 +381,13 @@ class Loader {
             }
     for (size_t i = 0; i < excludes_.size(); ++i) {
       if (hits[i] == 0) m_.notes.push_back(fmt::format("{} matches no point (a typo?)", excludes_[i].where));
+    }
+    // A run with nothing to do is a mistake in the manifest, not a success (found by
+    // fuzz/fuzz_manifest.cpp; tests/fuzz_regressions/manifest/).
+    if (m_.points.empty()) {
+      throw ManifestError(fmt::format("{}: [[exclude]] removes all {} points of the axes; nothing would run (narrow "
+                                      "an exclusion or widen the axes)",
+                                      path_, m_.num_expanded));
     }
   }
 

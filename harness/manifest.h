@@ -43,7 +43,7 @@ struct RunSettings {
   int64_t threads = 0;          // torch intra-op threads; 0 = torch's default
   double lr = 3e-4, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, grad_clip = 1.0;
   int64_t align = 8;
-  std::string policy = "per_sequence";  // per_sequence | batch_topk (loss_only only)
+  std::string policy = "per_sequence";  // per_sequence | batch_topk (RHO-1: ragged rows, every method)
   std::string score = "self";           // self | random
   std::string attention_impl = "eager"; // eager | sdpa
   bool layer_timing = true;             // per-layer marker timings in every row

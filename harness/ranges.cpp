@@ -65,14 +65,7 @@ void TraceWriter::write() const {
   nlohmann::json doc = {{"traceEvents", events},
                         {"displayTimeUnit", "ms"},
                         {"otherData", {{"producer", "collider run --trace"}, {"clock", "host steady_clock"}}}};
-  const std::string tmp = path_ + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    if (!out) throw std::runtime_error("trace: cannot write '" + tmp + "'; check that the directory exists");
-    out << doc.dump() << "\n";
-    if (!out) throw std::runtime_error("trace: write to '" + tmp + "' failed (disk full?)");
-  }
-  fsutil::rename_path(tmp, path_);
+  fsutil::write_file_atomic(path_, doc.dump() + "\n");  // throws WriteError naming the file and errno
 }
 
 uint64_t RangeRecorder::begin(const std::string& name) {

@@ -1,11 +1,15 @@
 // Result rows: schema, JSONL writer/reader, provenance (results.h).
 #include "harness/results.h"
 
+#include "harness/fault.h"
+#include "harness/fsutil.h"
 #include "harness/memory.h"
 #include "harness/ranges.h"
 
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/headeronly/version.h>
+
+#include <fmt/format.h>
 
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -132,18 +136,40 @@ JsonlWriter::~JsonlWriter() {
 
 void JsonlWriter::append(const nlohmann::json& row) {
   // One buffer, one write: with O_APPEND a reader never sees half of a row from a finished
-  // write, and a kill leaves at worst one torn last line (which read_results cuts).
+  // write, and a kill leaves at worst one torn last line (which read_results cuts). A failed or
+  // short write (no space, file size limit) is cut back to the previous end, so the file keeps
+  // whole lines only, and ends the run with the file's name and the errno text.
   const std::string line = row.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
-  size_t done = 0;
-  while (done < line.size()) {
-    const ssize_t n = ::write(fd_, line.data() + done, line.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      throw std::runtime_error("results: write to '" + path_ + "' failed: " + std::strerror(errno));
+  struct stat st{};
+  if (::fstat(fd_, &st) != 0) {
+    const int e = errno;
+    throw fsutil::WriteError("results: cannot append to '" + path_ + "': " + std::strerror(e), e);
+  }
+  const off_t before = st.st_size;  // the run holds the directory's lock: no other writer appends
+  auto fail = [&](int e, size_t written) {
+    std::string what = "results: cannot append a row to '" + path_ + "': " + std::strerror(e);
+    if (written > 0 && ::ftruncate(fd_, before) != 0) {
+      what += fmt::format(" (and cutting the partial row back failed: {}; --resume cuts it)", std::strerror(errno));
+    } else {
+      what += "; the rows written so far are intact: free space, then --resume continues the run";
     }
+    throw fsutil::WriteError(what, e);
+  };
+  // Tests only (COLLIDER_FAULT_AT=row_append): write the first half alone and maybe die there.
+  size_t done = 0;
+  if (fault::armed("row_append")) {
+    const ssize_t n = ::write(fd_, line.data(), line.size() / 2);
+    if (n < 0) fail(errno, 0);
+    done = static_cast<size_t>(n);
+    fault::hit("row_append");
+  }
+  while (done < line.size()) {  // one write of the whole line; a loop only for a short write
+    const ssize_t n = ::write(fd_, line.data() + done, line.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) fail(n < 0 ? errno : ENOSPC, done);
     done += static_cast<size_t>(n);
   }
-  ::fsync(fd_);
+  if (::fsync(fd_) != 0) fail(errno, done);
 }
 
 ExistingResults read_results(const std::string& path, bool repair) {

@@ -3,6 +3,7 @@
 
 #include "harness/fsutil.h"
 #include "harness/memory.h"
+#include "harness/run_lock.h"
 #include "harness/timer.h"
 #include "harness/train_step.h"
 #include "models/flops.h"
@@ -147,6 +148,7 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
     int64_t allreduce_buckets = 0, buckets_overlapped = 0;
     bool trainer_overlaps = false;
     std::vector<int64_t> rank_tokens_kept;
+    std::vector<int64_t> kept_per_row;  // this rank's rows, last measured step
     std::vector<double> rank_loss;
     collider::FilterStats fstats;
     std::string timer_kind;
@@ -206,6 +208,7 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
           rank_loss = r.dist->rank_loss;
         }
         kept_per_seq = r.kept_per_seq;
+        kept_per_row = r.kept_per_row;
         fstats = r.filter;
         double step_layers_bwd = 0.0;
         for (const auto& l : r.layers) step_layers_bwd += l.bwd_ms;
@@ -272,10 +275,37 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
     }
     row["tokens_kept"] = tokens_kept;
     row["kept_per_seq"] = kept_per_seq;
-    const int64_t N = method == Method::kCollider ? kept_per_seq : p.seq_len;
-    const auto bwd_flops = models::backward_flops(cfg, p.batch_size, p.seq_len, N, backward_mode(method, ag));
+    // Kept counts of the rows (they differ under batch_topk), last measured step, this rank.
+    if (!kept_per_row.empty()) {
+      double sum = 0;
+      for (int64_t n : kept_per_row) sum += static_cast<double>(n);
+      row["kept_per_row"] = kept_per_row;
+      row["kept_per_row_min"] = *std::min_element(kept_per_row.begin(), kept_per_row.end());
+      row["kept_per_row_max"] = *std::max_element(kept_per_row.begin(), kept_per_row.end());
+      row["kept_per_row_mean"] = sum / static_cast<double>(kept_per_row.size());
+    }
+    // Collider's backward FLOPs on the actual kept counts, row by row (the FLOP ideal of ragged
+    // rows). Ragged rows are executed padded to the largest count (collider_core/src/token_index.cpp):
+    // flops_bwd_executed counts that padding; it equals flops_bwd with equal counts.
+    const auto mode = backward_mode(method, ag);
+    models::FlopCount bwd_flops{}, bwd_executed{};
+    if (method == Method::kCollider && !kept_per_row.empty()) {
+      for (int64_t n : kept_per_row) {
+        if (n == 0) continue;  // a row that keeps nothing has no backward
+        const auto f = models::backward_flops(cfg, 1, p.seq_len, n, mode);
+        bwd_flops.linear += f.linear;
+        bwd_flops.attention += f.attention;
+        bwd_flops.lm_head += f.lm_head;
+      }
+      bwd_executed = models::backward_flops(cfg, p.batch_size, p.seq_len,
+                                            *std::max_element(kept_per_row.begin(), kept_per_row.end()), mode);
+    } else {
+      const int64_t N = method == Method::kCollider ? kept_per_seq : p.seq_len;
+      bwd_flops = bwd_executed = models::backward_flops(cfg, p.batch_size, p.seq_len, N, mode);
+    }
     const auto bwd_dense = models::backward_flops(cfg, p.batch_size, p.seq_len, p.seq_len, models::BackwardMode::kDense);
     row["flops_bwd"] = bwd_flops.total();
+    row["flops_bwd_executed"] = bwd_executed.total();
     row["flops_bwd_dense"] = bwd_dense.total();
     row["flop_ideal_bwd_reduction"] = 1.0 - bwd_flops.total() / bwd_dense.total();
     const double step_s = median(step) / 1e3;
@@ -298,6 +328,8 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
                            {"tensors_gathered", fstats.tensors_gathered},
                            {"bytes_before", fstats.bytes_before},
                            {"bytes_gathered", fstats.bytes_gathered},
+                           {"kept", fstats.kept},
+                           {"kept_total", fstats.kept_total},
                            {"gather_nodes_inserted", fstats.gather_nodes_inserted},
                            {"rewrite_ms", fstats.rewrite_ms},
                            {"gather_ms", fstats.gather_ms}};
@@ -344,7 +376,13 @@ SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
   const bool writer = dist == nullptr || dist->rank() == 0;  // only rank 0 touches files
   const std::string results_path = fsutil::join(opts.out_dir, "results.jsonl");
   sum.results_path = results_path;
-  if (writer) fsutil::make_dirs(opts.out_dir);
+  // Rank 0 alone writes the directory, so rank 0 alone locks it; a refusal ends it before any
+  // compute, and the other ranks fail at the next collective when it exits.
+  RunDirLock dir_lock;
+  if (writer) {
+    fsutil::make_dirs(opts.out_dir);
+    dir_lock = RunDirLock::acquire(opts.out_dir);
+  }
 
   ExistingResults existing;
   if (writer) existing = read_results(results_path, /*repair=*/opts.resume);
@@ -363,7 +401,7 @@ SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
       log << "resume: the resolved manifest differs from the one saved in " << resolved_path
           << "; the new one replaces it (rows keep their own settings)\n";
     }
-    fsutil::write_file(resolved_path, m.resolved_toml);
+    fsutil::write_file_atomic(resolved_path, m.resolved_toml);
   }
   // Which points to skip (--resume) is rank 0's decision: every rank must run the same points.
   std::vector<bool> skip(m.points.size(), false);
@@ -394,7 +432,7 @@ SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
       env["world_size"] = dist->world_size();
       env["distributed_backend"] = dist->backend();
     }
-    fsutil::write_file(fsutil::join(opts.out_dir, env_name), env.dump(2) + "\n");
+    fsutil::write_file_atomic(fsutil::join(opts.out_dir, env_name), env.dump(2) + "\n");
   }
 
   std::unique_ptr<TraceWriter> trace;

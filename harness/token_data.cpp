@@ -71,35 +71,12 @@ T read_le(const uint8_t* p) {
   return v;
 }
 
-void write_all(int fd, const void* data, size_t n, const std::string& path) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (n > 0) {
-    const ssize_t w = ::write(fd, p, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      throw std::runtime_error(fmt::format("write to '{}' failed: {}", path, std::strerror(errno)));
-    }
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-}
-
-// Writes header + payload to path.tmp, fsyncs, renames onto path.
+// Header + payload through fsutil's atomic writer (temporary name, fsync, rename): two processes
+// writing the same shard or reference losses never interleave, and a reader never sees half a file.
 void write_atomically(const std::string& path, const std::vector<uint8_t>& header, const void* payload,
                       size_t payload_bytes) {
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw std::runtime_error(fmt::format("cannot create '{}': {}", tmp, std::strerror(errno)));
-  try {
-    write_all(fd, header.data(), header.size(), tmp);
-    write_all(fd, payload, payload_bytes, tmp);
-    ::fsync(fd);
-  } catch (...) {
-    ::close(fd);
-    throw;
-  }
-  ::close(fd);
-  fsutil::rename_path(tmp, path);
+  fsutil::write_file_atomic(path, {std::string_view(reinterpret_cast<const char*>(header.data()), header.size()),
+                                   std::string_view(static_cast<const char*>(payload), payload_bytes)});
 }
 
 template <typename T>
@@ -212,7 +189,10 @@ TokenShard::TokenShard(const std::string& path) : path_(path) {
   header_.eos_id = read_le<uint32_t>(base_ + 28);
   if (header_.version != 1) fail(fmt::format("version {} (this build reads 1)", header_.version));
   if (header_.token_bytes != 2 && header_.token_bytes != 4) fail(fmt::format("{} bytes per token", header_.token_bytes));
-  if (map_bytes_ != kShardHeaderBytes + header_.num_tokens * header_.token_bytes) {
+  // Compared by division: a corrupt token count must not overflow the product (found by
+  // fuzz/fuzz_tokens.cpp; tests/fuzz_regressions/tokens/).
+  const uint64_t payload = map_bytes_ - kShardHeaderBytes;
+  if (payload % header_.token_bytes != 0 || payload / header_.token_bytes != header_.num_tokens) {
     fail(fmt::format("{} bytes on disk but the header says {} tokens of {} bytes", map_bytes_, header_.num_tokens,
                      header_.token_bytes));
   }
@@ -320,7 +300,14 @@ RefLosses::RefLosses(const std::string& path) : path_(path) {
   T_ = read_le<uint32_t>(base_ + 12);
   W_ = static_cast<int64_t>(read_le<uint64_t>(base_ + 16));
   shard_tokens_ = static_cast<int64_t>(read_le<uint64_t>(base_ + 24));
-  if (map_bytes_ != kRefHeaderBytes + static_cast<size_t>(W_ * T_) * sizeof(float)) fail("size disagrees with header");
+  if (T_ < 1) fail("window length 0 in the header");
+  // W * T * 4 bytes of losses, compared by division: a corrupt W must not overflow the product
+  // (found by fuzz/fuzz_tokens.cpp; tests/fuzz_regressions/tokens/).
+  const uint64_t row_bytes = static_cast<uint64_t>(T_) * sizeof(float), payload = map_bytes_ - kRefHeaderBytes;
+  if (payload % row_bytes != 0 || payload / row_bytes != read_le<uint64_t>(base_ + 16)) {
+    fail(fmt::format("{} bytes on disk but the header says {} windows of {} losses", map_bytes_,
+                     read_le<uint64_t>(base_ + 16), T_));
+  }
 }
 
 RefLosses::~RefLosses() {

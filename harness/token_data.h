@@ -1,4 +1,4 @@
-// Token data for training runs (issue 6): the SentencePiece tokenizer, memory-mapped token shards
+// Token data for training runs (the utility experiment): the SentencePiece tokenizer, memory-mapped token shards
 // written by scripts/prepare_data.py, a loader that cuts a shard into fixed windows and samples
 // them deterministically by (seed, step, rank), and the per-token reference-loss file that RHO-1
 // selection reads (stored beside the shards, computed once by the reference model).

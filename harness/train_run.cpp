@@ -8,7 +8,9 @@
 #include "harness/distributed.h"
 #include "harness/fsutil.h"
 #include "harness/manifest.h"
+#include "harness/fault.h"
 #include "harness/results.h"
+#include "harness/run_lock.h"
 #include "harness/token_data.h"
 #include "harness/toml_set.h"
 #include "harness/train_step.h"
@@ -26,6 +28,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <set>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -96,6 +99,10 @@ class Loader {
     const std::string tbl = key.substr(0, dot), leaf = key.substr(dot + 1);
     if (!root.contains(tbl)) root.insert(tbl, toml::table{});
     auto* t = root[tbl].as_table();
+    if (t == nullptr) {
+      throw ManifestError(fmt::format("{}: --set '{}': '{}' is not a table in the manifest (write it as [{}])", path_,
+                                      arg, tbl, tbl));
+    }
     t->insert_or_assign(leaf, *parse_set_value(text).get("v"));
     echo.push_back(fmt::format("override {} = {} (from --set)", key, text));
   }
@@ -294,8 +301,14 @@ namespace {
 struct RunState {
   int64_t step = 0;  // optimizer steps done
   double elapsed_s = 0.0, tokens_seen = 0.0, tokens_backprop = 0.0;
+  // The training-loss sums since the last logged step: kept in the checkpoint so that a resumed
+  // run logs the same means as an uninterrupted one when checkpoint_every is not a multiple of
+  // log_every.
+  double log_loss_sum = 0.0, log_kept_sum = 0.0;
+  int64_t log_steps = 0;
   nlohmann::json to_json() const {
-    return {{"step", step}, {"elapsed_s", elapsed_s}, {"tokens_seen", tokens_seen}, {"tokens_backprop", tokens_backprop}};
+    return {{"step", step}, {"elapsed_s", elapsed_s}, {"tokens_seen", tokens_seen}, {"tokens_backprop", tokens_backprop},
+            {"log_loss_sum", log_loss_sum}, {"log_kept_sum", log_kept_sum}, {"log_steps", log_steps}};
   }
   static RunState from_json(const nlohmann::json& j) {
     RunState s;
@@ -303,6 +316,9 @@ struct RunState {
     s.elapsed_s = j.at("elapsed_s").get<double>();
     s.tokens_seen = j.at("tokens_seen").get<double>();
     s.tokens_backprop = j.at("tokens_backprop").get<double>();
+    s.log_loss_sum = j.value("log_loss_sum", 0.0);  // absent in checkpoints of earlier versions
+    s.log_kept_sum = j.value("log_kept_sum", 0.0);
+    s.log_steps = j.value("log_steps", int64_t{0});
     return s;
   }
 };
@@ -352,13 +368,56 @@ double lr_at(int64_t step, const RunSpec& r) {
   return r.min_lr + 0.5 * (r.lr - r.min_lr) * (1.0 + std::cos(M_PI * t));
 }
 
+// A checkpoint directory is complete when its trainer_state.json (written last) exists.
+bool checkpoint_complete(const std::string& dir) { return fsutil::exists(fsutil::join(dir, "trainer_state.json")); }
+
+// Checkpoints are replaced by renames only: the new one is written whole into DIR.tmp, the old
+// one is moved to DIR.old, the new one renamed to DIR, and DIR.old removed. Whenever a process
+// is killed, one complete checkpoint remains under one of these names; recover_checkpoint (at
+// resume) puts it back at DIR. (Removing DIR in place could leave a half-deleted directory
+// whose trainer_state.json still exists.)
 void save_checkpoint(const std::string& dir, Trainer& tr, const RunState& st) {
-  const std::string tmp = dir + ".tmp";
+  const std::string tmp = dir + ".tmp", old = dir + ".old";
   fsutil::remove_tree(tmp);
   models::save_training_checkpoint(tmp, tr.model(), models::adamw_state_tensors(tr.optimizer(), *tr.model()),
                                    st.to_json());
-  fsutil::remove_tree(dir);
+  if (fsutil::exists(dir)) {
+    fsutil::remove_tree(old);
+    fsutil::rename_path(dir, old);
+  }
+  fault::hit("checkpoint_swap");  // tests: killed between the two renames
   fsutil::rename_path(tmp, dir);
+  fsutil::sync_directory(fsutil::parent_dir(dir));
+  fsutil::remove_tree(old);
+}
+
+// After a kill: the newest complete checkpoint of DIR, DIR.tmp (written, not yet renamed in) and
+// DIR.old (moved aside) goes back to DIR; the leftovers are removed.
+void recover_checkpoint(const std::string& dir) {
+  const std::string tmp = dir + ".tmp", old = dir + ".old";
+  if (!checkpoint_complete(dir)) {
+    // DIR is only ever created by renaming a complete checkpoint to it, so an incomplete DIR is a
+    // leftover of an earlier version of this code: drop it.
+    fsutil::remove_tree(dir);
+    if (checkpoint_complete(tmp)) {
+      fsutil::rename_path(tmp, dir);
+    } else if (checkpoint_complete(old)) {
+      fsutil::rename_path(old, dir);
+    }
+  }
+  fsutil::remove_tree(tmp);
+  fsutil::remove_tree(old);
+}
+
+// A finished run's checkpoint is moved to DIR.done and then removed, so that a kill half-way
+// through the removal never leaves a half-deleted directory under a name resume would read.
+void remove_checkpoint(const std::string& dir) {
+  const std::string done = dir + ".done";
+  fsutil::remove_tree(done);
+  if (fsutil::exists(dir)) fsutil::rename_path(dir, done);
+  fsutil::remove_tree(done);
+  fsutil::remove_tree(dir + ".tmp");
+  fsutil::remove_tree(dir + ".old");
 }
 
 // Trains `spec.steps` steps from the checkpoint if one exists (resume) or from scratch; calls
@@ -369,7 +428,9 @@ void train_loop(const TrainSettings& s, RunSpec spec, Trainer& tr,
                 const std::function<void(const RunState&, double, double, double)>& on_log,
                 const std::function<void(const RunState&, double)>& on_eval, std::ostream& log) {
   RunState st;
-  // Every rank resumes from the checkpoint rank 0 wrote, when rank 0 sees one.
+  // Rank 0 puts the newest complete checkpoint back in place after a kill; every rank then resumes
+  // from it when rank 0 sees one.
+  if (spec.resume && (spec.dist == nullptr || spec.dist->rank() == 0)) recover_checkpoint(spec.ckpt_dir);
   const bool have_ckpt = from_rank0(spec.dist,
                                     spec.resume && fsutil::exists(fsutil::join(spec.ckpt_dir, "trainer_state.json")),
                                     "whether a checkpoint exists") != 0;
@@ -379,8 +440,9 @@ void train_loop(const TrainSettings& s, RunSpec spec, Trainer& tr,
     st = RunState::from_json(ts.trainer_state);
     log << fmt::format("{} resumed at step {} from {}\n", spec.label, st.step, spec.ckpt_dir);
   }
-  double loss_sum = 0, kept_sum = 0;
-  int64_t loss_n = 0;
+  // The checkpoint holds the sum over all ranks: rank 0 carries it on, the others start from 0.
+  double loss_sum = spec.dist && spec.dist->rank() != 0 ? 0.0 : st.log_loss_sum, kept_sum = st.log_kept_sum;
+  int64_t loss_n = st.log_steps;
   const int64_t first = st.step;
   const double elapsed_at_start = st.elapsed_s;
   while (st.step < spec.steps) {
@@ -426,6 +488,14 @@ void train_loop(const TrainSettings& s, RunSpec spec, Trainer& tr,
     // Rank 0 evaluates (every replica holds the same parameters) while the others wait.
     if (st.step % s.eval_every == 0 || st.step == spec.steps) run_on_rank0(spec.dist, [&] { on_eval(st, lr); });
     if (st.step % s.checkpoint_every == 0 && st.step < spec.steps) {
+      st.log_loss_sum = loss_sum;  // this rank's share: the checkpoint keeps the sum over ranks
+      if (spec.dist) {
+        std::vector<torch::Tensor> t = {torch::full({1}, loss_sum, torch::kFloat64)};
+        spec.dist->all_reduce_sum(t, "the training loss over ranks (checkpoint)");
+        st.log_loss_sum = t[0].item<double>();
+      }
+      st.log_kept_sum = kept_sum;
+      st.log_steps = loss_n;
       run_on_rank0(spec.dist, [&] { save_checkpoint(spec.ckpt_dir, tr, st); });
       if (spec.may_stop && st.step == s.stop_after) {
         throw SimulatedKill();
@@ -482,15 +552,23 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
     const std::string results_path = fsutil::join(out_dir, "results.jsonl");
     ExistingResults existing;
     const Provenance prov = collect_provenance(device);
+    // Rank 0 alone writes the directory, so rank 0 alone locks it (held to the end of the run); a
+    // refusal comes before any compute, and the other ranks fail at their next collective.
+    RunDirLock dir_lock;
     if (writer) {
       fsutil::make_dirs(out_dir);
+      dir_lock = RunDirLock::acquire(out_dir);
       existing = read_results(results_path, /*repair=*/resume);
       if (!resume && !existing.rows.empty()) {
         throw std::runtime_error(fmt::format("{} already holds {} rows; pass --resume to continue it or --out a new "
                                              "directory",
                                              results_path, existing.rows.size()));
       }
-      fsutil::write_file(fsutil::join(out_dir, "manifest.resolved.toml"), m.resolved_toml);
+      if (resume && existing.torn_bytes > 0) {
+        log << fmt::format("resume: cut an incomplete last line ({} bytes) from {}\n", existing.torn_bytes,
+                           results_path);
+      }
+      fsutil::write_file_atomic(fsutil::join(out_dir, "manifest.resolved.toml"), m.resolved_toml);
       const std::string env_name = resume && fsutil::exists(fsutil::join(out_dir, "env.json"))
                                        ? "env.resume-" + local_stamp() + ".json"
                                        : std::string("env.json");
@@ -499,7 +577,7 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
         env["world_size"] = world;
         env["distributed_backend"] = dist->backend();
       }
-      fsutil::write_file(fsutil::join(out_dir, env_name), env.dump(2) + "\n");
+      fsutil::write_file_atomic(fsutil::join(out_dir, env_name), env.dump(2) + "\n");
     }
     log << fmt::format("collider run: {} ({} training runs, {} steps each{}) -> {}\n", m.name, m.points.size(),
                        s.steps, dist ? fmt::format(", {} ranks x batch {}", world, s.batch_size) : "", out_dir);
@@ -540,7 +618,9 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
     // a barrier, bounded by COLLIDER_DIST_TIMEOUT_S: a long reference stage is best run once by a
     // single process first (its results are reused).
     run_on_rank0(dist, [&] {
-      fsutil::make_dirs(ref_dir);
+      // Runs that share a data directory compute its reference stage once: the first takes the
+      // lock of ref_dir, the others wait and then find the stored losses.
+      RunDirLock ref_lock = RunDirLock::acquire_waiting(ref_dir, log, "reference stage of collider run");
       if (!fsutil::exists(ref_losses_path)) {
         models::CausalLM ref_model = models::build_model(cfg, models::AttentionImpl::kEager, s.seed);
         if (fsutil::exists(fsutil::join(ref_model_dir, "config.json"))) {
@@ -576,9 +656,14 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
                        ref_record["evals"].push_back(e);
                      },
                      log);
-          models::save_hf_model(tr.model(), ref_model_dir);
-          fsutil::write_file(fsutil::join(ref_dir, "reference.json"), ref_record.dump(1) + "\n");
-          fsutil::remove_tree(spec.ckpt_dir);
+          // Written whole under a temporary name and renamed: its config.json marks it as usable.
+          const std::string ref_model_tmp = ref_model_dir + ".tmp";
+          fsutil::remove_tree(ref_model_tmp);
+          models::save_hf_model(tr.model(), ref_model_tmp);
+          fsutil::remove_tree(ref_model_dir);
+          fsutil::rename_path(ref_model_tmp, ref_model_dir);
+          fsutil::write_file_atomic(fsutil::join(ref_dir, "reference.json"), ref_record.dump(1) + "\n");
+          remove_checkpoint(spec.ckpt_dir);
         }
         log << fmt::format("reference: scoring {} windows of {} (T = {}) -> {}\n", pool, s.train_split, s.seq_len,
                            ref_losses_path);
@@ -596,7 +681,8 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
                                            train_shard->path()));
     }
     if (writer && fsutil::exists(fsutil::join(ref_dir, "reference.json"))) {
-      fsutil::write_file(fsutil::join(out_dir, "reference.json"), fsutil::read_file(fsutil::join(ref_dir, "reference.json")));
+      fsutil::write_file_atomic(fsutil::join(out_dir, "reference.json"),
+                                fsutil::read_file(fsutil::join(ref_dir, "reference.json")));
     }
 
     // Training runs.
@@ -604,17 +690,39 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
     WindowLoader loader(train_shard, s.seq_len, s.batch_size, static_cast<uint64_t>(s.seed), pool, rank, world);
     std::unique_ptr<JsonlWriter> rows;
     if (writer) rows = std::make_unique<JsonlWriter>(results_path);
-    std::set<std::string> done;  // rank 0's view (it read the rows); every rank skips the same runs
+    // Rank 0's view (it read the rows); every rank skips the same runs. A run is finished when every
+    // eval set has its final row (a kill between two of them leaves it unfinished).
+    std::map<std::string, std::set<std::string>> final_sets;
+    // Rows already in the file, by (point, step, eval set): a run resumed from a checkpoint older
+    // than its last rows recomputes those steps and does not write them again.
+    std::set<std::string> written;
+    auto row_key = [](const std::string& pid, int64_t step, const std::string& eval_set) {
+      return fmt::format("{}|{}|{}", pid, step, eval_set);
+    };
     for (const auto& row : existing.rows) {
-      if (row.value("final", false) && row.value("status", "") == "ok") done.insert(row.value("point_id", ""));
+      if (row.value("status", "") != "ok" || !row.contains("step") || !row["step"].is_number_integer()) continue;
+      const std::string pid = row.value("point_id", "");
+      const std::string set = row.contains("eval_set") && row["eval_set"].is_string() ? row["eval_set"].get<std::string>() : "";
+      written.insert(row_key(pid, row["step"].get<int64_t>(), set));
+      if (row.value("final", false) && !set.empty()) final_sets[pid].insert(set);
+    }
+    std::set<std::string> done;
+    for (const auto& [pid, sets_done] : final_sets) {
+      bool all = true;
+      for (const auto& e : s.eval_splits) all = all && sets_done.count(e) > 0;
+      if (all) done.insert(pid);
     }
     int64_t failed = 0;
     const auto t_all = Clock::now();
     for (size_t i = 0; i < m.points.size(); ++i) {
       const TrainPoint& p = m.points[i];
       const std::string pid = p.id(s);
+      std::string slug = pid;
+      for (char& c : slug) c = c == '/' ? '_' : c;
+      const std::string ckpt_dir = fsutil::join(fsutil::join(out_dir, "checkpoints"), slug);
       if (from_rank0(dist, done.count(pid), "whether a run is finished") != 0) {
         log << fmt::format("[{}/{}] {}: already finished (resume)\n", i + 1, m.points.size(), pid);
+        if (writer) remove_checkpoint(ckpt_dir);  // left by a kill after its last rows
         continue;
       }
       nlohmann::json base = {{"experiment", m.name}, {"point_id", pid}, {"status", "ok"}, {"error", nullptr},
@@ -649,9 +757,7 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
         spec.warmup_steps = s.warmup_steps;
         spec.lr = s.lr;
         spec.min_lr = s.min_lr;
-        std::string slug = pid;
-        for (char& c : slug) c = c == '/' ? '_' : c;
-        spec.ckpt_dir = fsutil::join(fsutil::join(out_dir, "checkpoints"), slug);
+        spec.ckpt_dir = ckpt_dir;
         spec.resume = resume;
         spec.may_stop = true;
         spec.dist = dist;
@@ -666,7 +772,7 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
         };
         train_loop(s, spec, tr,
                    [&](const RunState& st, double train_loss, double train_loss_kept, double lr) {
-                     if (!rows) return;
+                     if (!rows || written.count(row_key(pid, st.step, ""))) return;
                      nlohmann::json row = base;  // a training-loss row (no eval_set)
                      progress(row, st, lr);
                      row["final"] = false;  // the eval rows of the last step mark the run finished
@@ -680,6 +786,7 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
                      const auto ev = evaluate(tr.model());
                      const double eval_s = seconds_since(te);
                      for (const auto& [name, loss] : ev) {
+                       if (written.count(row_key(pid, st.step, name))) continue;  // written before a kill
                        nlohmann::json row = base;
                        progress(row, st, lr);
                        row["eval_set"] = name;
@@ -693,13 +800,15 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
                      }
                    },
                    log);
-        if (writer) fsutil::remove_tree(spec.ckpt_dir);  // finished: the rows hold the result
+        if (writer) remove_checkpoint(spec.ckpt_dir);  // finished: the rows hold the result
         log << fmt::format("[{}/{}] {} done; all runs so far {}\n", i + 1, m.points.size(), pid,
                            hms(seconds_since(t_all)));
       } catch (const SimulatedKill&) {
         throw;
       } catch (const DistributedError&) {
         throw;
+      } catch (const fsutil::WriteError&) {
+        throw;  // no space or no permission: the next run would fail the same way; end here
       } catch (const std::exception& e) {
         failed += 1;
         nlohmann::json row = base;

@@ -1,4 +1,4 @@
-// Training manifests (issue 6, the utility table): `collider run MANIFEST.toml` runs training
+// Training manifests (the utility table): `collider run MANIFEST.toml` runs training
 // instead of a timing sweep when the manifest has a [train] table.
 //
 //   name = "tab_utility"

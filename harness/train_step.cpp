@@ -72,11 +72,6 @@ Trainer::Trainer(models::CausalLM model, StepConfig cfg, torch::Device device, u
   if (!(cfg_.filter_ratio >= 0.0 && cfg_.filter_ratio < 1.0)) {
     throw std::invalid_argument(fmt::format("Trainer: filter_ratio {} is outside [0, 1)", cfg_.filter_ratio));
   }
-  if (uses_attention_grad(cfg_.method) && cfg_.policy != collider::SelectPolicy::kPerSequence) {
-    throw std::invalid_argument(fmt::format(
-        "Trainer: method {} needs policy per_sequence (the same kept count in every row); batch_topk is for loss_only",
-        to_string(cfg_.method)));
-  }
   if (cfg_.bf16_autocast && !device_.is_cuda()) {
     throw std::invalid_argument("Trainer: bf16 autocast is for CUDA devices; on CPU the step runs in fp32");
   }
@@ -274,12 +269,10 @@ StepResult Trainer::step(const Batch& batch_in) {
   r.loss_all = models::masked_mean_loss(loss_BT.detach(), batch.labels_BT != -100).item<double>();  // this rank's
   r.tokens = r.dist ? r.dist->tokens : B * T;
   r.tokens_kept = r.dist ? r.dist->tokens_kept : keep_BT.sum().item<int64_t>();
-  if (cfg_.policy == collider::SelectPolicy::kPerSequence || cfg_.method == Method::kRegular) {
-    auto per_row = keep_BT.sum(1);
-    r.kept_per_seq = (per_row == per_row[0]).all().item<bool>() ? per_row[0].item<int64_t>() : -1;
-  } else {
-    r.kept_per_seq = -1;
-  }
+  auto per_row = keep_BT.sum(1).cpu();
+  r.kept_per_row.assign(per_row.data_ptr<int64_t>(), per_row.data_ptr<int64_t>() + per_row.numel());
+  const bool equal = std::all_of(r.kept_per_row.begin(), r.kept_per_row.end(), [&](int64_t n) { return n == r.kept_per_row[0]; });
+  r.kept_per_seq = equal ? r.kept_per_row[0] : -1;
   return r;
 }
 

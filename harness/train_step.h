@@ -67,7 +67,8 @@ struct StepResult {
   double grad_norm = 0.0;      // global grad norm before clipping (of the reduced gradients)
   int64_t tokens = 0;          // B * T
   int64_t tokens_kept = 0;     // kept positions in the batch
-  int64_t kept_per_seq = 0;    // N (per_sequence), else -1 (ragged)
+  int64_t kept_per_seq = 0;    // N when every row keeps the same count (per_sequence), else -1 (ragged)
+  std::vector<int64_t> kept_per_row;  // [B] this rank's kept count of every row
   double fwd_ms = 0.0;         // model forward + per-token loss
   double filter_ms = 0.0;      // selection + masked-mean loss + graph rewrite (select_ms + rewrite_ms + rest)
   double select_ms = 0.0;      // scores + select_tokens

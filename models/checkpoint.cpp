@@ -4,6 +4,8 @@
 // tests/test_hf_agreement.cpp.
 #include "models/checkpoint.h"
 
+#include "harness/fault.h"
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -532,6 +534,9 @@ void save_hf_model(const CausalLM& model, const std::string& dir) {
 void save_training_checkpoint(const std::string& dir, const CausalLM& model,
                               const std::map<std::string, torch::Tensor>& optimizer_state,
                               const json& trainer_state) {
+  // Each file goes through a temporary name and a rename (write_file_atomic); a test can kill the
+  // process half-way through any of them (COLLIDER_FAULT_AT=checkpoint_write, harness/fault.h).
+  harness::fault::Scope fault_scope("checkpoint_write");
   save_hf_model(model, dir);
   save_safetensors((fs::path(dir) / "optimizer.safetensors").string(), optimizer_state, {{"format", "pt"}});
   write_file_atomic((fs::path(dir) / "trainer_state.json").string(), trainer_state.dump(2) + "\n");

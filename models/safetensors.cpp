@@ -4,6 +4,8 @@
 // Tests: tests/test_safetensors.cpp; fuzzing: fuzz/fuzz_safetensors.cpp.
 #include "models/safetensors.h"
 
+#include "harness/fsutil.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -350,16 +352,7 @@ std::string serialize_safetensors(const std::map<std::string, torch::Tensor>& te
 }
 
 void write_file_atomic(const std::string& path, const std::string& bytes) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw std::runtime_error(fmt::format("cannot write '{}': {}", tmp, std::strerror(errno)));
-    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    f.flush();
-    if (!f) throw std::runtime_error(fmt::format("cannot write '{}': {} (disk full?)", tmp, std::strerror(errno)));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0)
-    throw std::runtime_error(fmt::format("cannot rename '{}' to '{}': {}", tmp, path, std::strerror(errno)));
+  harness::fsutil::write_file_atomic(path, bytes);  // the one atomic writer (fsync, rename, errno in errors)
 }
 
 void save_safetensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors,

@@ -167,11 +167,24 @@ def fmt_ratio(x: float) -> str:
     return "n/a" if x is None or math.isnan(x) else f"{x:.2f}"
 
 
+def _replace_atomically(path: str, write) -> None:
+    """Calls write(tmp) for a temporary name beside PATH, then renames it over PATH: a reader (or a
+    plot run killed half-way) never leaves a half-written figure or table under the real name."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 def save_figure(fig, out_dir: str, stem: str) -> list[str]:
     paths = []
     for ext in ("png", "pdf"):
         path = os.path.join(out_dir, f"{stem}.{ext}")
-        fig.savefig(path, dpi=150, bbox_inches="tight")
+        _replace_atomically(path, lambda tmp: fig.savefig(tmp, format=ext, dpi=150, bbox_inches="tight"))
         paths.append(path)
     plt.close(fig)
     for p in paths:
@@ -212,8 +225,12 @@ def write_table(out_dir: str, stem: str, headers: Sequence[str], rows: Sequence[
     paths = []
     for ext, lines in (("md", md), ("tex", tex)):
         path = os.path.join(out_dir, f"{stem}.{ext}")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
+        text = "\n".join(lines) + "\n"
+
+        def write_text(tmp, text=text):
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+        _replace_atomically(path, write_text)
         paths.append(path)
         print(f"wrote {path}")
     return paths

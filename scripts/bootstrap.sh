@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Sets up a fresh machine and builds Collider into build/ (the CLI is build/collider).
+# Sets up a fresh machine and builds Collider into build/ (the CLI is build/collider), including
+# the Python package `collider` (build/python), which it then installs into the Python
+# environment so that `$COLLIDER_VENV/bin/python -c "import collider"` works from any directory.
 # Idempotent: on a machine where everything is present it only (re)builds.
 #   ./scripts/bootstrap.sh            # install what is missing, configure, build
 # Environment:
@@ -21,9 +23,10 @@ JOBS=${COLLIDER_JOBS:-$(nproc)}
 say() { echo "[bootstrap] $*"; }
 
 # 1. Debian packages the build needs.
-APT_PKGS=(g++ cmake ninja-build python3-venv libtomlplusplus-dev nlohmann-json3-dev
+# clang + libclang-rt-14-dev: libFuzzer and the sanitizer runtimes of scripts/fuzz.sh.
+APT_PKGS=(g++ cmake ninja-build python3-venv python3-dev libtomlplusplus-dev nlohmann-json3-dev
           libgtest-dev libgmock-dev libbenchmark-dev ccache libgloo-dev
-          libsentencepiece-dev)
+          libsentencepiece-dev clang libclang-rt-14-dev)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -62,6 +65,23 @@ if ! "$PY" -c "import sentencepiece" 2>/dev/null; then
   say "installing sentencepiece (tokenizer training for scripts/prepare_data.sh)"
   "$PY" -m pip install -q sentencepiece || say "warning: pip install sentencepiece failed; scripts/prepare_data.sh will not run"
 fi
+# The Python package's dependencies and test tools, exact versions (transformers' Trainer needs
+# accelerate; setuptools >= 70.1 builds wheels without the separate `wheel` package, which
+# `pip install --no-build-isolation ./python` below needs). torch is repeated so pip never moves it.
+PY_PINS=(transformers==5.23.0 peft==0.21.2 accelerate==1.15.0 pytest==9.2.0 setuptools==80.9.0)
+if ! (cd /tmp && "$PY" - "${PY_PINS[@]}" <<'PYEOF'
+import sys
+from importlib.metadata import version, PackageNotFoundError
+try:
+    sys.exit(0 if all(version(n) == v for n, v in (p.split("==") for p in sys.argv[1:])) else 1)
+except PackageNotFoundError:
+    sys.exit(1)
+PYEOF
+); then
+  say "installing ${PY_PINS[*]}"
+  "$PY" -m pip install -q "${PY_PINS[@]}" "$TORCH_PIN" ||
+    say "warning: pip install ${PY_PINS[*]} failed; the Python tests (python/tests) will not run"
+fi
 TORCH_VERSION=$(cd /tmp && "$PY" -c "import torch;print(torch.__version__)")
 TORCH_PREFIX=$(cd /tmp && "$PY" -c "import torch;print(torch.utils.cmake_prefix_path)")
 say "torch $TORCH_VERSION ($TORCH_PREFIX)"
@@ -96,3 +116,23 @@ rm -f build.configure.log
 cmake --build build -j "$JOBS"
 say "built in $(( $(date +%s) - start )) s: $ROOT/build/collider"
 echo "$PY" > build/python_path
+
+# 5. Install the Python package into the environment: the _C module this build made is copied
+# (COLLIDER_PREBUILT_EXT), so collider_core is not compiled a second time. Skipped when nothing
+# changed since the last install from this checkout (stamp: hash of the module and the .py files).
+EXT=$(ls build/python/collider/_C*.so 2>/dev/null | head -1)
+if [[ -n "$EXT" ]]; then
+  STAMP=$( (echo "$PY"; sha256sum "$EXT" python/collider/*.py python/collider/py.typed python/setup.py python/pyproject.toml) | sha256sum | cut -c1-16)
+  SITE=$(cd /tmp && "$PY" -c "import sysconfig;print(sysconfig.get_paths()['purelib'])")
+  if [[ "$(cat "$SITE/collider/.bootstrap_stamp" 2>/dev/null)" != "$STAMP" ]]; then
+    COLLIDER_PREBUILT_EXT="$ROOT/$EXT" "$PY" -m pip install -q --no-build-isolation --no-deps --force-reinstall ./python \
+      >build/python_install.log 2>&1 || { cat build/python_install.log; say "pip install ./python failed"; exit 1; }
+    rm -rf python/build python/collider.egg-info
+    echo "$STAMP" > "$SITE/collider/.bootstrap_stamp"
+    say "installed the collider Python package into $SITE"
+  else
+    say "collider Python package: installed and up to date ($SITE)"
+  fi
+else
+  say "optional Python package: not built (no Python headers: apt-get install python3-dev)"
+fi

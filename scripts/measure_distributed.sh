@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Measures data-parallel step time on this CPU (issue 7): experiments/dist_step_time.toml as one
+# Measures data-parallel step time on this CPU: experiments/dist_step_time.toml as one
 # process (B = 1 and B = 2, 1 thread; B = 2 with 2 threads) and as 2 Gloo ranks on loopback
 # (scripts/launch.sh, B = 1 per rank, 1 thread each; bucket all-reduces overlapping the backward,
 # and again with COLLIDER_DIST_OVERLAP=0: all of the all-reduce after the backward), then writes

@@ -4,6 +4,7 @@
 
 #include <collider/collider.h>
 
+#include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <map>
@@ -20,6 +21,21 @@ inline torch::Tensor masked_ce(const torch::Tensor& logits_BTV, const torch::Ten
                      .view(labels_BT.sizes());
   auto keep = keep_BT.to(loss_BT.scalar_type());
   return (loss_BT * keep).sum() / keep.sum();
+}
+
+// One gradient test point: semantics, filter_ratio, B, T; printed and named readably in CTest.
+struct GradCase {
+  AttentionGrad attention;
+  double ratio;
+  int64_t B, T;
+};
+inline void PrintTo(const GradCase& c, std::ostream* os) {
+  *os << to_string(c.attention) << " r=" << c.ratio << " B=" << c.B << " T=" << c.T;
+}
+inline std::string grad_case_name(const ::testing::TestParamInfo<GradCase>& info) {
+  const auto& c = info.param;
+  return std::string(to_string(c.attention)) + "_r" + std::to_string(static_cast<int>(c.ratio * 100)) + "_B" +
+         std::to_string(c.B) + "_T" + std::to_string(c.T);
 }
 
 inline torch::Tensor random_keep(int64_t B, int64_t T, double ratio, uint64_t seed) {
@@ -58,6 +74,25 @@ inline double max_rel_diff(const std::map<std::string, torch::Tensor>& a, const 
   }
   if (a.size() != b.size()) return 1e30;
   return out;
+}
+
+// filter_ratio 0 (every token kept) reproduces the plain backward, for both semantics. `m` is a
+// module holder whose forward(idx_BT) gives logits [B, T, V].
+template <typename Model>
+void expect_ratio_zero_equals_regular(Model& m, const Plan& plan, int64_t vocab, int64_t B, int64_t T, double tol) {
+  auto idx = torch::randint(vocab, {B, T});
+  auto labels = torch::randint(vocab, {B, T});
+  auto keep = torch::ones({B, T}, torch::kBool);
+  zero_grads(*m);
+  masked_ce(m->forward(idx), labels, keep).backward();
+  auto g_regular = grads_of(*m);
+  for (auto a : {AttentionGrad::kKeptOnly, AttentionGrad::kExactQuery}) {
+    zero_grads(*m);
+    auto loss = masked_ce(m->forward(idx), labels, keep);
+    filter_backward(loss, keep, plan, {a});
+    loss.backward();
+    EXPECT_LE(max_rel_diff(grads_of(*m), g_regular), tol) << to_string(a);
+  }
 }
 
 }  // namespace collider::testing

@@ -54,6 +54,12 @@ struct Gpt2Impl : torch::nn::Module {
   torch::nn::LayerNorm ln_f{nullptr};
   std::optional<Oracle> oracle;
   bool use_sdpa = false;  // fused torch::scaled_dot_product_attention instead of the explicit graph
+  // What a Hugging Face model with use_cache left on does at its first step: K and V are
+  // concatenated onto an empty cache [B, H, 0, E] along the sequence.
+  bool empty_kv_cache = false;
+  // With use_sdpa: this layer passes an explicit causal mask instead of is_causal (a fused
+  // attention Collider refuses), to test that a refusal deep in the graph changes nothing.
+  int64_t explicit_mask_layer = -1;
   std::function<torch::Tensor(const torch::Tensor&, int)> hook;  // on the residual after each block
 
   Gpt2Impl(int64_t vocab, int64_t dim, int64_t heads, int64_t layers, int64_t max_seq)
@@ -78,10 +84,18 @@ struct Gpt2Impl : torch::nn::Module {
     auto q = parts[0].view({B, T, H, E}).transpose(1, 2);
     auto k = parts[1].view({B, T, H, E}).transpose(1, 2);
     auto v = parts[2].view({B, T, H, E}).transpose(1, 2);
+    if (empty_kv_cache) {
+      auto empty = torch::zeros({B, H, 0, E}, k.options());
+      k = torch::cat({empty, k}, 2);
+      v = torch::cat({empty, v}, 2);
+    }
     torch::Tensor o;
     if (oracle && !oracle->exact_query) {
       auto keep = oracle->keep_BT.to(x_BTD.scalar_type()).view({B, 1, T, 1});
       o = KeptOnlyAttention::apply(q, k, v, keep);
+    } else if (use_sdpa && !oracle && l == explicit_mask_layer) {
+      auto attend = torch::ones({T, T}, x_BTD.options().dtype(torch::kBool)).tril();
+      o = torch::scaled_dot_product_attention(q, k, v, attend, 0.0, /*is_causal=*/false);
     } else if (use_sdpa && !oracle) {
       o = torch::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
     } else {

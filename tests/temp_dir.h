@@ -1,4 +1,5 @@
-// A scratch directory for harness tests, removed with its contents on destruction.
+// A scratch directory for harness tests, removed with its contents on destruction (kept when
+// COLLIDER_KEEP_TEST_DIRS is set, to read a failed test's logs).
 // POSIX calls via harness/fsutil.h (libtorch.so's std::filesystem::remove_all crashes).
 #pragma once
 
@@ -6,6 +7,7 @@
 
 #include <unistd.h>
 
+#include <cstdlib>
 #include <string>
 
 namespace collider::testing {
@@ -19,7 +21,7 @@ struct TempDir {
     harness::fsutil::remove_tree(path);
     harness::fsutil::make_dirs(path);
   }
-  ~TempDir() { harness::fsutil::remove_tree(path); }
+  ~TempDir() { if (!std::getenv("COLLIDER_KEEP_TEST_DIRS")) harness::fsutil::remove_tree(path); }
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;
   std::string operator/(const std::string& name) const { return harness::fsutil::join(path, name); }

@@ -40,22 +40,7 @@ Plan make_plan(Gpt2& m) {
   });
 }
 
-struct Case {
-  AttentionGrad attention;
-  double ratio;
-  int64_t B, T;
-};
-
-// Readable parameter in CTest's listing (instead of a byte dump).
-void PrintTo(const Case& c, std::ostream* os) {
-  *os << to_string(c.attention) << " r=" << c.ratio << " B=" << c.B << " T=" << c.T;
-}
-
-std::string name_of(const ::testing::TestParamInfo<Case>& info) {
-  const auto& c = info.param;
-  return std::string(to_string(c.attention)) + "_r" + std::to_string(static_cast<int>(c.ratio * 100)) + "_B" +
-         std::to_string(c.B) + "_T" + std::to_string(c.T);
-}
+using Case = GradCase;
 
 // Gradients of one batch by the masked method (library, full-size zero-masked tensors), the
 // model-level oracle, and loss_only (plain autograd on the masked loss).
@@ -130,32 +115,35 @@ std::vector<Case> all_cases() {
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(Semantics, Gpt2Grad, ::testing::ValuesIn(all_cases()), name_of);
+INSTANTIATE_TEST_SUITE_P(Semantics, Gpt2Grad, ::testing::ValuesIn(all_cases()), grad_case_name);
 
 // Fused attention: the SDPA backward node is replaced by one computing the chosen semantics.
 class Gpt2SdpaGrad : public ::testing::TestWithParam<Case> {};
 
-TEST_P(Gpt2SdpaGrad, MatchesOracle) {
-  const Case c = GetParam();
-  Gpt2 m = make_model();
-  m->use_sdpa = true;
+// Collider's gradient of one batch against the oracle and the masked method, for a model
+// variant set up by the caller (fused attention, an empty KV cache).
+void expect_matches_oracle(Gpt2& m, const Case& c, uint64_t seed) {
   Plan plan = make_plan(m);
-  torch::manual_seed(2);
+  torch::manual_seed(seed);
   auto idx = torch::randint(kVocab, {c.B, c.T});
   auto labels = torch::randint(kVocab, {c.B, c.T});
-  auto keep = random_keep(c.B, c.T, c.ratio, 11);
+  auto keep = random_keep(c.B, c.T, c.ratio, seed + 9);
   zero_grads(*m);
   auto loss = masked_ce(m->forward(idx), labels, keep);
   filter_backward(loss, keep, plan, {c.attention});
   loss.backward();
   auto g_collider = grads_of(*m);
   auto ref = reference_grads(m, plan, idx, labels, keep, c.attention);
-  const auto& g_oracle = ref.oracle;
-  const auto& g_masked = ref.masked;
-  if (c.ratio > 0) EXPECT_GT(max_rel_diff(g_oracle, ref.loss_only), 1e-3);
+  if (c.ratio > 0) EXPECT_GT(max_rel_diff(ref.oracle, ref.loss_only), 1e-3);
   std::string worst;
-  EXPECT_LE(max_rel_diff(g_collider, g_oracle, &worst), 1e-4) << "worst parameter: " << worst;
-  EXPECT_LE(max_rel_diff(g_masked, g_oracle, &worst), 1e-4) << "worst parameter: " << worst;
+  EXPECT_LE(max_rel_diff(g_collider, ref.oracle, &worst), 1e-4) << "worst parameter: " << worst;
+  EXPECT_LE(max_rel_diff(ref.masked, ref.oracle, &worst), 1e-4) << "worst parameter: " << worst;
+}
+
+TEST_P(Gpt2SdpaGrad, MatchesOracle) {
+  Gpt2 m = make_model();
+  m->use_sdpa = true;
+  expect_matches_oracle(m, GetParam(), 2);
 }
 
 std::vector<Case> sdpa_cases() {
@@ -166,24 +154,11 @@ std::vector<Case> sdpa_cases() {
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(Fused, Gpt2SdpaGrad, ::testing::ValuesIn(sdpa_cases()), name_of);
+INSTANTIATE_TEST_SUITE_P(Fused, Gpt2SdpaGrad, ::testing::ValuesIn(sdpa_cases()), grad_case_name);
 
 TEST(Gpt2Collider, RatioZeroEqualsRegular) {
   Gpt2 m = make_model();
-  Plan plan = make_plan(m);
-  auto idx = torch::randint(kVocab, {2, 40});
-  auto labels = torch::randint(kVocab, {2, 40});
-  auto keep = torch::ones({2, 40}, torch::kBool);
-  zero_grads(*m);
-  masked_ce(m->forward(idx), labels, keep).backward();
-  auto g_regular = grads_of(*m);
-  for (auto a : {AttentionGrad::kKeptOnly, AttentionGrad::kExactQuery}) {
-    zero_grads(*m);
-    auto loss = masked_ce(m->forward(idx), labels, keep);
-    filter_backward(loss, keep, plan, {a});
-    loss.backward();
-    EXPECT_LE(max_rel_diff(grads_of(*m), g_regular), 1e-6) << to_string(a);
-  }
+  expect_ratio_zero_equals_regular(m, make_plan(m), kVocab, 2, 40, 1e-6);
 }
 
 TEST(Gpt2Collider, PlanFindsAttentionCores) {
@@ -191,6 +166,54 @@ TEST(Gpt2Collider, PlanFindsAttentionCores) {
   Plan plan = make_plan(m);
   EXPECT_NE(plan.summary().find("2 attention cores"), std::string::npos) << plan.summary();
   EXPECT_NE(plan.summary().find("exact_query available"), std::string::npos) << plan.summary();
+}
+
+// K and V concatenated onto an empty KV cache (transformers with use_cache left on): the
+// concatenation keeps every position in place, so it is rewritten like a token-wise op.
+class Gpt2EmptyCacheGrad : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Gpt2EmptyCacheGrad, MatchesOracle) {
+  Gpt2 m = make_model();
+  m->empty_kv_cache = true;
+  expect_matches_oracle(m, GetParam(), 4);
+}
+
+std::vector<Case> cache_cases() {
+  std::vector<Case> out;
+  for (auto a : {AttentionGrad::kKeptOnly, AttentionGrad::kExactQuery})
+    for (int64_t B : {1, 3}) out.push_back({a, 0.5, B, 97});
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(KvCache, Gpt2EmptyCacheGrad, ::testing::ValuesIn(cache_cases()), grad_case_name);
+
+// All or nothing: a refusal met deep in the graph (the first layer's fused attention, reached
+// after the head and the last layer were prepared) leaves the graph as the forward built it, so
+// a plain backward still gives the loss_only gradient.
+TEST(Gpt2Collider, RefusalDeepInTheGraphLeavesItUnchanged) {
+  Gpt2 m = make_model();
+  m->use_sdpa = true;
+  Plan plan = make_plan(m);
+  torch::manual_seed(5);
+  auto idx = torch::randint(kVocab, {3, 40});
+  auto labels = torch::randint(kVocab, {3, 40});
+  auto keep = random_keep(3, 40, 0.5, 19);
+  m->explicit_mask_layer = 0;
+  for (auto a : {AttentionGrad::kKeptOnly, AttentionGrad::kExactQuery}) {
+    zero_grads(*m);
+    masked_ce(m->forward(idx), labels, keep).backward();
+    auto g_loss_only = grads_of(*m);
+    zero_grads(*m);
+    auto loss = masked_ce(m->forward(idx), labels, keep);
+    try {
+      filter_backward(loss, keep, plan, {a});
+      FAIL() << "filter_backward accepted a fused attention with an explicit mask";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("explicit mask"), std::string::npos) << e.what();
+    }
+    loss.backward();
+    EXPECT_LE(max_rel_diff(grads_of(*m), g_loss_only), 1e-6) << to_string(a);
+  }
 }
 
 }  // namespace

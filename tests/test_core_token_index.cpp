@@ -56,6 +56,37 @@ TEST(TokenIndexCut, RowGatherMatchesReferenceForEveryRowWidth) {
   }
 }
 
+// Sequence-first tensors (torch::nn's [T, B, D]) and their flattened [T*B, D] rows (row t*B + b).
+TEST(TokenIndexCut, SequenceFirstTensorsAndRows) {
+  const int64_t B = 3, T = 29, N = 13, D = 8;
+  auto keep = keep_mask(B, T, N, 5);
+  TokenIndex ix(keep);
+  auto x_TBD = torch::randn({T, B, D});
+  auto want_NBD = reference_cut(x_TBD.transpose(0, 1), keep, 1).transpose(0, 1);  // [N, B, D]
+  auto out = ix.cut(x_TBD, spec(3, {token_at(0), batch_at(1)}), true);
+  EXPECT_TRUE(torch::equal(out, want_NBD));
+  EXPECT_EQ(ix.cut_sizes(x_TBD.sizes(), spec(3, {token_at(0), batch_at(1)}), true), (std::vector<int64_t>{N, B, D}));
+  auto flat = spec(2, {DimSpec{0, DimKind::kFlatSeqFirst, Role::kQuery, 1}});
+  auto out_flat = ix.cut(x_TBD.reshape({T * B, D}), flat, true);
+  EXPECT_TRUE(torch::equal(out_flat, want_NBD.reshape({N * B, D})));
+  // A batch dimension of B*H rows (row b*H + h) after the token dimension: [T, B*H, E].
+  const int64_t H = 2;
+  auto y = torch::randn({T, B * H, D});
+  DimSpec bh{1, DimKind::kBatch, Role::kQuery, H};
+  auto want = reference_cut(y.view({T, B, H * D}).transpose(0, 1), keep, 1).transpose(0, 1).reshape({N, B * H, D});
+  EXPECT_TRUE(torch::equal(ix.cut(y, spec(3, {token_at(0), bh}), true), want));
+  // A non-contiguous [T, B, D] (the transpose of a [B, T, D]) is cut in memory order.
+  auto z_BTD = torch::randn({B, T, D});
+  auto z_TBD = z_BTD.transpose(0, 1);
+  EXPECT_TRUE(torch::equal(ix.cut(z_TBD, spec(3, {token_at(0), batch_at(1)}), true),
+                           reference_cut(z_BTD, keep, 1).transpose(0, 1)));
+  // Zeroing (the masked method) along the same layouts.
+  auto keep_TB1 = keep.t().unsqueeze(2).to(torch::kFloat);
+  EXPECT_TRUE(torch::equal(ix.zero_dropped(x_TBD, spec(3, {token_at(0), batch_at(1)}), true), x_TBD * keep_TB1));
+  EXPECT_TRUE(torch::equal(ix.zero_dropped(x_TBD.reshape({T * B, D}), flat, true),
+                           (x_TBD * keep_TB1).reshape({T * B, D})));
+}
+
 TEST(TokenIndexCut, UnalignedSourceRows) {
   const int64_t B = 2, T = 40, N = 24, D = 64;
   auto keep = keep_mask(B, T, N, 2);
@@ -121,16 +152,35 @@ TEST(TokenIndexCut, ThreadCountDoesNotChangeTheResult) {
   EXPECT_TRUE(torch::equal(one, many));
 }
 
-TEST(TokenIndexMask, BuildsKeptPositionsAndRefusesBadMasks) {
+TEST(TokenIndexMask, BuildsKeptPositionsPadsRaggedRowsAndRefusesBadMasks) {
   auto keep = keep_mask(3, 29, 11, 6);
   TokenIndex ix(keep);
   ASSERT_EQ(ix.N(), 11);
   // The positions are ascending per row (the cuts rely on it) and match the mask.
   auto positions = ix.cut(torch::arange(29).expand({3, 29}).contiguous(), spec(2, {batch_at(0), token_at(1)}), true);
   for (int64_t b = 0; b < 3; ++b) EXPECT_TRUE(torch::equal(positions[b], keep[b].nonzero().squeeze(1)));
+  EXPECT_FALSE(ix.ragged());
+  // Ragged counts: rows are cut to the largest count, padded with their first dropped positions,
+  // still ascending; the padding is marked.
   auto ragged = keep.clone();
-  ragged[1][ragged[1].nonzero()[0][0]] = false;
-  EXPECT_THROW(TokenIndex{ragged}, collider::Error);
+  ragged[1][ragged[1].nonzero()[0][0]] = false;  // row 1 keeps 10
+  ragged[2].fill_(false);                        // row 2 keeps none
+  TokenIndex rx(ragged);
+  ASSERT_TRUE(rx.ragged());
+  EXPECT_EQ(rx.N(), 11);
+  EXPECT_EQ(rx.kept_counts(), (std::vector<int64_t>{11, 10, 0}));
+  EXPECT_EQ(rx.kept_total(), 21);
+  for (int64_t b = 0; b < 3; ++b) {
+    auto pos = rx.idx_BN()[b];
+    EXPECT_TRUE(torch::equal(std::get<0>(pos.sort()), pos)) << "row " << b << " not ascending";
+    // the kept positions, each unpadded; the padding, dropped positions
+    auto kept_at = ragged[b].index_select(0, pos);
+    EXPECT_TRUE(torch::equal(kept_at, ~rx.pad_BN()[b])) << "row " << b;
+    EXPECT_EQ(kept_at.sum().item<int64_t>(), rx.kept_counts()[b]);
+  }
+  auto x_BND = torch::ones({3, 11, 4});
+  auto zeroed = rx.zero_padding(x_BND, spec(3, {batch_at(0), token_at(1)}), false);
+  EXPECT_EQ(zeroed.sum().item<double>(), 21 * 4);
   EXPECT_THROW(TokenIndex{torch::zeros({2, 8}, torch::kBool)}, collider::Error);
   EXPECT_THROW(TokenIndex{torch::zeros({0, 8}, torch::kBool)}, collider::Error);
   EXPECT_THROW(TokenIndex{torch::ones({2, 8})}, collider::Error);  // not bool

@@ -39,8 +39,8 @@ class DistributedTraining : public ::testing::TestWithParam<std::pair<std::strin
  protected:
   static void SetUpTestSuite() {
     dir_ = new ct::TempDir("dist_train");
-    status_ = ct::prepare_sample_data(*dir_ / "data", *dir_ / "prepare.log");
-    if (status_ == 0 && ch::Tokenizer::available()) ct::byte_level_data(*dir_ / "data", *dir_ / "bytes");
+    status_ = ct::prepare_sample_data(ct::shared_sample_dir(), *dir_ / "prepare.log");
+    if (status_ == 0 && ch::Tokenizer::available()) ct::byte_level_data(ct::shared_sample_dir(), *dir_ / "bytes");
   }
   static void TearDownTestSuite() {
     delete dir_;

@@ -173,8 +173,7 @@ TEST(Manifest, UnknownModelsMethodsAndValues) {
   expect_mentions(error_of("[run]\nmeasure_steps = 0\n"), {"run.measure_steps", ">= 1"});
   expect_mentions(error_of("[axes]\nseq_len = [64, 64]\n"), {"axes.seq_len", "twice"});
   expect_mentions(error_of("name = \"a b\"\n"), {"'name'", "a b"});
-  expect_mentions(error_of("[run]\npolicy = \"batch_topk\"\n[axes]\nmethod = \"collider\"\nseq_len = 64\n"),
-                  {"run.policy", "batch_topk", "per_sequence"});
+  expect_mentions(error_of("[run]\npolicy = \"topk\"\n"), {"run.policy", "topk", "per_sequence, batch_topk"});
 }
 
 TEST(Manifest, RatiosOutsideTheRangeOrKeepingNothing) {

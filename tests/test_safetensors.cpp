@@ -241,7 +241,7 @@ TEST(Safetensors, FileRoundTripThroughMmap) {
   std::map<std::string, torch::Tensor> in = {{"w", torch::randn({5, 3}).to(torch::kBFloat16)},
                                              {"i", torch::arange(10, torch::kInt64)}};
   cm::save_safetensors(path, in);
-  EXPECT_NE(::access((path + ".tmp").c_str(), F_OK), 0) << "the temporary file was left behind";
+  EXPECT_NE(::access((path + ".tmp." + std::to_string(::getpid())).c_str(), F_OK), 0) << "the temporary file was left behind";
   auto out = cm::load_safetensors(path);
   ASSERT_EQ(out.size(), 2u);
   EXPECT_TRUE(torch::equal(out["w"], in["w"]));

@@ -272,3 +272,35 @@ TEST(Sweep, SmokeManifestRunsEveryMethod) {
   }
   EXPECT_TRUE(fsu::exists(tmp / "trace.json"));
 }
+
+// RHO-1's batch selection through Collider: batch_topk rows keep different counts; the row
+// records them, counts the FLOP ideal on them and, apart, what the padded rows execute.
+TEST(Sweep, BatchTopKRunsColliderAndRecordsTheRowCounts) {
+  TempDir tmp;
+  fsu::write_file(tmp / "m.toml", kManifest);
+  const auto r = run({tmp / "m.toml", "--out", tmp / "out", "--set", "run.policy=batch_topk", "--set",
+                      "axes.method=[\"loss_only\", \"collider\"]", "--set", "axes.batch_size=3", "--set",
+                      "axes.filter_ratio=0.5", "--set", "axes.seq_len=32", "--set",
+                      "axes.attention_grad=[\"kept_only\", \"exact_query\"]"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const auto rows = rows_of(tmp / "out");
+  ASSERT_GE(rows.size(), 3u);  // loss_only + collider x {kept_only, exact_query}
+  for (const auto& row : rows) {
+    ASSERT_EQ(row["status"], "ok") << row["error"];
+    EXPECT_EQ(row["policy"], "batch_topk");
+    const auto counts = row["kept_per_row"].get<std::vector<int64_t>>();
+    ASSERT_EQ(counts.size(), 3u);
+    int64_t sum = 0;
+    for (auto n : counts) sum += n;
+    EXPECT_EQ(sum, row["tokens_kept"].get<int64_t>());
+    EXPECT_EQ(row["kept_per_row_max"].get<int64_t>(), *std::max_element(counts.begin(), counts.end()));
+    if (row["method"] == "collider") {
+      EXPECT_GT(row["flop_ideal_bwd_reduction"].get<double>(), 0.3) << row.dump();
+      // random scores: the rows' counts differ, and the padded execution counts more FLOPs
+      if (row["kept_per_row_min"] != row["kept_per_row_max"]) {
+        EXPECT_GT(row["flops_bwd_executed"].get<double>(), row["flops_bwd"].get<double>());
+      }
+      EXPECT_EQ(row["filter_stats"]["kept_total"].get<int64_t>(), sum);
+    }
+  }
+}

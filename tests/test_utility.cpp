@@ -1,4 +1,4 @@
-// Utility pipeline (issue 6): data preparation on a small sample of the real Debian text
+// Utility pipeline: data preparation on a small sample of the real Debian text
 // (scripts/prepare_data.sh --sample; needs network or cached .debs), the SentencePiece tokenizer
 // from C++ (round trip, agreement with the Python-written shards), token-shard and window-loader
 // determinism, stored reference losses equal to a recomputation, and a 20-step training run of
@@ -38,7 +38,7 @@ class Utility : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new testing::TempDir("utility");
-    status_ = testing::prepare_sample_data(data(), *dir_ / "prepare.log");
+    status_ = testing::prepare_sample_data(data(), *dir_ / "prepare.log");  // shared, read only
   }
   static void TearDownTestSuite() {
     delete dir_;
@@ -50,7 +50,7 @@ class Utility : public ::testing::Test {
     }
     ASSERT_EQ(status_, 0) << "prepare_data.sh --sample failed:\n" << read_file(*dir_ / "prepare.log");
   }
-  static std::string data() { return *dir_ / "data"; }
+  static std::string data() { return testing::shared_sample_dir(); }
   static nlohmann::json meta() { return nlohmann::json::parse(read_file(join(data(), "meta.json"))); }
 
   static testing::TempDir* dir_;

@@ -1,6 +1,8 @@
-// Sample training data shared by tests/test_utility.cpp and tests/test_distributed_train.cpp:
-// scripts/prepare_data.sh --sample (real Debian text; needs network or cached .debs) and its
-// byte-level copy, on which the -debug presets (vocab 256) train.
+// Sample training data shared by tests/test_utility.cpp, tests/test_distributed_train.cpp and the
+// reliability tests: scripts/prepare_data.sh --sample (real Debian text; needs network or cached
+// .debs) into one directory of the build tree (COLLIDER_SAMPLE_DATA_DIR), which the tests only read;
+// the script's lock makes a test started while another prepares it wait, then find it complete.
+// And its byte-level copy, on which the -debug presets (vocab 256) train (one per test).
 #pragma once
 
 #include "harness/fsutil.h"
@@ -14,6 +16,9 @@
 #include <vector>
 
 namespace collider::testing {
+
+// The shared sample's directory (prepared by prepare_sample_data(shared_sample_dir(), ...)).
+inline std::string shared_sample_dir() { return COLLIDER_SAMPLE_DATA_DIR; }
 
 // Runs scripts/prepare_data.sh --sample into `data_dir` (output to `log_path`); returns the
 // std::system status (exit status 3: no network and no cached .deb files).

@@ -62,7 +62,7 @@ detail::ShapeSpec parse_shape(std::istringstream& in, int line_no) {
   while (std::getline(ds, item, ',')) {
     detail::DimSpec d;
     int kind = 0, role = 0;
-    if (std::sscanf(item.c_str(), "%d:%d:%d:%ld", &d.dim, &kind, &role, &d.mult) != 4 || kind < 0 || kind > 2 ||
+    if (std::sscanf(item.c_str(), "%d:%d:%d:%ld", &d.dim, &kind, &role, &d.mult) != 4 || kind < 0 || kind > 3 ||
         role < 0 || role > 1) {
       throw Error(fmt::format("Plan::from_string: line {}: malformed dimension '{}'", line_no, item));
     }
@@ -150,7 +150,10 @@ Plan Plan::from_string(const std::string& text) {
       ins.shape = parse_shape(in, line_no);
       d.inserts.push_back(std::move(ins));
     } else if (tag == "blocker") {
-      d.exact_query_blocker = line.substr(8);
+      std::string why;
+      std::getline(in >> std::ws, why);  // the rest of the line (a bare "blocker" has none)
+      if (why.empty()) throw Error(fmt::format("Plan::from_string: line {}: blocker without its reason", line_no));
+      d.exact_query_blocker = why;
     } else {
       throw Error(fmt::format("Plan::from_string: line {}: unknown record '{}'", line_no, tag));
     }

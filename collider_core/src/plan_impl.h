@@ -16,6 +16,8 @@ enum class DimKind : uint8_t {
   kToken,      // size T
   kFlatToken,  // size B*mult*T, batch-major (row = (b*mult + j)*T + t); mult is 1 for [B*T, ..]
   kBatch,      // size B*mult, batch-major (row = b*mult + j)
+  kFlatSeqFirst,  // size T*B*mult, token-major (row = t*B*mult + b*mult + j): a sequence-first
+                  // [T, B*mult, ..] flattened (torch::nn's [T, B, D] layers)
 };
 
 enum class Role : uint8_t {
@@ -27,7 +29,9 @@ struct DimSpec {
   int32_t dim = 0;
   DimKind kind = DimKind::kToken;
   Role role = Role::kQuery;
-  int64_t mult = 1;  // kBatch: size / B; kFlatToken: size / (B*T)
+  int64_t mult = 1;  // kBatch: size / B; kFlatToken, kFlatSeqFirst: size / (B*T)
+
+  bool flat() const { return kind == DimKind::kFlatToken || kind == DimKind::kFlatSeqFirst; }
 };
 
 // How a tensor-shaped field maps to tokens. A tensor with token dimensions but no batch

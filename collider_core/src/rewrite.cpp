@@ -4,6 +4,10 @@
 // on each key/value edge of an attention core that cuts dK/dV to the kept rows. After it, the
 // whole backward runs on [B, N] tokens (DESIGN.md section 3, paper section 4).
 // mask_backward computes the same gradients on full-size tensors (the oracle).
+// All or nothing: a first pass checks every node against the plan and computes every cut
+// tensor, size list and replacement node without touching the graph; only when all of it
+// succeeded does a second pass write them in (assignments that cannot fail). After any error
+// the graph is as the forward left it, and a plain backward gives the loss_only gradient.
 #include <collider/collider.h>
 
 #include "graph.h"
@@ -20,6 +24,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <tuple>
 #include <typeindex>
@@ -51,13 +56,34 @@ class KeyRowsNode final : public Node {
     torch::Tensor g = grads.at(0);
     if (!g.defined()) return {g};
     torch::NoGradGuard no_grad;
-    return {zero_only_ ? index_->zero_dropped(g, spec_, true) : index_->cut(g, spec_, /*cut_keys=*/true)};
+    if (zero_only_) return {index_->zero_dropped(g, spec_, true)};
+    // Padding rows of ragged masks are dropped tokens: their dK/dV are discarded too.
+    return {index_->zero_padding(index_->cut(g, spec_, /*cut_keys=*/true), spec_, /*keys_only=*/false)};
   }
 
  private:
   std::shared_ptr<TokenIndex> index_;
   ShapeSpec spec_;
   bool zero_only_;
+};
+
+// Ragged kept counts: zeroes the padding rows of a gradient where it is born (an edge from a node
+// without token dimensions, the loss's reduction, into one with them), so padding positions
+// carry no gradient even when the loss does not mask them (see token_index.cpp).
+class ZeroPaddingNode final : public Node {
+ public:
+  ZeroPaddingNode(std::shared_ptr<TokenIndex> index, ShapeSpec spec) : index_(std::move(index)), spec_(std::move(spec)) {}
+  std::string name() const override { return "collider::ZeroPadding"; }
+  variable_list apply(variable_list&& grads) override {
+    torch::Tensor g = grads.at(0);
+    if (!g.defined()) return {g};
+    torch::NoGradGuard no_grad;
+    return {index_->zero_padding(g, spec_, /*keys_only=*/false)};
+  }
+
+ private:
+  std::shared_ptr<TokenIndex> index_;
+  ShapeSpec spec_;
 };
 
 // COLLIDER_DEBUG_GATHER=1: one line per gather and the rewrite's phases (read once per process).
@@ -82,7 +108,8 @@ class Rewriter {
   Rewriter(const PlanData& plan, std::shared_ptr<TokenIndex> index, bool cut_keys, bool masked, FilterStats& stats)
       : plan_(plan), ix_(std::move(index)), cut_keys_(cut_keys), masked_(masked), stats_(stats) {}
 
-  void run(const Graph& g) {
+  // First pass: checks and computes everything, records the writes; the graph is untouched.
+  void prepare(const Graph& g) {
     const auto& nodes = plan_.nodes;
     for (size_t i = 0; i < nodes.size(); ++i) {
       if (nodes[i].fused_attention) {
@@ -93,13 +120,20 @@ class Rewriter {
       rewrite_node(g.nodes[i], nodes[i], static_cast<int>(i));
     }
   }
+  // Second pass: the recorded writes (moves and assignments of values computed in prepare()).
+  void commit() {
+    for (auto& w : writes_) w();
+    writes_.clear();
+  }
+  void defer(std::function<void()> write) { writes_.push_back(std::move(write)); }
 
-  // Fused attention: every edge into the SDPA node now leads to its filtered replacement.
+  // Fused attention: every edge into the SDPA node will lead to its filtered replacement.
   void replace_fused(const Graph& g, int i) {
     auto node = make_filtered_attention(g.nodes[i], ix_, !cut_keys_, masked_);
     for (const auto& [parent, edge] : g.parents[i]) {
-      auto& edges = const_cast<torch::autograd::edge_list&>(g.nodes[parent]->next_edges());
-      edges[edge] = Edge(node, edges[edge].input_nr);
+      auto* edges = &const_cast<torch::autograd::edge_list&>(g.nodes[parent]->next_edges());
+      const int e = edge;
+      defer([edges, e, node] { (*edges)[e] = Edge(node, (*edges)[e].input_nr); });
     }
     ++stats_.nodes_rewritten;
   }
@@ -123,8 +157,12 @@ class Rewriter {
     torch::Tensor out = ix_->cut(t, spec, cut_keys_);
     const auto st = out.strides();
     const bool broadcast = std::find(st.begin(), st.end(), 0) != st.end();  // expanded on purpose (TokenIndex::cut)
-    // Dense results keep the input's layout (TokenIndex cuts permuted views in memory order).
-    if (!out.is_non_overlapping_and_dense() && !broadcast) out = out.contiguous();
+    // Dense results keep the input's layout (TokenIndex cuts permuted views in memory order). A
+    // contiguous input stays contiguous: some backward kernels read saved tensors as flat arrays
+    // (layer norm's mean and rstd), and a sequence-first [T, B, ..] cut comes back permuted.
+    if (!broadcast && (!out.is_non_overlapping_and_dense() || (t.is_contiguous() && !out.is_contiguous()))) {
+      out = out.contiguous();
+    }
     const double dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - g0).count();
     stats_.gather_ms += dt;
     if (debug_gather()) {  // one line per gather, to find slow copies
@@ -151,6 +189,7 @@ class Rewriter {
   bool masked_;
   FilterStats& stats_;
   std::map<CacheKey, torch::Tensor> cache_;
+  std::vector<std::function<void()>> writes_;
 };
 
 // Applies one node's FieldSpecs through the generated field handlers.
@@ -171,30 +210,30 @@ class Rewriter::Apply final : public FieldVisitor {
       // Recompute as contiguous strides of the sibling sizes, when those were cut.
       if (cut_sizes_.empty()) return;
       auto it = cut_sizes_.find(std::string(name, len - 8) + "_sizes");
-      if (it != cut_sizes_.end()) v = to_syms(contiguous_strides(it->second));
+      if (it != cut_sizes_.end()) assign(v, to_syms(contiguous_strides(it->second)));
       return;
     }
     if (auto* f = find(name, 0, FieldKind::kSizes)) {
       auto out = apply_sizes(*f, to_ints(v));
       cut_sizes_[name] = out;
-      v = to_syms(out);
+      assign(v, to_syms(out));
     }
   }
   void sizes_list(const char* name, std::vector<std::vector<c10::SymInt>>& v) override {
     for (size_t i = 0; i < v.size(); ++i)
-      if (auto* f = find(name, static_cast<int32_t>(i), FieldKind::kSizes)) v[i] = to_syms(apply_sizes(*f, to_ints(v[i])));
+      if (auto* f = find(name, static_cast<int32_t>(i), FieldKind::kSizes)) assign(v[i], to_syms(apply_sizes(*f, to_ints(v[i]))));
   }
   void symint(const char*, c10::SymInt&) override {}
   void opt_symint(const char*, std::optional<c10::SymInt>&) override {}
   void opt_sizes(const char* name, c10::OptionalArray<c10::SymInt>& v) override {
     if (!v.list) return;
-    if (auto* f = find(name, 0, FieldKind::kSizes)) v.list = to_syms(apply_sizes(*f, to_ints(*v.list)));
+    if (auto* f = find(name, 0, FieldKind::kSizes)) assign(*v.list, to_syms(apply_sizes(*f, to_ints(*v.list))));
   }
   void int_sizes(const char* name, std::vector<int64_t>& v) override {
-    if (auto* f = find(name, 0, FieldKind::kSizes)) v = apply_sizes(*f, v);
+    if (auto* f = find(name, 0, FieldKind::kSizes)) assign(v, apply_sizes(*f, v));
   }
   void type_and_size(const char* name, torch::autograd::generated::TypeAndSize& v) override {
-    if (auto* f = find(name, 0, FieldKind::kSizes)) v.sym_sizes = to_syms(apply_sizes(*f, to_ints(v.sym_sizes)));
+    if (auto* f = find(name, 0, FieldKind::kSizes)) assign(v.sym_sizes, to_syms(apply_sizes(*f, to_ints(v.sym_sizes))));
   }
   void geometry(const char*, at::TensorGeometry&) override {}
   void int64(const char*, int64_t&) override {}
@@ -202,14 +241,26 @@ class Rewriter::Apply final : public FieldVisitor {
   void inputs() {
     for (const auto& f : spec_.fields) {
       if (f.kind != FieldKind::kInputMeta) continue;
-      auto& meta = node_->mutable_input_metadata(f.item);
-      auto& shape = meta.mutable_shape_as_dim_vector();
-      auto out = apply_sizes(f, to_ints(shape));
-      shape.assign(out.begin(), out.end());
+      auto out = apply_sizes(f, to_ints(node_->input_metadata(f.item).shape_as_dim_vector()));
+      Node* node = node_.get();
+      const uint32_t item = static_cast<uint32_t>(f.item);
+      rw_.defer([node, item, out = std::move(out)] {
+        node->mutable_input_metadata(item).mutable_shape_as_dim_vector().assign(out.begin(), out.end());
+      });
     }
   }
 
  private:
+  static bool two_token_dims(const ShapeSpec& s) {
+    int n = 0;
+    for (const auto& d : s.dims) n += d.kind != DimKind::kBatch;
+    return n >= 2;
+  }
+  // The field is written in the commit pass, from the value computed now.
+  template <typename V>
+  void assign(V& field, V value) {
+    rw_.defer([&field, value = std::move(value)]() mutable { field = std::move(value); });
+  }
   static std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes) {
     std::vector<int64_t> st(sizes.size(), 1);
     for (int64_t d = static_cast<int64_t>(sizes.size()) - 2; d >= 0; --d) st[d] = st[d + 1] * std::max<int64_t>(sizes[d + 1], 1);
@@ -258,8 +309,14 @@ class Rewriter::Apply final : public FieldVisitor {
       }
     } else {
       out = rw_.cut_saved(t.detach(), f->shape);
+      // Ragged masks: padding keys get no attention probability (kept_only), so they neither
+      // give nor receive gradient; P is the field with a query and a key dimension.
+      if (rw_.cut_keys_ && rw_.ix_->ragged() && spec_.attention_core && f->shape.has_key() &&
+          two_token_dims(f->shape)) {
+        out = rw_.ix_->zero_padding(out, f->shape, /*keys_only=*/true);
+      }
     }
-    v = SavedVariable(out, /*is_output=*/false);
+    rw_.defer([&v, out = std::move(out)] { v = SavedVariable(out, /*is_output=*/false); });
     changed = true;
   }
 
@@ -328,6 +385,9 @@ FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT,
   stats.batch = ix->B();
   stats.seq_len = ix->T();
   stats.kept = ix->N();
+  stats.kept_total = ix->kept_total();
+  stats.kept_min = *std::min_element(ix->kept_counts().begin(), ix->kept_counts().end());
+  stats.kept_max = *std::max_element(ix->kept_counts().begin(), ix->kept_counts().end());
 
   // exact_query: remember the key/value edges before their targets' shapes shrink.
   struct PendingInsert {
@@ -348,7 +408,35 @@ FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT,
   }
 
   Rewriter rw(data, ix, /*cut_keys=*/!exact, masked, stats);
-  rw.run(g);
+  rw.prepare(g);
+
+  // Ragged masks: where token-shaped gradients are born, padding rows are zeroed.
+  if (ix->ragged() && !masked) {
+    auto token_input = [&](int node, uint32_t input_nr) -> const FieldSpec* {
+      for (const auto& f : data.nodes[node].fields)
+        if (f.kind == FieldKind::kInputMeta && f.item == static_cast<int32_t>(input_nr) && f.shape.has_token()) return &f;
+      return nullptr;
+    };
+    for (size_t i = 0; i < g.nodes.size(); ++i) {
+      bool has_token_input = false;
+      for (const auto& f : data.nodes[i].fields) has_token_input = has_token_input || (f.kind == FieldKind::kInputMeta && f.shape.has_token());
+      if (has_token_input || data.nodes[i].fused_attention) continue;
+      const auto& edges = g.nodes[i]->next_edges();
+      for (size_t e = 0; e < edges.size(); ++e) {
+        if (!edges[e].function) continue;
+        const int c = g.index.at(edges[e].function.get());
+        const FieldSpec* f = token_input(c, edges[e].input_nr);
+        if (!f) continue;
+        const auto& meta = edges[e].function->input_metadata(edges[e].input_nr);
+        auto shape = ix->cut_sizes(to_ints(meta.shape_as_dim_vector()), f->shape, !exact);
+        auto node = std::make_shared<ZeroPaddingNode>(ix, f->shape);
+        node->add_input_metadata(meta.options(), to_syms(shape), false, false, std::nullopt);
+        node->add_next_edge(edges[e]);
+        auto* list = &const_cast<torch::autograd::edge_list&>(edges);
+        rw.defer([list, e, node] { (*list)[e] = Edge(node, 0); });
+      }
+    }
+  }
 
   for (auto& p : pending) {
     auto bad = ix->mismatch(p.shape, p.ins->shape);
@@ -361,10 +449,13 @@ FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT,
     node->add_next_edge(p.old_edge);
     // Node::set_next_edge refuses nodes that already have parents (topological_nr bookkeeping,
     // used only to prune torch::autograd::grad with explicit inputs); the edge list itself is
-    // plain data, replaced here directly.
-    const_cast<torch::autograd::edge_list&>(g.nodes[p.ins->node]->next_edges())[p.ins->edge] = Edge(node, 0);
+    // plain data, replaced directly in the commit pass.
+    auto* edges = &const_cast<torch::autograd::edge_list&>(g.nodes[p.ins->node]->next_edges());
+    const int e = p.ins->edge;
+    rw.defer([edges, e, node] { (*edges)[e] = Edge(node, 0); });
     ++stats.gather_nodes_inserted;
   }
+  rw.commit();  // from here on nothing can fail
   stats.rewrite_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (debug_gather()) {
     auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
@@ -387,14 +478,36 @@ AttentionGrad attention_grad_from_string(const std::string& s) {
   throw std::invalid_argument("unknown attention_grad '" + s + "'; allowed: kept_only, exact_query");
 }
 
+// c10::Error's what() carries a C++ backtrace after the message; the message is its first line.
+static std::string first_line(const char* what) {
+  std::string s(what);
+  const auto nl = s.find('\n');
+  return nl == std::string::npos ? s : s.substr(0, nl);
+}
+
+// The prepare pass can meet a failure of a tensor op (a TORCH_CHECK, an allocation): it leaves
+// as collider::Error too, the graph untouched.
+static FilterStats rewrite_or_refuse(const torch::Tensor& loss, const torch::Tensor& keep_BT, const Plan& plan,
+                                     const FilterOptions& opts, bool masked) {
+  const char* who = masked ? "mask_backward" : "filter_backward";
+  try {
+    return detail::run_rewrite(loss, keep_BT, plan, opts, masked);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("{}: refused, the graph is unchanged (a plain backward gives the loss_only gradient): {}",
+                            who, first_line(e.what())));
+  }
+}
+
 FilterStats filter_backward(const torch::Tensor& loss, const torch::Tensor& keep_BT, const Plan& plan,
                             const FilterOptions& opts) {
-  return detail::run_rewrite(loss, keep_BT, plan, opts, /*masked=*/false);
+  return rewrite_or_refuse(loss, keep_BT, plan, opts, /*masked=*/false);
 }
 
 FilterStats mask_backward(const torch::Tensor& loss, const torch::Tensor& keep_BT, const Plan& plan,
                           const FilterOptions& opts) {
-  return detail::run_rewrite(loss, keep_BT, plan, opts, /*masked=*/true);
+  return rewrite_or_refuse(loss, keep_BT, plan, opts, /*masked=*/true);
 }
 
 }  // namespace collider

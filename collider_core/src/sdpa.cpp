@@ -1,5 +1,6 @@
 // Filtered backward of fused attention (DESIGN.md section 3), replacing the SDPA backward node.
-// From the forward's saved Q, K, V [B, H, T, E], output O and log-sum-exp L [B, H, T]:
+// From the forward's saved Q [B, H, T, E], K, V [B, H or G, T, E] (G key/value heads under
+// grouped-query attention), output O and log-sum-exp L [B, H, T]:
 //   kept_only:   P = exp(Q_K K_K^T s - L_K) on kept rows and columns (causal by original
 //                positions, not renormalised); dV = P^T dO; dP = dO V_K^T;
 //                dS = P (dP - rowsum(dP P)); dQ = dS K_K s; dK = dS^T Q_K s.
@@ -13,6 +14,7 @@
 #include <torch/csrc/autograd/generated/Functions.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cmath>
 
@@ -39,6 +41,13 @@ Saved read_common(N* n, const std::shared_ptr<Node>& self, const torch::Tensor& 
   s.lse = lse;
   s.causal = n->is_causal;
   s.scale = n->scale ? *n->scale : 1.0 / std::sqrt(static_cast<double>(s.q.size(-1)));
+  if (s.q.dim() != 4 || s.k.dim() != 4 || s.v.dim() != 4 || s.k.size(1) == 0 || s.q.size(1) % s.k.size(1) != 0 ||
+      s.v.size(1) != s.k.size(1)) {
+    throw Error(fmt::format("collider: {} has query [{}] and key / value [{}] / [{}]: expected [B, H, T, E] "
+                            "with H a multiple of the key/value heads (grouped-query attention)",
+                            n->name(), fmt::join(s.q.sizes(), "x"), fmt::join(s.k.sizes(), "x"),
+                            fmt::join(s.v.sizes(), "x")));
+  }
   if (n->dropout_p != 0.0) {
     throw Error(fmt::format("collider: {} with dropout_p={} cannot be filtered (no dropout in training runs)",
                             n->name(), n->dropout_p));
@@ -90,19 +99,29 @@ class FilteredAttentionNode final : public Node {
     auto q = f32(ix_->cut(s_.q, spec4, true));
     auto lse = f32(ix_->cut(s_.lse.narrow(2, 0, T), spec3, true)).unsqueeze(-1);  // [B, H, N, 1]
     auto dOf = f32(dO);
-    auto pos = ix_->keep_BT().nonzero().select(1, 1).view({ix_->B(), 1, ix_->N(), 1});  // [B, 1, N, 1]
+    auto pos = ix_->idx_BN().view({ix_->B(), 1, ix_->N(), 1});  // [B, 1, N, 1]: original positions
+    // Grouped-query attention (SDPA's enable_gqa): K and V carry G = H / rep heads; query head h
+    // reads kv head h / rep. They are repeated to H heads here and their gradients summed back.
+    const int64_t H = s_.q.size(1), G = s_.k.size(1), rep = H / G;
+    auto to_heads = [&](const torch::Tensor& t) { return rep == 1 ? t : t.repeat_interleave(rep, 1); };
+    auto to_groups = [&](const torch::Tensor& g_BHTE) {
+      if (rep == 1) return g_BHTE;
+      return g_BHTE.view({g_BHTE.size(0), G, rep, g_BHTE.size(2), g_BHTE.size(3)}).sum(2);
+    };
     torch::Tensor dq, dk, dv;
     if (!exact_) {
-      auto k = f32(ix_->cut(s_.k, spec4, true)), v = f32(ix_->cut(s_.v, spec4, true));
+      auto k = to_heads(f32(ix_->cut(s_.k, spec4, true))), v = to_heads(f32(ix_->cut(s_.v, spec4, true)));
       auto p = (q.matmul(k.transpose(-2, -1)) * s_.scale - lse).exp_();  // [B, H, N, N]
       if (s_.causal) p.masked_fill_(pos.transpose(-2, -1) > pos, 0.0);
+      if (ix_->ragged()) p.masked_fill_(ix_->pad_BN().view({ix_->B(), 1, 1, ix_->N()}), 0.0);  // padding keys
       dv = p.transpose(-2, -1).matmul(dOf);
       auto dp = dOf.matmul(v.transpose(-2, -1));
       auto ds = p * (dp - (dp * p).sum(-1, true));
       dq = ds.matmul(k) * s_.scale;
-      dk = ds.transpose(-2, -1).matmul(q) * s_.scale;
+      dk = to_groups(ds.transpose(-2, -1).matmul(q) * s_.scale);
+      dv = to_groups(dv);
     } else {
-      auto k = f32(s_.k), v = f32(s_.v);
+      auto k = to_heads(f32(s_.k)), v = to_heads(f32(s_.v));
       auto o = f32(ix_->cut(s_.out, spec4, true));
       auto p = (q.matmul(k.transpose(-2, -1)) * s_.scale - lse).exp_();  // [B, H, N, T]
       if (s_.causal) {
@@ -112,8 +131,9 @@ class FilteredAttentionNode final : public Node {
       auto d = (dOf * o).sum(-1, true);  // rowsum(dO O): the exact softmax correction
       auto ds = p * (dOf.matmul(v.transpose(-2, -1)) - d);
       dq = ds.matmul(k) * s_.scale;
-      dk = ix_->cut(ds.transpose(-2, -1).matmul(q) * s_.scale, spec4, true);
-      dv = ix_->cut(p.transpose(-2, -1).matmul(dOf), spec4, true);
+      // dropped keys' gradients discarded, padding rows (dropped tokens too) included
+      dk = ix_->zero_padding(ix_->cut(to_groups(ds.transpose(-2, -1).matmul(q) * s_.scale), spec4, true), spec4, false);
+      dv = ix_->zero_padding(ix_->cut(to_groups(p.transpose(-2, -1).matmul(dOf)), spec4, true), spec4, false);
     }
     variable_list out = {dq.to(dtype), dk.to(dtype), dv.to(dtype)};
     if (masked_) {
@@ -126,7 +146,7 @@ class FilteredAttentionNode final : public Node {
  private:
   torch::Tensor scatter_full(const torch::Tensor& g_BHNE, int64_t T) const {
     auto full = torch::zeros({g_BHNE.size(0), g_BHNE.size(1), T, g_BHNE.size(3)}, g_BHNE.options());
-    auto idx = ix_->keep_BT().nonzero().select(1, 1).view({ix_->B(), 1, ix_->N(), 1}).expand_as(g_BHNE);
+    auto idx = ix_->idx_BN().view({ix_->B(), 1, ix_->N(), 1}).expand_as(g_BHNE);
     return full.scatter_(2, idx, g_BHNE);
   }
   Saved s_;

@@ -35,20 +35,20 @@ static int64_t drop_count(int64_t n_valid, double filter_ratio, int64_t align) {
   return drop;
 }
 
-int64_t kept_count(int64_t T, double filter_ratio, int64_t align) {
+static int64_t kept_count_impl(int64_t T, double filter_ratio, int64_t align) {
   check_ratio(filter_ratio);
   if (align < 1) throw std::invalid_argument("align must be >= 1, got " + std::to_string(align));
   return T - drop_count(T, filter_ratio, align);
 }
 
-torch::Tensor excess_loss(const torch::Tensor& model_loss_BT, const torch::Tensor& reference_loss_BT) {
+static torch::Tensor excess_loss_impl(const torch::Tensor& model_loss_BT, const torch::Tensor& reference_loss_BT) {
   TORCH_CHECK(model_loss_BT.sizes() == reference_loss_BT.sizes(),
               "excess_loss: model and reference losses must have the same shape, got ",
               model_loss_BT.sizes(), " and ", reference_loss_BT.sizes());
   return model_loss_BT.detach() - reference_loss_BT.detach().to(model_loss_BT.dtype());
 }
 
-torch::Tensor select_tokens(const torch::Tensor& scores_BT, double filter_ratio, const SelectOptions& opts) {
+static torch::Tensor select_tokens_impl(const torch::Tensor& scores_BT, double filter_ratio, const SelectOptions& opts) {
   check_ratio(filter_ratio);
   TORCH_CHECK(scores_BT.dim() == 2, "select_tokens: scores must be [B, T], got shape ", scores_BT.sizes());
   const int64_t B = scores_BT.size(0), T = scores_BT.size(1);
@@ -89,6 +89,31 @@ torch::Tensor select_tokens(const torch::Tensor& scores_BT, double filter_ratio,
     keep.view({-1}).index_fill_(0, order.narrow(0, 0, N), true);
   }
   return keep.logical_and_(valid);
+}
+
+// The public entry points: every failure leaves as collider::Error (c10::Error's backtrace cut).
+template <typename Fn>
+static auto as_collider_error(Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    throw Error(what.substr(0, what.find('\n')));
+  }
+}
+
+int64_t kept_count(int64_t T, double filter_ratio, int64_t align) {
+  return as_collider_error([&] { return kept_count_impl(T, filter_ratio, align); });
+}
+
+torch::Tensor excess_loss(const torch::Tensor& model_loss_BT, const torch::Tensor& reference_loss_BT) {
+  return as_collider_error([&] { return excess_loss_impl(model_loss_BT, reference_loss_BT); });
+}
+
+torch::Tensor select_tokens(const torch::Tensor& scores_BT, double filter_ratio, const SelectOptions& opts) {
+  return as_collider_error([&] { return select_tokens_impl(scores_BT, filter_ratio, opts); });
 }
 
 }  // namespace collider

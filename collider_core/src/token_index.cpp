@@ -4,7 +4,7 @@
 // kernel packing kept columns with per-sequence permutation tables; elsewhere (CUDA, odd
 // layouts) by index_select / gather. The CPU kernels run on torch's intra-op threads, which is
 // why this file is compiled with OpenMP (collider_core/CMakeLists.txt). On this project's 2-core
-// machine they run at its copy bandwidth (results/README.md, issue 3's benchmark).
+// machine they run at its copy bandwidth (results/README.md, the side-by-side backward benchmark).
 #include "token_index.h"
 
 #include <collider/collider.h>
@@ -26,6 +26,20 @@
 
 namespace collider::detail {
 
+// Ragged kept counts (RHO-1's batch_topk) use a padded layout: every row is cut to N = max_b N_b
+// positions, its N_b kept ones and N - N_b of its dropped ones (the first, in sequence order), all
+// in ascending order, so every kernel below works unchanged on [B, N]. The padding positions
+// are excluded exactly: their incoming gradient is zeroed where gradients are born (the loss
+// side), they are zeroed as attention keys (kept_only) and their dK/dV discarded (exact_query),
+// so every padding row carries a zero gradient through every token-wise op and adds nothing.
+// Why padded and not packed [sum N_b] rows: the rewrite then touches only the kept positions'
+// bookkeeping and three zeroing points, and the per-sequence case (no padding) runs the very
+// same code. The price is (N - mean N_b) / mean N_b extra rows of token-wise work. On real
+// excess-loss selections (bench/bm_collider_backward --selection batch_topk, B = 4, 40%
+// filtered, the utility experiment's reference model) rows kept [227, 325, 305, 371] of 512
+// (+21% rows over the mean) and [516, 674, 614, 653] of 1024 (+10%) for tinyllama-mini, so this
+// layout is a first step: meeting the per-sequence cost needs packed token-wise rows with the
+// attention cores alone padded per row.
 TokenIndex::TokenIndex(const torch::Tensor& keep_BT) {
   if (!keep_BT.defined()) throw Error("filter_backward: the keep mask is undefined");
   if (keep_BT.dim() != 2 || keep_BT.scalar_type() != torch::kBool) {
@@ -35,40 +49,81 @@ TokenIndex::TokenIndex(const torch::Tensor& keep_BT) {
   B_ = keep_BT.size(0);
   T_ = keep_BT.size(1);
   keep_BT_ = keep_BT;
-  // Per-row kept counts and the kept positions. On the CPU one pass over the mask (the torch
-  // ops below cost ~80 us of dispatch at B = 1, T = 512); on a GPU the counts come to the host
-  // once (N sizes every cut tensor) and nonzero finds the positions.
-  std::vector<int64_t> counts(B_, 0);
-  const bool on_cpu = keep_BT.is_cpu();
-  torch::Tensor keep_cpu;
-  if (on_cpu) {
-    keep_cpu = keep_BT.contiguous();
-    const bool* k = keep_cpu.const_data_ptr<bool>();
-    for (int64_t b = 0; b < B_; ++b)
-      for (int64_t t = 0; t < T_; ++t) counts[b] += k[b * T_ + t];
-  } else {
-    auto c = keep_BT.sum(1).cpu();
-    std::copy(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + B_, counts.begin());
-  }
   if (B_ == 0 || T_ == 0) throw Error("filter_backward: the keep mask is empty (B or T is 0)");
-  const int64_t n0 = counts[0];
-  if (std::any_of(counts.begin(), counts.end(), [&](int64_t c) { return c != n0; })) {
-    throw Error(fmt::format("filter_backward: every row must keep the same number of tokens (Collider cuts all rows "
-                            "to one T'), got per-row counts {}; select with SelectPolicy::kPerSequence",
-                            fmt::join(counts, ", ")));
-  }
-  if (n0 == 0) throw Error("filter_backward: the keep mask keeps no token");
-  N_ = n0;
-  if (on_cpu) {
-    idx_BN_ = torch::empty({B_, N_}, torch::kLong);
-    const bool* k = keep_cpu.const_data_ptr<bool>();
-    int64_t* idx = idx_BN_.data_ptr<int64_t>();
-    for (int64_t b = 0; b < B_; ++b)
+  // Per-row kept counts and the kept positions, on the host (N sizes every cut tensor). On the
+  // CPU one pass over the mask (the torch ops cost ~80 us of dispatch at B = 1, T = 512).
+  auto keep_cpu = keep_BT.cpu().contiguous();
+  const bool* k = keep_cpu.const_data_ptr<bool>();
+  counts_.assign(B_, 0);
+  for (int64_t b = 0; b < B_; ++b)
+    for (int64_t t = 0; t < T_; ++t) counts_[b] += k[b * T_ + t];
+  N_ = *std::max_element(counts_.begin(), counts_.end());
+  if (N_ == 0) throw Error("filter_backward: the keep mask keeps no token");
+  ragged_ = std::any_of(counts_.begin(), counts_.end(), [&](int64_t c) { return c != N_; });
+  idx_BN_ = torch::empty({B_, N_}, torch::kLong);
+  int64_t* idx = idx_BN_.data_ptr<int64_t>();
+  torch::Tensor sel_cpu = keep_cpu;
+  if (ragged_) {
+    sel_cpu = keep_cpu.clone();
+    pad_BN_ = torch::zeros({B_, N_}, torch::kBool);
+    bool* sel = sel_cpu.data_ptr<bool>();
+    bool* pad = pad_BN_.data_ptr<bool>();
+    for (int64_t b = 0; b < B_; ++b) {
+      int64_t missing = N_ - counts_[b];
+      for (int64_t t = 0; t < T_ && missing > 0; ++t)
+        if (!sel[b * T_ + t]) sel[b * T_ + t] = true, --missing;
+      int64_t n = 0;
       for (int64_t t = 0; t < T_; ++t)
-        if (k[b * T_ + t]) *idx++ = t;
-  } else {
-    idx_BN_ = keep_BT.nonzero().select(1, 1).reshape({B_, N_}).contiguous();
+        if (sel[b * T_ + t]) pad[b * N_ + n++] = !k[b * T_ + t];
+    }
   }
+  const bool* sel = sel_cpu.const_data_ptr<bool>();
+  for (int64_t b = 0; b < B_; ++b)
+    for (int64_t t = 0; t < T_; ++t)
+      if (sel[b * T_ + t]) *idx++ = t;
+  sel_BT_ = ragged_ ? sel_cpu.to(keep_BT.device()) : keep_BT;
+  if (!keep_BT.is_cpu()) {
+    idx_BN_ = idx_BN_.to(keep_BT.device());
+    if (ragged_) pad_BN_ = pad_BN_.to(keep_BT.device());
+  }
+}
+
+int64_t TokenIndex::kept_total() const {
+  int64_t n = 0;
+  for (int64_t c : counts_) n += c;
+  return n;
+}
+
+torch::Tensor TokenIndex::zero_padding(const torch::Tensor& x, const ShapeSpec& spec, bool keys_only) const {
+  if (!ragged_ || !x.is_floating_point()) return x;
+  int64_t bdim = -1, mult = 1;
+  for (const auto& d : spec.dims)
+    if (d.kind == DimKind::kBatch) bdim = d.dim, mult = d.mult;
+  torch::Tensor out = x;
+  const int32_t off = spec.pad_rank > 0 ? spec.pad_rank - spec.rank : 0;
+  if (spec.pad_rank > 0) bdim = spec.bcast_batch_dim, mult = spec.bcast_mult;
+  auto live = (~pad_BN_).to(x.scalar_type());  // [B, N]: 0 at padding
+  for (const auto& d : spec.dims) {
+    if (d.kind == DimKind::kBatch || (keys_only && d.role != Role::kKey)) continue;
+    std::vector<int64_t> shape(x.dim(), 1);
+    torch::Tensor f;
+    const int64_t dim = d.dim + off;
+    if (d.kind == DimKind::kFlatToken) {
+      shape[dim] = B_ * d.mult * N_;
+      f = live.repeat_interleave(d.mult, 0).reshape(shape);
+    } else if (d.kind == DimKind::kFlatSeqFirst) {
+      shape[dim] = B_ * d.mult * N_;
+      f = live.t().repeat_interleave(d.mult, 1).reshape(shape);
+    } else {
+      f = live.repeat_interleave(mult, 0);  // [B*m, N]
+      if (bdim > dim) f = f.t();
+      if (bdim >= 0) shape[bdim] = B_ * mult;
+      shape[dim] = N_;
+      f = f.reshape(shape);
+    }
+    out = out * f;
+  }
+  return out;
 }
 
 const TokenIndex::ChunkTables& TokenIndex::chunk_tables() {
@@ -77,7 +132,7 @@ const TokenIndex::ChunkTables& TokenIndex::chunk_tables() {
   chunks_.perm.assign(B_ * C * 16, 0);
   chunks_.count.assign(B_ * C, 0);
   chunks_.full_stores.assign(B_, 0);
-  auto keep = keep_BT_.cpu().contiguous();
+  auto keep = sel_BT_.cpu().contiguous();  // the cut positions (kept + padding)
   const bool* k = keep.data_ptr<bool>();
   for (int64_t b = 0; b < B_; ++b) {
     int64_t offset = 0;  // output position of chunk c in every kept row of batch row b
@@ -99,6 +154,17 @@ const torch::Tensor& TokenIndex::flat_rows(int64_t rpb) {
   auto base = torch::arange(B_ * rpb, idx_BN_.options()).mul_(T_).view({B_, rpb, 1});
   auto flat = (base + idx_BN_.view({B_, 1, N_})).reshape({-1});
   return flat_cache_.emplace(rpb, flat).first->second;
+}
+
+const torch::Tensor& TokenIndex::flat_rows_seq_first(int64_t mult) {
+  auto it = seq_first_cache_.find(mult);
+  if (it != seq_first_cache_.end()) return it->second;
+  // out row (n*B + b)*mult + j = in row (idx[b, n]*B + b)*mult + j
+  auto t_NB1 = idx_BN_.t().mul(B_ * mult).unsqueeze(2);
+  auto b_1B1 = torch::arange(B_, idx_BN_.options()).mul_(mult).view({1, B_, 1});
+  auto j_11M = torch::arange(mult, idx_BN_.options()).view({1, 1, mult});
+  auto flat = (t_NB1 + b_1B1 + j_11M).reshape({-1}).contiguous();
+  return seq_first_cache_.emplace(mult, flat).first->second;
 }
 
 const torch::Tensor& TokenIndex::idx_rows(int64_t rpb) {
@@ -274,14 +340,15 @@ static torch::Tensor gather_rows(const torch::Tensor& x_MP, const torch::Tensor&
   return out_NP;
 }
 
-// x: [.., B*m @batch_dim, .., T @token_dim, ..] with batch_dim < token_dim; batch_dim -1 when
-// B = 1 (every row belongs to the one sequence).
+// x: [.., B*m @batch_dim, .., T @token_dim, ..]; batch_dim -1 when B = 1 (every row belongs to
+// the one sequence). A batch dimension after the token dimension (sequence-first [T, B, D]) is
+// moved in front, which costs one copy of the whole tensor before the gather.
 torch::Tensor TokenIndex::cut_dim(const torch::Tensor& x_in, int64_t batch_dim, int64_t token_dim) {
   torch::Tensor x = x_in;
   bool moved = false;
   if (batch_dim > 0) {
-    TORCH_CHECK(batch_dim < token_dim, "collider: a batch dimension after the token dimension is not supported");
-    x = x.movedim(batch_dim, 0);  // dims before batch_dim shift right; token_dim unchanged
+    x = x.movedim(batch_dim, 0);  // dims before batch_dim shift right by one
+    if (token_dim < batch_dim) ++token_dim;
     moved = true;
   }
   auto sizes = x.sizes().vec();
@@ -354,8 +421,9 @@ torch::Tensor TokenIndex::cut(const torch::Tensor& x_in, const ShapeSpec& spec, 
   }
   for (const auto& d : spec.dims) {
     if (!cut_this(d, cut_keys)) continue;
-    if (d.kind == DimKind::kFlatToken) {
-      x = d.dim + off == 0 && x.dim() == 2 ? gather_rows(x, flat_rows(d.mult)) : x.index_select(d.dim + off, flat_rows(d.mult));
+    if (d.flat()) {
+      const auto& rows = d.kind == DimKind::kFlatToken ? flat_rows(d.mult) : flat_rows_seq_first(d.mult);
+      x = d.dim + off == 0 && x.dim() == 2 ? gather_rows(x, rows) : x.index_select(d.dim + off, rows);
     } else {
       TORCH_CHECK(bdim >= 0 || B_ == 1, "collider: token dimension without a batch dimension (plan bug)");
       x = cut_dim(x, bdim, d.dim + off);
@@ -410,10 +478,13 @@ torch::Tensor TokenIndex::zero_dropped(const torch::Tensor& x, const ShapeSpec& 
     if (d.kind == DimKind::kFlatToken) {
       shape[d.dim] = B_ * d.mult * T_;
       f = keep.repeat_interleave(d.mult, 0).reshape(shape);
+    } else if (d.kind == DimKind::kFlatSeqFirst) {
+      shape[d.dim] = B_ * d.mult * T_;
+      f = keep.t().repeat_interleave(d.mult, 1).reshape(shape);  // [T, B*m] in row order
     } else {
-      TORCH_CHECK((bdim >= 0 && bdim < d.dim) || B_ == 1,
-                  "collider: masking needs a batch dimension before the token dimension");
+      TORCH_CHECK(bdim >= 0 || B_ == 1, "collider: masking needs a batch dimension (plan bug)");
       f = keep.repeat_interleave(mult, 0);  // [B*m, T]
+      if (bdim > d.dim) f = f.t();          // sequence-first: [T, B*m]
       if (bdim >= 0) shape[bdim] = B_ * mult;
       shape[d.dim] = T_;
       f = f.reshape(shape);
@@ -435,7 +506,7 @@ std::vector<int64_t> TokenIndex::cut_sizes(c10::IntArrayRef sizes, const ShapeSp
   if (spec.pad_rank > 0) out[spec.bcast_batch_dim] = B_ * spec.bcast_mult;
   for (const auto& d : spec.dims) {
     if (!cut_this(d, cut_keys)) continue;
-    out[d.dim + off] = d.kind == DimKind::kFlatToken ? B_ * d.mult * N_ : N_;
+    out[d.dim + off] = d.flat() ? B_ * d.mult * N_ : N_;
   }
   return out;
 }
@@ -446,7 +517,7 @@ std::string TokenIndex::mismatch(c10::IntArrayRef sizes, const ShapeSpec& spec) 
   }
   for (const auto& d : spec.dims) {
     const int64_t want = d.kind == DimKind::kToken       ? T_
-                         : d.kind == DimKind::kFlatToken ? B_ * d.mult * T_
+                         : d.flat()                      ? B_ * d.mult * T_
                                                          : B_ * d.mult;
     if (sizes[d.dim] != want) {
       return fmt::format("size {} at dimension {} where the plan expects {} (B={}, T={})", sizes[d.dim], d.dim, want,

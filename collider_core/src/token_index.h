@@ -14,12 +14,21 @@ namespace collider::detail {
 
 class TokenIndex {
  public:
-  TokenIndex(const torch::Tensor& keep_BT);  // validates: bool [B, T], equal kept count per row
+  TokenIndex(const torch::Tensor& keep_BT);  // validates: bool [B, T], at least one kept token
 
   int64_t B() const { return B_; }
   int64_t T() const { return T_; }
-  int64_t N() const { return N_; }
-  const torch::Tensor& keep_BT() const { return keep_BT_; }
+  int64_t N() const { return N_; }  // positions per row after the cut: max over rows of the kept count
+  const torch::Tensor& keep_BT() const { return keep_BT_; }  // the mask as given
+  // Ragged kept counts: rows keep different numbers of tokens and are padded to N (see the .cpp).
+  bool ragged() const { return ragged_; }
+  const std::vector<int64_t>& kept_counts() const { return counts_; }  // [B]
+  int64_t kept_total() const;
+  const torch::Tensor& idx_BN() const { return idx_BN_; }  // int64 [B, N]: the cut positions, ascending
+  const torch::Tensor& pad_BN() const { return pad_BN_; }  // bool [B, N]: padding; undefined unless ragged
+  // x already cut ([.., N, ..] on spec's token dimensions): padding positions zeroed along every
+  // token dimension (keys_only: only the key-role ones). x itself when nothing is padded.
+  torch::Tensor zero_padding(const torch::Tensor& x, const ShapeSpec& spec, bool keys_only) const;
 
   // Cuts every token dimension of `x` that `spec` marks (key-role dimensions only when
   // cut_keys). x has the sizes the plan expects (checked by the caller).
@@ -35,6 +44,7 @@ class TokenIndex {
   torch::Tensor cut_dim(const torch::Tensor& x, int64_t batch_dim, int64_t token_dim);
   torch::Tensor cut_in_memory_order(const torch::Tensor& x, const ShapeSpec& spec, bool cut_keys);
   const torch::Tensor& flat_rows(int64_t rows_per_batch);  // [B*rpb*N] row indices into [B*rpb*T]
+  const torch::Tensor& flat_rows_seq_first(int64_t mult);  // [N*B*mult] row indices into [T*B*mult]
   const torch::Tensor& idx_rows(int64_t rows_per_batch);   // [B*rpb, N] column indices
   const torch::Tensor& idx_square(int64_t rows_per_batch); // [B*rpb, N*N] flat (i*T + j) indices
   // Both of the last two dims are token dims of one batch row (attention's [.., Tq, Tk]): one pass.
@@ -50,8 +60,12 @@ class TokenIndex {
 
   int64_t B_, T_, N_;
   torch::Tensor keep_BT_;
+  torch::Tensor sel_BT_;  // the cut positions: keep_BT_, plus the padding of ragged rows
   torch::Tensor idx_BN_;  // int64 [B, N], ascending per row
-  std::map<int64_t, torch::Tensor> flat_cache_, rows_cache_, square_cache_;
+  torch::Tensor pad_BN_;  // bool [B, N], ragged only
+  std::vector<int64_t> counts_;  // kept per row
+  bool ragged_ = false;
+  std::map<int64_t, torch::Tensor> flat_cache_, seq_first_cache_, rows_cache_, square_cache_;
   ChunkTables chunks_;
 };
 

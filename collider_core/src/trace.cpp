@@ -15,7 +15,10 @@
 
 #include <algorithm>
 #include <deque>
+#include <functional>
+#include <map>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <set>
 
@@ -167,6 +170,9 @@ bool classify(const Observed& a, const Observed& b, Sizes sa, Sizes sb, ShapeSpe
     const int64_t x = a.values[d], y = b.values[d];
     DimSpec ds;
     ds.dim = static_cast<int32_t>(d);
+    // A value that is 0 in both traces is a constant (a slice start, an empty KV cache), never
+    // a token or batch dimension: 0 is a multiple of every B*T, so the tests below would take it.
+    if (x == 0 && y == 0) continue;
     if (x == sa.T && y == sb.T) {
       ds.kind = DimKind::kToken;
     } else if (x % (sa.B * sa.T) == 0 && y % (sb.B * sb.T) == 0 && x / (sa.B * sa.T) == y / (sb.B * sb.T)) {
@@ -200,8 +206,81 @@ const DimSpec* batch_dim(const ShapeSpec& s) {
 }
 bool has_flat(const ShapeSpec& s) {
   for (const auto& d : s.dims)
-    if (d.kind == DimKind::kFlatToken) return true;
+    if (d.flat()) return true;
   return false;
+}
+
+// A flattened token dimension of size B*mult*T has the same size whether the batch or the
+// sequence came first, so its row order cannot be read from sizes. It is read from the reshapes
+// that make or undo a flattening: a view whose input sizes (self_sym_sizes) have a token and a
+// batch dimension while its output (the node's input metadata) is flat, or the reverse. Nodes
+// joined by an edge whose tensor is flat see the same rows, so they share one order: every
+// reshape of such a group must agree. A group without a reshape keeps the batch-major order of
+// batch-first models, unless the graph has sequence-first tensors ([T, B, ..]): then it is refused.
+void resolve_flat_order(const Graph& g, PlanData& plan) {
+  const int n = static_cast<int>(plan.nodes.size());
+  auto flat_input = [&](int c, int64_t input_nr) {
+    for (const auto& f : plan.nodes[c].fields)
+      if (f.kind == FieldKind::kInputMeta && f.item == input_nr && has_flat(f.shape)) return true;
+    return false;
+  };
+  std::vector<int> root(n);
+  std::iota(root.begin(), root.end(), 0);
+  std::function<int(int)> find = [&](int i) { return root[i] == i ? i : root[i] = find(root[i]); };
+  bool any_flat = false, seq_first_tensor = false;
+  for (int i = 0; i < n; ++i) {
+    for (const auto& f : plan.nodes[i].fields) {
+      any_flat = any_flat || has_flat(f.shape);
+      const DimSpec* b = batch_dim(f.shape);
+      for (const auto& d : f.shape.dims)
+        if (b && d.kind == DimKind::kToken && d.dim < b->dim) seq_first_tensor = true;
+    }
+    for (const auto& e : g.nodes[i]->next_edges()) {
+      if (!e.function) continue;
+      const int c = g.index.at(e.function.get());
+      if (flat_input(c, e.input_nr)) root[find(i)] = find(c);
+    }
+  }
+  if (!any_flat) return;
+  std::map<int, std::vector<std::string>> batch_major, token_major;  // group -> the reshapes showing it
+  for (int i = 0; i < n; ++i) {
+    const NodeSpec& ns = plan.nodes[i];
+    const FieldSpec *in_sizes = nullptr, *out_meta = nullptr;
+    for (const auto& f : ns.fields) {
+      if (f.kind == FieldKind::kSizes && f.name == "self_sym_sizes") in_sizes = &f;
+      if (f.kind == FieldKind::kInputMeta && f.item == 0) out_meta = &f;
+    }
+    if (!in_sizes || !out_meta) continue;
+    const FieldSpec* flat = has_flat(out_meta->shape) ? out_meta : has_flat(in_sizes->shape) ? in_sizes : nullptr;
+    const FieldSpec* split = flat == out_meta ? in_sizes : out_meta;
+    if (!flat || has_flat(split->shape)) continue;
+    const DimSpec* b = batch_dim(split->shape);
+    auto toks = token_dims(split->shape);
+    if (!b || toks.size() != 1) continue;
+    (toks[0] < b->dim ? token_major : batch_major)[find(i)].push_back(fmt::format("#{} {}", i, ns.type));
+  }
+  for (int i = 0; i < n; ++i) {
+    const int r = find(i);
+    const bool bm = batch_major.count(r) > 0, tm = token_major.count(r) > 0;
+    if (bm && tm) {
+      throw Error(fmt::format("collider cannot rewrite node {} (#{}): its flattened batch and sequence rows are "
+                              "batch-major according to {} and sequence-major according to {}; reshape from one "
+                              "layout only", plan.nodes[i].type, i, batch_major[r].front(), token_major[r].front()));
+    }
+    bool flat_here = false;
+    for (const auto& f : plan.nodes[i].fields) flat_here = flat_here || has_flat(f.shape);
+    if (!flat_here) continue;
+    if (!bm && !tm && seq_first_tensor) {
+      throw Error(fmt::format("collider cannot rewrite node {} (#{}): it has a dimension of B*T rows, and no reshape "
+                              "next to it shows whether the batch or the sequence came first (the model has "
+                              "sequence-first [T, B, ..] tensors); flatten with view/reshape from the [B, T, ..] "
+                              "or [T, B, ..] tensor", plan.nodes[i].type, i));
+    }
+    if (!tm) continue;
+    for (auto& f : plan.nodes[i].fields)
+      for (auto& d : f.shape.dims)
+        if (d.kind == DimKind::kFlatToken) d.kind = DimKind::kFlatSeqFirst;
+  }
 }
 
 // A reference layout: rank, batch position and multiplier, token positions (padded coordinates).
@@ -274,6 +353,35 @@ bool along_token_dim(const ObservedNode& node, const Observed& field, const Shap
   for (const auto& ds : spec.dims)
     if (ds.dim == d && ds.kind != DimKind::kBatch) return true;
   return false;
+}
+
+// A concatenation along the token dimension onto empty tensors (a Hugging Face model's KV cache
+// at the first step: cat([B, G, 0, E], [B, G, T, E])) keeps every position where it was, so its
+// rows can be cut like any token-wise op. Any other concatenation along tokens is refused.
+bool is_cat_onto_empty(const ObservedNode& a, const ObservedNode& b, Sizes sa, Sizes sb) {
+  if (a.type != "CatBackward0" || !a.dim) return false;
+  int carrying = 0;
+  for (size_t k = 0; k < a.fields.size(); ++k) {
+    const Observed& fa = a.fields[k];
+    const Observed& fb = b.fields[k];
+    if (fa.name != "tensors_args_sizes_symint") continue;
+    const int64_t rank = static_cast<int64_t>(fa.values.size());
+    const int64_t d = *a.dim < 0 ? *a.dim + rank : *a.dim;
+    if (d < 0 || d >= rank || fb.values.size() != fa.values.size()) return false;
+    if (fa.values[d] == 0 && fb.values[d] == 0) continue;
+    if (fa.values[d] != sa.T || fb.values[d] != sb.T) return false;
+    ++carrying;
+  }
+  return carrying == 1;
+}
+
+// What to do about a refused token-mixing node, where a common cause is known.
+std::string mixing_hint(const std::string& type) {
+  if (type == "CatBackward0" || type == "StackBackward0") {
+    return " (a KV cache concatenates along the sequence: with Hugging Face transformers pass use_cache=False "
+           "to the training forward)";
+  }
+  return "";
 }
 
 bool is_softmax(const std::string& t) { return t == "SoftmaxBackward0"; }
@@ -468,6 +576,11 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
         throw Error(fmt::format("collider cannot rewrite node {} (#{}): field {} (a TensorGeometry) has token "
                                 "dimensions", ns.type, i, a.name.substr(9)));
       }
+      if (!oa[i].generated && a.kind == FieldKind::kInputMeta && ns.type.find("CompiledFunction") != std::string::npos) {
+        throw Error(fmt::format("collider cannot rewrite node {} (#{}): it is a torch.compile (AOTAutograd) graph, "
+                                "whose saved activations live inside compiled code the rewriter cannot cut. Trace "
+                                "and filter the model without torch.compile.", ns.type, i));
+      }
       if (!oa[i].generated && a.kind == FieldKind::kInputMeta && !is_passthrough(ns.type) &&
           ns.type != "torch::autograd::AccumulateGrad") {
         throw Error(fmt::format("collider cannot rewrite node {} (#{}): it is not an ATen op (no field handler "
@@ -475,15 +588,17 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
                                 "gradients row for row and saves nothing token-shaped, declare it with "
                                 "collider::register_passthrough_node(\"{}\").", ns.type, i, ns.type));
       }
-      if (token_mixing_nodes().count(ns.type) && along_token_dim(oa[i], a, spec)) {
+      if (token_mixing_nodes().count(ns.type) && along_token_dim(oa[i], a, spec) &&
+          !is_cat_onto_empty(oa[i], ob[i], sa, sb)) {
         throw Error(fmt::format("collider cannot rewrite node {} (#{}): it mixes or indexes positions along a "
-                                "token dimension (field {}); filtering rows would change its result",
-                                ns.type, i, a.name));
+                                "token dimension (field {}); filtering rows would change its result{}",
+                                ns.type, i, a.name, mixing_hint(ns.type)));
       }
       ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
       values[i].push_back(a.values);
     }
   }
+  resolve_flat_order(ga, plan);
   // Broadcast layouts, resolved parents-first. With B = 1 a batch-less token field is cut as it
   // is (every row belongs to the one sequence).
   std::vector<std::optional<RefLayout>> node_ref(n);
@@ -524,7 +639,7 @@ void register_passthrough_node(const std::string& node_name) {
   detail::passthrough_nodes().insert(node_name);
 }
 
-Plan trace_plan(const LossOnBatchFn& loss_on_random_batch, const TraceOptions& opts) {
+static Plan trace_plan_impl(const LossOnBatchFn& loss_on_random_batch, const TraceOptions& opts) {
   if (!loss_on_random_batch) throw Error("trace_plan: no loss function given");
   auto build = [&](int64_t B, int64_t T) {
     torch::Tensor loss = loss_on_random_batch(B, T);
@@ -549,6 +664,19 @@ Plan trace_plan(const LossOnBatchFn& loss_on_random_batch, const TraceOptions& o
   plan.impl().data = plan_for(opts.batch_a, opts.batch_b);
   plan.impl().single = plan_for(1, 1);
   return plan;
+}
+
+// Only collider::Error leaves: a failure of the loss function or of a tensor op while tracing
+// is reported as one (first line of the message; c10::Error appends a C++ backtrace).
+Plan trace_plan(const LossOnBatchFn& loss_on_random_batch, const TraceOptions& opts) {
+  try {
+    return trace_plan_impl(loss_on_random_batch, opts);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    throw Error("trace_plan: building or tracing the loss failed: " + what.substr(0, what.find('\n')));
+  }
 }
 
 }  // namespace collider

@@ -1,4 +1,4 @@
-// The fused multi-tensor row gather (collider_core/src/cuda/gather_rows.*, issue 8) against
+// The fused multi-tensor row gather (collider_core/src/cuda/gather_rows.*) against
 // index_select (label gpu). Copies are bit-exact, so every comparison is torch::equal. Without a
 // CUDA device the copy tests skip; the launch planning (vector width, blocks, launches) and the
 // argument checks run anyway. In a build without the CUDA sources (COLLIDER_CUDA=OFF) the file is

@@ -10,9 +10,10 @@
 // filter_backward rewrites the autograd graph hanging off `loss` in place: every saved
 // activation with a token dimension is cut to the kept rows, recorded sizes and expected input
 // shapes shrink, so the whole backward (GEMMs, norms, softmax, loss, embedding) runs on T' rows.
-// Legend: B batch, T sequence, N = T' kept tokens per sequence.
+// Legend: B batch, T sequence, N = T' kept tokens per sequence (the largest count when ragged).
 #pragma once
 
+#include <collider/error.h>
 #include <collider/select.h>
 
 #include <torch/torch.h>
@@ -25,13 +26,6 @@
 #include <vector>
 
 namespace collider {
-
-// Every failure of the rewriter: a node it cannot rewrite (named, with its saved fields), a
-// graph that does not match the plan, a bad mask. Never a silent dense fallback.
-class Error : public std::runtime_error {
- public:
-  explicit Error(const std::string& what) : std::runtime_error(what) {}
-};
 
 // Attention gradient semantics (DESIGN.md section 3).
 enum class AttentionGrad {
@@ -52,7 +46,10 @@ struct FilterStats {
   int64_t bytes_before = 0;         // bytes of those tensors before the cut
   int64_t bytes_gathered = 0;       // bytes of the cut copies
   int64_t gather_nodes_inserted = 0;  // exact_query: nodes that cut dK/dV to kept rows
-  int64_t batch = 0, seq_len = 0, kept = 0;  // B, T, T'
+  int64_t batch = 0, seq_len = 0;  // B, T
+  int64_t kept = 0;                 // positions per row after the cut: T', the largest kept count
+  int64_t kept_total = 0;           // kept tokens over the batch (B * T' unless ragged)
+  int64_t kept_min = 0, kept_max = 0;  // kept counts of the rows (differ under batch_topk)
   double rewrite_ms = 0.0;          // whole call
   double gather_ms = 0.0;           // of which: copying saved tensors to kept rows
 };
@@ -96,7 +93,9 @@ struct TraceOptions {
 
 Plan trace_plan(const LossOnBatchFn& loss_on_random_batch, const TraceOptions& opts = {});
 
-// The one added line. keep_mask_BT: bool [B, T], the same count T' of `true` in every row.
+// The one added line. keep_mask_BT: bool [B, T]. Rows may keep different numbers of tokens
+// (batch_topk), every position, or none (such a row gives no gradient): ragged rows are cut to
+// the largest count, the padding excluded exactly (collider_core/src/token_index.cpp).
 FilterStats filter_backward(const torch::Tensor& loss, const torch::Tensor& keep_mask_BT,
                             const Plan& plan, const FilterOptions& opts = {});
 

@@ -3,6 +3,8 @@
 // Legend: B batch, T sequence, N kept tokens per sequence.
 #pragma once
 
+#include <collider/error.h>
+
 #include <torch/torch.h>
 
 #include <optional>
@@ -12,7 +14,7 @@ namespace collider {
 
 enum class SelectPolicy {
   kPerSequence,  // the same kept count in every row (Collider needs it); drop count rounded up to `align`
-  kBatchTopK,    // RHO-1: top (1 - filter_ratio) of the whole batch; ragged rows, loss_only only
+  kBatchTopK,    // RHO-1: top (1 - filter_ratio) of the whole batch; ragged rows (a row may keep all or none)
 };
 const char* to_string(SelectPolicy p);
 SelectPolicy select_policy_from_string(const std::string& s);  // "per_sequence" | "batch_topk"
@@ -24,6 +26,7 @@ struct SelectOptions {
   std::optional<torch::Tensor> valid_BT;
 };
 
+// Failures of the three functions below are collider::Error.
 // scores_BT: higher = more worth keeping. filter_ratio in [0, 1): fraction of (valid) positions
 // dropped. Returns the keep mask, bool [B, T]. Ties break toward the earlier position.
 torch::Tensor select_tokens(const torch::Tensor& scores_BT, double filter_ratio,

@@ -1,4 +1,4 @@
-// Fused multi-tensor row gather (issue 8: "one kernel per layer for all its saved tensors"). One
+// Fused multi-tensor row gather ("one kernel per layer for all its saved tensors"). One
 // launch copies the kept rows of up to kMaxJobsPerLaunch tensors; each block belongs to one job and
 // copies kGatherThreads * kGatherVectorsPerThread vectors of it (16-byte vectors where the base
 // pointers and the row size allow, else 8/4/2/1), consecutive threads on consecutive bytes of a row.

@@ -1,4 +1,4 @@
-// Internal: fused gather of the kept rows of several saved tensors in ONE kernel launch (issue 8's
+// Internal: fused gather of the kept rows of several saved tensors in ONE kernel launch (the GPU plan's
 // "fused gather: one kernel per layer for all its saved tensors"), and the plain-ATen version with
 // the same contract (index_select per tensor) for tests and comparisons. Available only in builds
 // with COLLIDER_WITH_CUDA (COLLIDER_CUDA=ON); not wired into the rewriter yet (that waits for a GPU

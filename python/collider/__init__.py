@@ -1,0 +1,195 @@
+"""Collider from Python: token-filtered backward for LLM training (arXiv 2502.00340), DESIGN.md 4b.
+
+    plan = collider.trace_plan(loss_on_random_batch)     # once: callable (batch, seq_len) -> scalar loss
+    collider.filter_backward(loss, keep_mask, plan, attention="kept_only")   # the one added line
+    loss.backward()                                       # runs on the kept rows only
+
+A thin typed wrapper over the C++ library (collider._C, built from collider_core): arguments are
+checked here with plain messages, and every refusal, here or in C++, is a `collider.Error`.
+transformers helpers (a plan from the model alone, RHO-1 with Trainer): `collider.hf`.
+Tests: python/tests/ (run by ./scripts/test.sh).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+try:
+    from . import _C
+except ImportError as e:  # the extension is tied to the exact torch it was compiled against
+    raise ImportError(
+        f"collider: cannot load its C++ extension ({e}). It must be built against the torch that is "
+        f"imported (torch {torch.__version__} here): rebuild with ./scripts/bootstrap.sh in the Collider "
+        "checkout, or `pip install --no-build-isolation ./python` in this environment"
+    ) from e
+
+__all__ = [
+    "Error",
+    "Plan",
+    "FilterStats",
+    "trace_plan",
+    "filter_backward",
+    "mask_backward",
+    "select_tokens",
+    "kept_count",
+    "register_passthrough_node",
+]
+__version__ = "0.1.0"
+
+#: Every refusal of the library (a node it cannot rewrite, a graph that does not match the plan, a
+#: bad argument). A subclass of RuntimeError.
+Error = _C.Error
+Error.__module__ = "collider"
+#: A traced plan: per autograd node, which dimensions are token dimensions. `to_string()`,
+#: `Plan.from_string(text)`, `summary()`, `num_nodes`, `num_token_nodes`; picklable.
+Plan = _C.Plan
+Plan.__module__ = "collider"
+#: What one filter_backward / mask_backward call did: the C++ FilterStats fields as attributes.
+FilterStats = _C.FilterStats
+FilterStats.__module__ = "collider"
+
+_STATS_FIELDS = ("nodes_visited", "nodes_rewritten", "tensors_gathered", "bytes_before", "bytes_gathered",
+                 "gather_nodes_inserted", "batch", "seq_len", "kept", "kept_total", "kept_min", "kept_max",
+                 "rewrite_ms", "gather_ms")
+
+
+def _stats_to_dict(self: FilterStats) -> dict:
+    return {k: getattr(self, k) for k in _STATS_FIELDS}
+
+
+def _stats_repr(self: FilterStats) -> str:
+    return "FilterStats(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in _STATS_FIELDS) + ")"
+
+
+FilterStats.to_dict = _stats_to_dict
+FilterStats.__repr__ = _stats_repr
+
+_ATTENTION = ("kept_only", "exact_query")
+_POLICIES = ("per_sequence", "batch_topk")
+# The two trace shapes of the C++ TraceOptions: sizes no model uses (primes), B >= 2.
+_TRACE_SHAPES = (3, 53, 5, 61)
+
+
+def _check_tensor(value, name: str, who: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise Error(f"{who}: {name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _check_keep_mask(loss, keep_mask, plan, attention, who: str) -> None:
+    _check_tensor(loss, "loss", who)
+    _check_tensor(keep_mask, "keep_mask", who)
+    if not isinstance(plan, Plan):
+        raise Error(f"{who}: plan must be a collider.Plan (from collider.trace_plan), got {type(plan).__name__}")
+    if attention not in _ATTENTION:
+        raise Error(f"{who}: attention must be one of {', '.join(_ATTENTION)}; got {attention!r}")
+    if loss.numel() != 1:
+        raise Error(f"{who}: loss must be a scalar, got shape {list(loss.shape)}")
+    if loss.grad_fn is None:
+        raise Error(f"{who}: the loss has no grad_fn; build it from the model's outputs with grad enabled "
+                    "(not under torch.no_grad()), and call this before loss.backward()")
+    if keep_mask.dtype != torch.bool or keep_mask.dim() != 2:
+        raise Error(f"{who}: keep_mask must be a bool tensor [B, T] (True = the position's loss counts), got "
+                    f"{keep_mask.dtype} of shape {list(keep_mask.shape)}; see collider.select_tokens")
+
+
+def trace_plan(loss_on_random_batch: Callable[[int, int], torch.Tensor]) -> Plan:
+    """Traces the loss graph twice on dummy batches and returns the Plan that filter_backward replays.
+
+    `loss_on_random_batch(batch, seq_len)` must build the scalar training loss of the model on a
+    random batch of that shape, the same way as the training step does (same loss form, same
+    forward arguments), with grad enabled. It is called with (3, 53), (5, 61), (1, 53) and (1, 61).
+    An exception raised inside it comes back as a collider.Error whose __cause__ is the original.
+    For transformers models, collider.hf.trace_plan(model) builds the callable from the config.
+    """
+    if not callable(loss_on_random_batch):
+        raise Error(f"trace_plan: loss_on_random_batch must be callable (batch, seq_len) -> loss, got "
+                    f"{type(loss_on_random_batch).__name__}")
+    failure: list = []
+
+    def call(batch: int, seq_len: int) -> torch.Tensor:
+        try:
+            loss = loss_on_random_batch(batch, seq_len)
+        except Exception as e:
+            failure.append((batch, seq_len, e))
+            raise
+        if not isinstance(loss, torch.Tensor):
+            err = Error(f"trace_plan: loss_on_random_batch({batch}, {seq_len}) returned "
+                        f"{type(loss).__name__}, not a scalar torch.Tensor")
+            failure.append((batch, seq_len, err))
+            raise err
+        return loss
+
+    try:
+        with torch.enable_grad():
+            return _C.trace_plan(call, *_TRACE_SHAPES)
+    except Exception as e:
+        if failure:
+            batch, seq_len, cause = failure[0]
+            if isinstance(cause, Error):
+                raise cause from None
+            raise Error(f"trace_plan: loss_on_random_batch({batch}, {seq_len}) raised "
+                        f"{type(cause).__name__}: {cause}") from cause
+        if isinstance(e, Error):
+            raise
+        raise Error(f"trace_plan: {type(e).__name__}: {e}") from e
+
+
+def filter_backward(loss: torch.Tensor, keep_mask: torch.Tensor, plan: Plan,
+                    attention: str = "kept_only") -> FilterStats:
+    """The one added line: rewrites the autograd graph of `loss` in place so that the next
+    loss.backward() runs on the kept positions only.
+
+    keep_mask: bool [B, T] on the positions of the model's hidden states (True = kept); rows may
+    keep different counts (collider.select_tokens(policy="batch_topk")), every position or none.
+    The loss must already be the masked loss (dropped positions contribute nothing). The stats'
+    `kept` is the largest kept count per row, `kept_total` the batch's. attention: "kept_only" (paper v1) or
+    "exact_query" (v2). All or nothing: on a collider.Error the graph is unchanged, so a plain
+    loss.backward() still gives the loss_only gradient.
+    """
+    _check_keep_mask(loss, keep_mask, plan, attention, "filter_backward")
+    return _C.filter_backward(loss, keep_mask, plan, attention)
+
+
+def mask_backward(loss: torch.Tensor, keep_mask: torch.Tensor, plan: Plan,
+                  attention: str = "kept_only") -> FilterStats:
+    """The oracle of filter_backward: the same gradients, computed on full-size tensors with the
+    dropped rows (and attention columns) zeroed. No speed-up; for tests and references."""
+    _check_keep_mask(loss, keep_mask, plan, attention, "mask_backward")
+    return _C.mask_backward(loss, keep_mask, plan, attention)
+
+
+def select_tokens(scores: torch.Tensor, filter_ratio: float, policy: str = "per_sequence", align: int = 8,
+                  valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The keep mask (bool [B, T]) from per-token scores (higher = more worth keeping; RHO-1: the
+    excess loss). filter_ratio in [0, 1) is the fraction dropped. policy "per_sequence" keeps the
+    same count in every row (drop count rounded up to a multiple of `align`), "batch_topk" ranks
+    the whole batch (RHO-1; ragged rows, which filter_backward pads to the largest). valid: optional bool
+    [B, T], False = no label there (always dropped, not counted toward the ratio)."""
+    _check_tensor(scores, "scores", "select_tokens")
+    if isinstance(filter_ratio, bool) or not isinstance(filter_ratio, (int, float)):
+        raise Error(f"select_tokens: filter_ratio must be a number in [0, 1), got {type(filter_ratio).__name__}")
+    if policy not in _POLICIES:
+        raise Error(f"select_tokens: policy must be one of {', '.join(_POLICIES)}; got {policy!r}")
+    if isinstance(align, bool) or not isinstance(align, int):
+        raise Error(f"select_tokens: align must be an int >= 1, got {align!r}")
+    if valid is not None:
+        _check_tensor(valid, "valid", "select_tokens")
+    if scores.dim() != 2:
+        raise Error(f"select_tokens: scores must be [B, T], got shape {list(scores.shape)}")
+    return _C.select_tokens(scores, float(filter_ratio), policy, align, valid)
+
+
+def kept_count(seq_len: int, filter_ratio: float, align: int = 8) -> int:
+    """Kept count per row that per_sequence selection gives for a row of `seq_len` valid positions."""
+    return _C.kept_count(int(seq_len), float(filter_ratio), int(align))
+
+
+def register_passthrough_node(name: str) -> None:
+    """Declares a custom autograd node (by its grad_fn name, e.g. a torch.autograd.Function's
+    "MyOpBackward") safe to pass through: it saves nothing token-shaped and maps gradients row for
+    row. Without it such nodes are refused by trace_plan."""
+    if not isinstance(name, str) or not name:
+        raise Error(f"register_passthrough_node: name must be a non-empty str, got {name!r}")
+    _C.register_passthrough_node(name)

@@ -1,0 +1,286 @@
+"""collider.hf: Collider on Hugging Face transformers causal language models.
+
+Two things a transformers user needs beyond collider.filter_backward:
+  plan = collider.hf.trace_plan(model)          # a plan from the model alone (dummy batches from its config)
+  trainer = collider.hf.Rho1Trainer(model=model, reference_model=ref, args=args, train_dataset=ds,
+                                    filter_ratio=0.4, attention="kept_only")   # RHO-1 with Collider
+  trainer.train()
+
+Positions. transformers' causal-LM loss shifts the labels inside the model: the hidden state at
+position t predicts labels[t + 1], and the last position predicts nothing. Collider's keep mask is
+laid out on the positions of the hidden states (DESIGN.md section 2), so keep[b, t] refers to the
+loss of labels[b, t + 1]: `keep_mask_from_labels` reads it off labels, `drop_labels` writes a keep
+mask back into labels (-100 on the label of every dropped position), `token_losses` gives the
+per-token loss on those same positions. The last position is never kept.
+
+Loss forms (the plan must be traced with the form the training step uses):
+  "labels"     transformers' own loss: model.loss_function(logits, drop_labels(labels, keep)), the
+               same code as model(input_ids, labels=...).loss (mean over the kept labels);
+  "per_token"  a per-token loss written by the user: masked_mean(token_losses(logits, labels), keep).
+Sequences must be packed (no padding; an attention_mask with zeros is refused).
+Tests: python/tests/test_hf_gradients.py, test_hf_trainer.py; example: examples/train_rho1_llama.py.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+import collider as _collider
+from collider import Error, Plan
+
+__all__ = [
+    "IGNORE_INDEX",
+    "LOSS_FORMS",
+    "METHODS",
+    "shift_labels",
+    "keep_mask_from_labels",
+    "drop_labels",
+    "token_losses",
+    "masked_mean",
+    "causal_lm_loss",
+    "training_loss",
+    "trace_plan",
+    "Rho1Trainer",
+]
+
+IGNORE_INDEX = -100  # transformers' "no label here"
+LOSS_FORMS = ("labels", "per_token")
+METHODS = ("collider", "loss_only", "regular")
+
+# DistributedDataParallel routes outputs through this autograd Function when it looks for unused
+# parameters or runs a static graph: its backward returns the gradients unchanged and it saves
+# nothing, so it maps rows one to one.
+_collider.register_passthrough_node("_DDPSinkBackward")
+
+
+def _unwrap(model: torch.nn.Module, who: str) -> torch.nn.Module:
+    """The transformers model inside DDP / PEFT wrappers; refuses torch.compile'd models."""
+    m = model
+    for _ in range(8):
+        if _is_compiled(m):
+            raise Error(
+                f"{who}: the model is compiled with torch.compile; Collider rewrites the per-operator autograd "
+                "graph that eager PyTorch records, and a compiled graph runs the backward as one opaque "
+                "CompiledFunctionBackward node. Pass the model before torch.compile (model._orig_mod)")
+        if isinstance(m, torch.nn.parallel.DistributedDataParallel):
+            m = m.module
+        elif hasattr(m, "get_base_model") and callable(m.get_base_model):  # peft.PeftModel
+            inner = m.get_base_model()
+            if inner is m:
+                break
+            m = inner
+        else:
+            break
+    if not hasattr(m, "config") or not hasattr(m.config, "vocab_size"):
+        raise Error(f"{who}: expected a transformers causal LM (a model with .config.vocab_size), got "
+                    f"{type(m).__name__}")
+    return m
+
+
+def _is_compiled(m: Any) -> bool:
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return False
+    return isinstance(m, OptimizedModule)
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """The target of every hidden-state position, [B, T]: labels[:, t + 1], and -100 at the last."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def keep_mask_from_labels(labels: torch.Tensor) -> torch.Tensor:
+    """bool [B, T] on the hidden-state positions: True where the position has a label to predict."""
+    return shift_labels(labels) != IGNORE_INDEX
+
+
+def drop_labels(labels: torch.Tensor, keep_mask: torch.Tensor) -> torch.Tensor:
+    """labels with -100 on the label of every position the keep mask drops, so that transformers'
+    loss (which shifts internally) counts exactly the kept positions."""
+    if keep_mask.shape != labels.shape:
+        raise Error(f"drop_labels: keep_mask {list(keep_mask.shape)} and labels {list(labels.shape)} must both be [B, T]")
+    out = labels.clone()
+    out[:, 1:] = torch.where(keep_mask[:, :-1].to(labels.device), labels[:, 1:], IGNORE_INDEX)
+    return out
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy [B, T] on the hidden-state positions: position t against
+    labels[t + 1]; 0 where there is no label. The per-token loss form. Half-precision logits are
+    upcast to float32 (as transformers' loss does); float32 and float64 stay as they are."""
+    B, T, V = logits.shape
+    target = shift_labels(labels).to(logits.device)
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    return F.cross_entropy(logits.reshape(B * T, V), target.reshape(B * T), reduction="none",
+                           ignore_index=IGNORE_INDEX).view(B, T)
+
+
+def masked_mean(token_loss: torch.Tensor, keep_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of the per-token loss over the kept positions (a multiplication, not indexing, so the
+    graph keeps its [B, T] layout for the rewrite)."""
+    keep = keep_mask.to(token_loss.dtype)
+    return (token_loss * keep).sum() / keep.sum().clamp(min=1)
+
+
+def causal_lm_loss(model: torch.nn.Module, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """transformers' own causal-LM loss on the logits (the code model(input_ids, labels=labels).loss runs)."""
+    base = _unwrap(model, "causal_lm_loss")
+    return base.loss_function(logits=logits, labels=labels, vocab_size=base.config.vocab_size)
+
+
+def training_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, keep_mask: torch.Tensor,
+                  loss: str = "labels", logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The scalar loss of a filtered step in one of LOSS_FORMS (the form trace_plan traces).
+    `logits`: the model's output on input_ids if the caller already ran the forward."""
+    if loss not in LOSS_FORMS:
+        raise Error(f"training_loss: loss must be one of {', '.join(LOSS_FORMS)}; got {loss!r}")
+    if logits is None:
+        logits = model(input_ids=input_ids, use_cache=False).logits
+    if loss == "labels":
+        return causal_lm_loss(model, logits, drop_labels(labels, keep_mask))
+    return masked_mean(token_losses(logits, labels), keep_mask)
+
+
+def trace_plan(model: torch.nn.Module, loss: str = "labels") -> Plan:
+    """collider.trace_plan for a transformers causal LM, from the model alone: random token ids in
+    [0, config.vocab_size), use_cache=False, the loss form `loss` (see LOSS_FORMS) with a random
+    half of the positions kept. Trace in the mode you train in (model.train()): dropout layers
+    change the graph. Works through DistributedDataParallel and PEFT wrappers; refuses a
+    torch.compile'd model."""
+    base = _unwrap(model, "collider.hf.trace_plan")
+    if loss not in LOSS_FORMS:
+        raise Error(f"collider.hf.trace_plan: loss must be one of {', '.join(LOSS_FORMS)}; got {loss!r}")
+    vocab = int(base.config.vocab_size)
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        raise Error("collider.hf.trace_plan: the model has no parameters") from None
+    gen = torch.Generator().manual_seed(0)
+
+    def loss_on_random_batch(batch: int, seq_len: int) -> torch.Tensor:
+        ids = torch.randint(0, vocab, (batch, seq_len), generator=gen).to(device)
+        keep = torch.rand(batch, seq_len, generator=gen).argsort(dim=1) < seq_len // 2
+        return training_loss(model, ids, ids, keep.to(device), loss=loss)
+
+    return _collider.trace_plan(loss_on_random_batch)
+
+
+def _token_scores(model_losses: torch.Tensor, reference: torch.nn.Module, input_ids: torch.Tensor,
+                  labels: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        ref = token_losses(reference(input_ids=input_ids, use_cache=False).logits, labels)
+    return model_losses.detach() - ref.to(model_losses.device)  # RHO-1 excess loss
+
+
+try:
+    from transformers import Trainer as _Trainer
+except ImportError:  # pragma: no cover - collider without transformers
+    _Trainer = None
+
+
+if _Trainer is not None:
+
+    class Rho1Trainer(_Trainer):
+        """transformers.Trainer with RHO-1 token selection and Collider's filtered backward.
+
+        Every training step: the model's per-token loss and the reference model's (no grad) give
+        the excess loss; collider.select_tokens keeps the top (1 - filter_ratio) of every sequence
+        (policy="per_sequence", the same count per row) or of the whole batch ("batch_topk", RHO-1's
+        own, ragged rows); the labels of the dropped positions are set to -100
+        (loss="labels": transformers' own loss; "per_token": a masked mean of token_losses); then
+        collider.filter_backward(loss, keep, plan, attention) rewrites the graph, and Trainer's
+        training_step runs accelerator.backward on it. The plan is traced on the first step
+        (collider.hf.trace_plan on the model as the Trainer wraps it).
+
+        method: "collider" (the above), "loss_only" (same selection, dense backward: RHO-1 as
+        existing systems run it) or "regular" (every labelled position, no reference model needed).
+        Inputs: input_ids (and optional labels, default input_ids); packed sequences, so an
+        attention_mask, if present, must be all ones. The last step's keep mask and FilterStats are
+        in `last_keep_mask` and `last_filter_stats`.
+        Data-parallel: DDP averages the ranks' gradients, which equals the mean over every kept
+        token because per_sequence gives every rank the same kept count; with batch_topk each rank
+        ranks its own rows and the ranks' kept counts differ, so the average of the ranks' means is
+        not the mean over all kept tokens (use per_sequence for data-parallel runs).
+        """
+
+        def __init__(self, *args, reference_model: Optional[torch.nn.Module] = None, filter_ratio: float = 0.4,
+                     method: str = "collider", attention: str = "kept_only", loss: str = "labels", align: int = 8,
+                     policy: str = "per_sequence", **kwargs):
+            if method not in METHODS:
+                raise Error(f"Rho1Trainer: method must be one of {', '.join(METHODS)}; got {method!r}")
+            if attention not in ("kept_only", "exact_query"):
+                raise Error(f"Rho1Trainer: attention must be kept_only or exact_query; got {attention!r}")
+            if loss not in LOSS_FORMS:
+                raise Error(f"Rho1Trainer: loss must be one of {', '.join(LOSS_FORMS)}; got {loss!r}")
+            if method != "regular" and reference_model is None:
+                raise Error("Rho1Trainer: RHO-1 selection needs a reference_model (trained on the curated data); "
+                            "use method='regular' to train on every token")
+            if policy not in ("per_sequence", "batch_topk"):
+                raise Error(f"Rho1Trainer: policy must be per_sequence or batch_topk; got {policy!r}")
+            if not 0.0 <= float(filter_ratio) < 1.0:
+                raise Error(f"Rho1Trainer: filter_ratio {filter_ratio} is outside [0, 1): it is the fraction dropped")
+            super().__init__(*args, **kwargs)
+            model = kwargs.get("model", args[0] if args else None)
+            if model is not None:
+                _unwrap(model, "Rho1Trainer")
+            self.reference_model = reference_model
+            if reference_model is not None:
+                reference_model.eval()
+                reference_model.requires_grad_(False)
+            self.filter_ratio = float(filter_ratio)
+            self.method = method
+            self.attention = attention
+            self.loss_form = loss
+            self.align = int(align)
+            self.policy = policy
+            # The loss is the mean over this micro-batch's kept tokens: let Trainer divide it by
+            # the gradient-accumulation steps (it skips that when the model takes num_items_in_batch).
+            self.model_accepts_loss_kwargs = False
+            self.collider_plan: Optional[Plan] = None
+            self.last_keep_mask: Optional[torch.Tensor] = None
+            self.last_filter_stats = None
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            input_ids = inputs["input_ids"]
+            labels = inputs.get("labels")
+            if labels is None:
+                labels = input_ids
+            mask = inputs.get("attention_mask")
+            if mask is not None and not bool(mask.bool().all()):
+                raise Error("Rho1Trainer: the batch has padding (attention_mask with zeros); train on packed "
+                            "sequences of equal length (windows of the token stream, as the example does)")
+            training = model.training and torch.is_grad_enabled()
+            if training and self.method == "collider" and self.collider_plan is None:
+                self.collider_plan = trace_plan(model, loss=self.loss_form)  # once, before the first step
+            outputs = model(input_ids=input_ids, use_cache=False)
+            logits = outputs.logits
+            valid = keep_mask_from_labels(labels).to(logits.device)
+            if self.method == "regular" or not training:
+                keep = valid
+            else:
+                with torch.no_grad():
+                    model_losses = token_losses(logits.detach(), labels)
+                reference = self.reference_model
+                if next(reference.parameters()).device != logits.device:
+                    reference.to(logits.device)
+                scores = _token_scores(model_losses, reference, input_ids, labels)
+                keep = _collider.select_tokens(scores, self.filter_ratio, policy=self.policy, align=self.align,
+                                               valid=valid)
+            loss = training_loss(model, input_ids, labels, keep, loss=self.loss_form, logits=logits)
+            if training:
+                self.last_keep_mask = keep
+                if self.method == "collider":
+                    # The one added line; Trainer.training_step's accelerator.backward(loss) follows.
+                    self.last_filter_stats = _collider.filter_backward(loss, keep, self.collider_plan,
+                                                                       attention=self.attention)
+            return (loss, outputs) if return_outputs else loss
+
+else:  # pragma: no cover
+
+    class Rho1Trainer:  # type: ignore[no-redef]
+        def __init__(self, *args, **kwargs):
+            raise Error("collider.hf.Rho1Trainer needs transformers (pip install transformers)")

@@ -1,0 +1,75 @@
+"""Builds the collider Python package: the extension collider._C is the CMake target
+`collider_python` of python/CMakeLists.txt, compiled against the torch of the running Python.
+
+  pip install --no-build-isolation ./python      # from the Collider checkout; builds collider_core too
+Environment:
+  COLLIDER_PREBUILT_EXT=PATH  copy this already-built _C module instead of compiling (what
+                              scripts/bootstrap.sh does with the one its CMake build made)
+  COLLIDER_JOBS=N             build parallelism (default: number of cores)
+  COLLIDER_CUDA=ON            also compile collider_core's CUDA sources (needs nvcc)
+Needs CMake >= 3.22, a C++17 compiler with OpenMP (g++) and the Python headers (python3-dev).
+"""
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = Path(__file__).resolve().parent
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name: str):
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext: Extension) -> None:
+        target = Path(self.get_ext_fullpath(ext.name)).resolve()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        suffix = sysconfig.get_config_var("EXT_SUFFIX")
+        prebuilt = os.environ.get("COLLIDER_PREBUILT_EXT")
+        if prebuilt:
+            src = Path(prebuilt)
+            if not src.is_file():
+                sys.exit(f"collider setup.py: COLLIDER_PREBUILT_EXT={prebuilt} is not a file")
+            if not src.name.endswith(suffix):
+                sys.exit(f"collider setup.py: {src.name} was built for another Python (expected suffix {suffix})")
+            shutil.copyfile(src, target)
+            print(f"collider setup.py: copied prebuilt {src} -> {target}")
+            return
+        if not (HERE.parent / "collider_core" / "CMakeLists.txt").is_file():
+            sys.exit("collider setup.py: ../collider_core not found; build from a Collider checkout "
+                     "(pip install --no-build-isolation ./python in its root)")
+        try:
+            import torch.utils
+        except ImportError:
+            sys.exit("collider setup.py: torch is not importable; install torch first and use "
+                     "pip install --no-build-isolation so that the extension is built against it")
+        build_dir = Path(self.build_temp).resolve() / "cmake"
+        out_dir = build_dir / "module"
+        cmake = shutil.which("cmake")
+        if not cmake:
+            sys.exit("collider setup.py: cmake (>= 3.22) not found on PATH (apt-get install cmake, or pip install cmake)")
+        args = [cmake, "-S", str(HERE), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
+                f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}", f"-DPython3_EXECUTABLE={sys.executable}",
+                f"-DCOLLIDER_PYTHON_OUTPUT_DIR={out_dir}",
+                f"-DCOLLIDER_CUDA={os.environ.get('COLLIDER_CUDA', 'OFF')}", "-Wno-dev"]
+        if shutil.which("ninja"):
+            args += ["-G", "Ninja"]
+        if shutil.which("ccache"):
+            args += ["-DCMAKE_CXX_COMPILER_LAUNCHER=ccache", "-DCMAKE_CUDA_COMPILER_LAUNCHER=ccache"]
+        subprocess.run(args, check=True)
+        jobs = os.environ.get("COLLIDER_JOBS", str(os.cpu_count() or 1))
+        subprocess.run([cmake, "--build", str(build_dir), "--target", "collider_python", "-j", jobs], check=True)
+        built = [p for p in out_dir.iterdir() if p.name.startswith("_C") and p.name.endswith(suffix)]
+        if len(built) != 1:
+            sys.exit(f"collider setup.py: expected one _C*{suffix} in {out_dir}, found {[p.name for p in built]}")
+        shutil.copyfile(built[0], target)
+
+
+setup(ext_modules=[CMakeExtension("collider._C")], cmdclass={"build_ext": CMakeBuild})

@@ -1,0 +1,178 @@
+// collider._C: the pybind11 module over collider_core (DESIGN.md section 4b). Thin on purpose:
+// argument checks with plain messages live in python/collider/__init__.py, this file only maps
+// types and makes sure every C++ failure reaches Python as collider.Error (collider::Error keeps
+// its message; c10::Error, std::invalid_argument and any other std::exception are translated, so
+// no TORCH_CHECK or raw shape error leaves the package as something else). A Python exception
+// raised inside the trace callable comes back unchanged (pybind11::error_already_set).
+// Built by python/CMakeLists.txt (in the main CMake build, or by python/setup.py standalone) with
+// the pybind11 that torch ships. Tested by python/tests/test_api.py. It also compiles in the C++
+// harness's caching CPU allocator (harness/memory.cpp, torch-only), which the benchmark
+// python/bench/bench_hf_backward.py installs so that its numbers compare with bm_collider_backward.
+#include <collider/collider.h>
+#include <collider/select.h>
+
+#include "harness/memory.h"
+
+#include <torch/extension.h>
+
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+
+#include <exception>
+#include <optional>
+#include <string>
+#include <utility>
+
+namespace py = pybind11;
+
+namespace {
+
+// Runs `fn`, turning every C++ exception except a pending Python one into collider::Error, which
+// the registered translator raises as collider.Error. `who` prefixes messages of exceptions that
+// do not come from the public API's own checks (they would otherwise read as internal noise).
+std::string prefixed(const char* who, const std::string& msg) {
+  return msg.rfind(who, 0) == 0 ? msg : std::string(who) + ": " + msg;
+}
+
+template <typename Fn>
+auto guarded(const char* who, Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const collider::Error&) {
+    throw;
+  } catch (const py::error_already_set&) {
+    throw;  // a Python exception from the user's callable: keep it as it is
+  } catch (const py::builtin_exception&) {
+    throw;
+  } catch (const c10::Error& e) {
+    throw collider::Error(prefixed(who, e.what_without_backtrace()));
+  } catch (const std::invalid_argument& e) {
+    throw collider::Error(prefixed(who, e.what()));
+  } catch (const std::exception& e) {
+    throw collider::Error(std::string(who) + ": unexpected error inside collider (please report it with the model "
+                          "that caused it): " + e.what());
+  }
+}
+
+collider::FilterOptions options_for(const std::string& attention) {
+  collider::FilterOptions opts;
+  try {
+    opts.attention = collider::attention_grad_from_string(attention);
+  } catch (const std::invalid_argument& e) {
+    throw collider::Error(e.what());
+  }
+  return opts;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "Collider's C++ core (collider_core); use the wrappers in the collider package.";
+
+  // collider.Error: every refusal of the library. A RuntimeError, so code that catches those keeps working.
+  // Module-local, so it is tried before torch's global translators.
+  py::register_local_exception<collider::Error>(m, "Error", PyExc_RuntimeError);
+
+  py::class_<collider::Plan>(m, "Plan")
+      .def(py::init<>())
+      .def("to_string", &collider::Plan::to_string, "The plan as text (Plan.from_string reads it back).")
+      .def_static(
+          "from_string",
+          [](const std::string& text) { return guarded("Plan.from_string", [&] { return collider::Plan::from_string(text); }); },
+          py::arg("text"), "Reads a plan written by to_string(); raises collider.Error for text that is not one.")
+      .def("summary", &collider::Plan::summary, "One line: nodes, token nodes, attention cores.")
+      .def_property_readonly("num_nodes", &collider::Plan::num_nodes, "Autograd nodes of the traced loss graph.")
+      .def_property_readonly("num_token_nodes", &collider::Plan::num_token_nodes,
+                             "Nodes with at least one token dimension.")
+      .def("__repr__", [](const collider::Plan& p) { return "<collider.Plan " + p.summary() + ">"; })
+      .def(py::pickle([](const collider::Plan& p) { return p.to_string(); },
+                      [](const std::string& text) {
+                        return guarded("Plan (unpickle)", [&] { return collider::Plan::from_string(text); });
+                      }));
+
+  py::class_<collider::FilterStats>(m, "FilterStats")
+      .def_readonly("nodes_visited", &collider::FilterStats::nodes_visited)
+      .def_readonly("nodes_rewritten", &collider::FilterStats::nodes_rewritten)
+      .def_readonly("tensors_gathered", &collider::FilterStats::tensors_gathered)
+      .def_readonly("bytes_before", &collider::FilterStats::bytes_before)
+      .def_readonly("bytes_gathered", &collider::FilterStats::bytes_gathered)
+      .def_readonly("gather_nodes_inserted", &collider::FilterStats::gather_nodes_inserted)
+      .def_readonly("batch", &collider::FilterStats::batch)
+      .def_readonly("seq_len", &collider::FilterStats::seq_len)
+      .def_readonly("kept", &collider::FilterStats::kept)
+      .def_readonly("kept_total", &collider::FilterStats::kept_total)
+      .def_readonly("kept_min", &collider::FilterStats::kept_min)
+      .def_readonly("kept_max", &collider::FilterStats::kept_max)
+      .def_readonly("rewrite_ms", &collider::FilterStats::rewrite_ms)
+      .def_readonly("gather_ms", &collider::FilterStats::gather_ms);
+
+  // The callable is a Python function; pybind11's std::function wrapper takes the GIL around every
+  // call (the caller holds it already) and turns a Python exception into error_already_set.
+  m.def(
+      "trace_plan",
+      [](const std::function<torch::Tensor(int64_t, int64_t)>& fn, int64_t batch_a, int64_t seq_a, int64_t batch_b,
+         int64_t seq_b) {
+        collider::TraceOptions opts;
+        opts.batch_a = batch_a;
+        opts.seq_a = seq_a;
+        opts.batch_b = batch_b;
+        opts.seq_b = seq_b;
+        return guarded("trace_plan", [&] { return collider::trace_plan(fn, opts); });
+      },
+      py::arg("loss_on_random_batch"), py::arg("batch_a"), py::arg("seq_a"), py::arg("batch_b"), py::arg("seq_b"));
+
+  m.def(
+      "filter_backward",
+      [](const torch::Tensor& loss, const torch::Tensor& keep_mask, const collider::Plan& plan,
+         const std::string& attention) {
+        const auto opts = options_for(attention);
+        return guarded("filter_backward", [&] { return collider::filter_backward(loss, keep_mask, plan, opts); });
+      },
+      py::arg("loss"), py::arg("keep_mask"), py::arg("plan"), py::arg("attention"));
+
+  m.def(
+      "mask_backward",
+      [](const torch::Tensor& loss, const torch::Tensor& keep_mask, const collider::Plan& plan,
+         const std::string& attention) {
+        const auto opts = options_for(attention);
+        return guarded("mask_backward", [&] { return collider::mask_backward(loss, keep_mask, plan, opts); });
+      },
+      py::arg("loss"), py::arg("keep_mask"), py::arg("plan"), py::arg("attention"));
+
+  m.def(
+      "select_tokens",
+      [](const torch::Tensor& scores, double filter_ratio, const std::string& policy, int64_t align,
+         std::optional<torch::Tensor> valid) {
+        return guarded("select_tokens", [&] {
+          collider::SelectOptions opts;
+          opts.policy = collider::select_policy_from_string(policy);
+          opts.align = align;
+          opts.valid_BT = std::move(valid);
+          return collider::select_tokens(scores, filter_ratio, opts);
+        });
+      },
+      py::arg("scores"), py::arg("filter_ratio"), py::arg("policy"), py::arg("align"), py::arg("valid"));
+
+  m.def(
+      "kept_count",
+      [](int64_t seq_len, double filter_ratio, int64_t align) {
+        return guarded("kept_count", [&] { return collider::kept_count(seq_len, filter_ratio, align); });
+      },
+      py::arg("seq_len"), py::arg("filter_ratio"), py::arg("align"));
+
+  m.def(
+      "register_passthrough_node",
+      [](const std::string& name) { guarded("register_passthrough_node", [&] { collider::register_passthrough_node(name); }); },
+      py::arg("name"));
+
+  // For benchmarks: the C++ harness's CPU allocator (caches freed blocks >= 64 KiB as CUDA's caching
+  // allocator does; COLLIDER_CPU_CACHING=0 turns caching off). Returns its mode.
+  m.def("_install_caching_cpu_allocator", [] {
+    collider::harness::install_cpu_memory_tracking();
+    return std::string(collider::harness::cpu_allocator_mode());
+  });
+
+  // The torch this module was compiled against (its C++ ABI is tied to that exact version).
+  m.attr("TORCH_VERSION_BUILT") = py::str(std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) +
+                                          "." + std::to_string(TORCH_VERSION_PATCH));
+}

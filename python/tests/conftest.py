@@ -1,0 +1,30 @@
+"""pytest set-up for the collider Python package: imports the collider built by this checkout.
+
+./scripts/test.sh runs `pytest python/tests` after CTest. The package under test is the one in
+build/python (the CMake build of this checkout: the _C module and links to python/collider/*.py),
+so the tests never pick up another checkout's copy installed in the shared environment; set
+COLLIDER_TEST_INSTALLED=1 to test the installed package instead (e.g. after pip install ./python).
+"""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD_PKG = Path(os.environ.get("COLLIDER_BUILD_DIR", ROOT / "build")) / "python"
+
+if os.environ.get("COLLIDER_TEST_INSTALLED") != "1":
+    if not (BUILD_PKG / "collider" / "__init__.py").exists():
+        raise pytest.UsageError(f"{BUILD_PKG}/collider not found: build first (./scripts/bootstrap.sh)")
+    sys.path.insert(0, str(BUILD_PKG))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the tests' helpers (oracle.py, tiny_models.py)
+
+# Tiny models: one intra-op thread is fastest and keeps the two cores for ctest-like parallel runs.
+torch.set_num_threads(int(os.environ.get("COLLIDER_TEST_THREADS", "1")))
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return ROOT

@@ -1,0 +1,132 @@
+"""Independent gradient oracle for Collider on transformers models, and the tiny models the tests use.
+
+The oracle is an attention function registered with transformers' AttentionInterface under the
+name "collider_oracle": plain autograd math (Q K^T, softmax, P V) in which, for the keep mask set
+by `oracle_keep`, (DESIGN.md section 3)
+  exact_query: the K and V rows of dropped tokens are detached (dK, dV of dropped rows discarded);
+  kept_only:   additionally the scores S and probabilities P of dropped key columns are detached, so
+               dP_ij = dO_i . V_j only for kept j, the softmax backward sums over kept columns only,
+               and dS_ij = 0 for dropped j: dQ, dK, dV use P restricted to kept rows and columns.
+Dropped query rows get no gradient because the masked loss and the detached K/V leave them none.
+It shares no code with collider_core. Used by test_hf_gradients.py, test_hf_trainer.py, test_peft_ddp.py.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+from transformers import AttentionInterface
+
+ORACLE = "collider_oracle"
+_state = {"keep": None, "attention": None, "calls": 0}
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:  # [B, G, T, E] -> [B, G * n_rep, T, E]
+    if n_rep == 1:
+        return x
+    B, G, T, E = x.shape
+    return x[:, :, None].expand(B, G, n_rep, T, E).reshape(B, G * n_rep, T, E)
+
+
+def oracle_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """query [B, H, T, E], key/value [B, G, T, E] -> (output [B, T, H, E], probabilities)."""
+    keep: Optional[torch.Tensor] = _state["keep"]
+    if keep is None:
+        raise RuntimeError("oracle attention used outside oracle_keep()")
+    if dropout:
+        raise RuntimeError("the oracle supports attention dropout 0 only")
+    _state["calls"] += 1
+    B, H, T, E = query.shape
+    m_kv = keep.to(key.device)[:, None, :, None]  # [B, 1, T, 1]: kept key/value rows
+    key = torch.where(m_kv, key, key.detach())
+    value = torch.where(m_kv, value, value.detach())
+    k = _repeat_kv(key, H // key.shape[1])
+    v = _repeat_kv(value, H // value.shape[1])
+    scale = scaling if scaling is not None else E ** -0.5
+    s = torch.matmul(query, k.transpose(2, 3)) * scale  # [B, H, T, T]
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            s = s.masked_fill(~attention_mask, float("-inf"))
+        else:
+            s = s + attention_mask
+    elif getattr(module, "is_causal", True):
+        causal = torch.ones(T, T, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~causal, float("-inf"))
+    m_col = keep.to(s.device)[:, None, None, :]  # [B, 1, 1, T]: kept key columns
+    if _state["attention"] == "kept_only":
+        s = torch.where(m_col, s, s.detach())
+    p = torch.softmax(s.float(), dim=-1).to(query.dtype)
+    if _state["attention"] == "kept_only":
+        p = torch.where(m_col, p, p.detach())
+    out = torch.matmul(p, v).transpose(1, 2).contiguous()
+    return out, p
+
+
+AttentionInterface.register(ORACLE, oracle_attention)
+
+
+@contextlib.contextmanager
+def oracle_keep(model, keep: torch.Tensor, attention: str):
+    """Runs `model` (a transformers model, or a PEFT/DDP wrapper's inner one) with the oracle
+    attention for this keep mask and semantics; asserts that the oracle was really called."""
+    assert attention in ("kept_only", "exact_query")
+    base = model
+    while hasattr(base, "get_base_model") or hasattr(base, "module"):
+        base = base.get_base_model() if hasattr(base, "get_base_model") else base.module
+    before = base.config._attn_implementation
+    base.set_attn_implementation(ORACLE)
+    _state.update(keep=keep, attention=attention, calls=0)
+    try:
+        yield
+        assert _state["calls"] > 0, "the oracle attention was never called: the model did not dispatch to it"
+    finally:
+        _state.update(keep=None, attention=None)
+        base.set_attn_implementation(before)
+
+
+# ---- tiny random models (seeded) ---------------------------------------------------------------
+# Hidden 32, 2 layers, 4 heads of 8, vocab 128; initializer_range 0.2 so that attention is far from
+# uniform (a test that cannot tell the semantics apart would prove nothing).
+FAMILIES = ("llama", "qwen2", "phi")
+
+
+def tiny_config(family: str, attn: str, **overrides):
+    common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=128, initializer_range=0.2, attention_dropout=0.0, use_cache=False)
+    common.update(overrides)
+    if family == "llama":  # GQA: 2 KV heads for 4 query heads
+        from transformers import LlamaConfig
+        return LlamaConfig(num_key_value_heads=2, **common, attn_implementation=attn)
+    if family == "qwen2":  # QKV bias, tied LM head, GQA
+        from transformers import Qwen2Config
+        return Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common, attn_implementation=attn)
+    if family == "phi":  # partial rotary (half the head dim), parallel attention + MLP block, LayerNorm
+        from transformers import PhiConfig
+        return PhiConfig(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0, **common, attn_implementation=attn)
+    raise ValueError(family)
+
+
+def tiny_model(family: str, attn: str, dtype=torch.float64, seed: int = 0, **overrides):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    cfg = tiny_config(family, attn, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).to(dtype)
+    model.train()
+    assert model.config._attn_implementation == attn
+    return model
+
+
+def grads(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+
+
+def max_rel_diff(got: dict, ref: dict) -> float:
+    """max over parameters of max|got - ref| / max|ref|."""
+    assert got.keys() == ref.keys(), f"different gradient sets: {sorted(set(got) ^ set(ref))}"
+    worst = 0.0
+    for k in ref:
+        denom = ref[k].abs().max().item()
+        diff = (got[k] - ref[k]).abs().max().item()
+        worst = max(worst, diff / denom if denom > 0 else diff)
+    return worst

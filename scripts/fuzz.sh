@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets (fuzz/: safetensors reader, manifest loaders with --set, token
+# shards and reference-loss files, Plan::from_string) with clang, ASan and UBSan into build-fuzz/,
+# and runs each for a bounded time from its committed seed corpus (fuzz/seeds/<name>/) plus what
+# earlier runs found (build-fuzz/corpus/<name>/). Exits 1 when any target crashes, leaks past the
+# sanitizers or times out on an input; the input is kept in build-fuzz/findings/<name>/ (make it a
+# regression test: tests/fuzz_regressions/ + tests/test_fuzz_regressions.cpp). Run by ./scripts/test.sh.
+#   ./scripts/fuzz.sh                          # every target, COLLIDER_FUZZ_SECONDS (default 25) each
+#   ./scripts/fuzz.sh fuzz_plan                # one target
+#   COLLIDER_FUZZ_SECONDS=600 ./scripts/fuzz.sh fuzz_manifest
+# Needs clang and libclang-rt-14-dev (scripts/bootstrap.sh installs them) and the Python env with torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+SECS=${COLLIDER_FUZZ_SECONDS:-25}
+PY=${COLLIDER_PYTHON:-${COLLIDER_VENV:-$HOME/.cache/collider/venv}/bin/python}
+TARGETS=(fuzz_safetensors fuzz_manifest fuzz_tokens fuzz_plan)
+(($#)) && TARGETS=("$@")
+say() { echo "[fuzz] $*"; }
+
+CXX=${COLLIDER_FUZZ_CXX:-clang++}
+CC=${COLLIDER_FUZZ_CC:-clang}
+if ! command -v "$CXX" >/dev/null; then
+  say "error: $CXX not found; run ./scripts/bootstrap.sh (it installs clang and libclang-rt-14-dev)" >&2
+  exit 2
+fi
+TORCH_PREFIX=$(cd /tmp && "$PY" -c "import torch;print(torch.utils.cmake_prefix_path)")
+LAUNCHER=()
+if command -v ccache >/dev/null; then
+  LAUNCHER=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache)
+  export CCACHE_BASEDIR="$ROOT"
+fi
+start=$(date +%s)
+# The library (libtorch aside) is compiled instrumented (COLLIDER_FUZZ in CMakeLists.txt); no
+# tests, benchmarks or data-parallel code in this tree.
+cmake -S . -B build-fuzz -G Ninja -DCOLLIDER_FUZZ=ON -DCMAKE_CXX_COMPILER="$CXX" -DCMAKE_C_COMPILER="$CC" \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCOLLIDER_BUILD_TESTS=OFF -DCOLLIDER_BUILD_BENCH=OFF -DCOLLIDER_DISTRIBUTED=OFF \
+  -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DPython3_EXECUTABLE="$PY" "${LAUNCHER[@]}" -Wno-dev \
+  >build-fuzz.configure.log 2>&1 || { cat build-fuzz.configure.log; exit 1; }
+rm -f build-fuzz.configure.log
+cmake --build build-fuzz --target "${TARGETS[@]}"
+say "built in $(( $(date +%s) - start )) s"
+
+# libtorch is not instrumented and keeps process-lifetime allocations (thread pools, caches) that
+# LeakSanitizer reports at exit: leak detection off. Every other ASan/UBSan finding aborts.
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0:abort_on_error=1:symbolize=1}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+export OMP_NUM_THREADS=1
+failed=()
+summary=()
+for t in "${TARGETS[@]}"; do
+  seeds=fuzz/seeds/${t#fuzz_}
+  corpus=build-fuzz/corpus/$t
+  findings=build-fuzz/findings/$t
+  rm -rf "$findings"  # this run's findings only (copy one to tests/fuzz_regressions/ to keep it)
+  mkdir -p "$corpus" "$findings"
+  dict=()
+  [[ -f fuzz/${t#fuzz_}.dict ]] && dict=(-dict="fuzz/${t#fuzz_}.dict")
+  log=build-fuzz/$t.log
+  say "$t: ${SECS} s from $seeds (+ $corpus)"
+  set +e
+  "build-fuzz/fuzz/$t" "$corpus" "$seeds" "${dict[@]}" -max_total_time="$SECS" -timeout=10 \
+    -rss_limit_mb=3072 -print_final_stats=1 -artifact_prefix="$findings/" >"$log" 2>&1
+  rc=$?
+  set -e
+  execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | tail -1 | grep -o '[0-9]*$' || echo 0)
+  cov=$(grep -o 'cov: [0-9]*' "$log" | tail -1 | grep -o '[0-9]*' || echo 0)
+  ft=$(grep -o 'ft: [0-9]*' "$log" | tail -1 | grep -o '[0-9]*' || echo 0)
+  n_corpus=$(ls "$corpus" | wc -l)
+  line="$t: ${execs} executions in ${SECS} s, cov ${cov} edges, ft ${ft} features, corpus ${n_corpus} inputs"
+  if ((rc != 0)); then
+    line+=", FAILED (exit $rc): $(ls "$findings" | head -3 | tr '\n' ' ')"
+    failed+=("$t")
+    grep -E "ERROR:|SUMMARY:|runtime error|terminate called|what\(\)" "$log" | head -5 | sed 's/^/    /' >&2 || true
+    say "  replay: build-fuzz/fuzz/$t $findings/<file>   (full log: $log)" >&2
+  fi
+  summary+=("$line")
+  say "$line"
+done
+say "summary (clang $("$CXX" --version | head -1 | grep -o '[0-9][0-9.]*' | head -1), $(getconf _NPROCESSORS_ONLN) cores):"
+for l in "${summary[@]}"; do say "  $l"; done
+if ((${#failed[@]})); then
+  say "FAILED: ${failed[*]}" >&2
+  exit 1
+fi
