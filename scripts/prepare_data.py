@@ -1,4 +1,4 @@
-"""Real-text data for the utility experiment (issue 6): Debian packages -> text -> splits ->
+"""Real-text data for the utility experiment: Debian packages -> text -> splits ->
 SentencePiece tokenizer -> uint16/uint32 token shards. Run through scripts/prepare_data.sh.
 
   python scripts/prepare_data.py --out ~/.cache/collider/data [--sample] [--debs DIR]

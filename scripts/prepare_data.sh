@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepares the real-text data of the utility experiment (issue 6): downloads Debian packages
+# Prepares the real-text data of the utility experiment: downloads Debian packages
 # (apt-get download; no root install), extracts their text, splits it into curated / mixture
 # train and eval sets, trains the SentencePiece tokenizer and writes the token shards.
 # Idempotent: a complete output directory (meta.json present) is left as it is.
