@@ -10,6 +10,8 @@
 
 #include "models/checkpoint.h"
 
+#include <signal.h>
+
 #include <chrono>
 #include <algorithm>
 #include <iostream>
@@ -21,6 +23,7 @@ namespace ch = collider::harness;
 namespace ct = collider::testing;
 
 int main(int argc, char** argv) {
+  ::signal(SIGPIPE, SIG_IGN);  // as build/collider: a dead peer's socket gives EPIPE, not a killed rank
   std::string method = "loss_only", out;
   int steps = 5, exit_after = -1, hang_after = -1;
   std::vector<int64_t> rows;  // per rank (default 1 each)
