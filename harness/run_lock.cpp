@@ -2,6 +2,7 @@
 #include "harness/run_lock.h"
 
 #include "harness/fsutil.h"
+#include "harness/results.h"
 
 #include <fmt/format.h>
 
@@ -23,15 +24,6 @@ std::string read_record(int fd) {
   std::string s(buf.data(), n > 0 ? static_cast<size_t>(n) : 0);
   while (!s.empty() && (s.back() == '\n' || s.back() == '\0')) s.pop_back();
   return s;
-}
-
-std::string now_utc() {
-  std::time_t t = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&t, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
 }
 
 }  // namespace
@@ -78,7 +70,7 @@ RunDirLock RunDirLock::take(const std::string& dir, const std::string& what, std
   }
   std::array<char, 256> host{};
   ::gethostname(host.data(), host.size() - 1);
-  const std::string record = fmt::format("pid {} on {} since {} ({})\n", ::getpid(), host.data(), now_utc(), what);
+  const std::string record = fmt::format("pid {} on {} since {} ({})\n", ::getpid(), host.data(), utc_timestamp(), what);
   // Informational only (the flock is the lock): a failure to write it does not stop the run.
   if (::ftruncate(fd, 0) == 0) {
     [[maybe_unused]] const ssize_t n = ::pwrite(fd, record.data(), record.size(), 0);
