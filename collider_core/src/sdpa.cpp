@@ -6,7 +6,20 @@
 //                dS = P (dP - rowsum(dP P)); dQ = dS K_K s; dK = dS^T Q_K s.
 //   exact_query: P = exp(Q_K K^T s - L_K) over all keys; dS = P (dO V^T - rowsum(dO O_K));
 //                dQ = dS K s; dK, dV computed for all keys, kept rows returned.
-// Written with plain ATen ops (two GEMMs per gradient); a fused kernel is the GPU issue's work.
+// On the CPU (the forward ran torch's flash kernel for the CPU) both semantics call that kernel's
+// own fused backward on the cut tensors, so Collider's attention backward is the same kernel as the
+// regular one on fewer rows:
+//   exact_query: backward(dO_K, Q_K, K, V, O_K, L_K) with an additive mask [B, 1, N, T] that is causal
+//                by original positions; dK, dV of the kept keys are kept.
+//   kept_only:   the restricted output O' = P V_K (not renormalised) is what the backward's
+//                rowsum(dO O') needs. The fused forward on the cut rows gives the renormalised O''
+//                and its log-sum-exp L''; O' = O'' exp(L'' - L_K). Then backward(dO_K, Q_K, K_K, V_K,
+//                O', L_K), causal on the cut rows (kept positions are ascending, so causal by original
+//                positions is causal by index). The forward adds 2 of the backward's 5 GEMMs; the
+//                unfused path it replaces materialised [B, H, N, N] fp32 probabilities and ran
+//                4-5x slower than the regular backward per row (results/bench_hf_backward).
+// Ragged masks (padding rows, which can have no key to attend under kept_only) and the GPU's
+// kernels take the unfused path: plain ATen ops, two GEMMs per gradient.
 #include "sdpa.h"
 
 #include <collider/collider.h>
@@ -28,6 +41,7 @@ using torch::autograd::variable_list;
 struct Saved {
   torch::Tensor q, k, v, out, lse;  // [B, H, T, E] x4, [B, H, T(+pad)]
   bool causal = false;
+  bool cpu_flash = false;  // saved by torch's CPU flash kernel, whose fused backward can be called
   double scale = 0;
 };
 
@@ -59,7 +73,9 @@ Saved read_saved(const std::shared_ptr<Node>& node) {
   Node* raw = node.get();
   if (auto* n = dynamic_cast<gen::ScaledDotProductFlashAttentionForCpuBackward0*>(raw)) {
     if (n->attn_mask_.unpack(node).defined()) throw Error("collider: fused attention with an explicit mask is not supported; use is_causal");
-    return read_common(n, node, n->logsumexp_.unpack(node));
+    Saved s = read_common(n, node, n->logsumexp_.unpack(node));
+    s.cpu_flash = s.q.device().is_cpu();
+    return s;
   }
   if (auto* n = dynamic_cast<gen::ScaledDotProductFlashAttentionBackward0*>(raw)) {
     return read_common(n, node, n->logsumexp_.unpack(node));
@@ -94,6 +110,44 @@ class FilteredAttentionNode final : public Node {
     torch::Tensor dO = grads.at(0);
     if (masked_) dO = ix_->cut(dO, spec4, true);  // full-size in, cut here
     const int64_t T = s_.q.size(2);
+    variable_list out = s_.cpu_flash && !ix_->ragged() ? fused_cpu(dO, T) : unfused(dO, T);
+    if (masked_) {
+      for (auto& g : out) g = scatter_full(g, T);
+    }
+    while (out.size() < num_outputs()) out.emplace_back();
+    return out;
+  }
+
+ private:
+  // torch's CPU flash backward on the cut rows (header). dO_BHNE: the kept rows' output gradient.
+  variable_list fused_cpu(const torch::Tensor& dO_BHNE, int64_t T) const {
+    const auto spec4 = bhte_spec(4), spec3 = bhte_spec(3);
+    auto dO = dO_BHNE.contiguous();
+    auto q = ix_->cut(s_.q, spec4, true).contiguous();                        // [B, H, N, E]
+    auto lse = ix_->cut(s_.lse.narrow(2, 0, T), spec3, true).contiguous();   // [B, H, N]
+    const std::optional<double> scale = s_.scale;
+    if (exact_) {
+      std::optional<torch::Tensor> mask;
+      if (s_.causal) {  // additive, in the query's dtype (what the kernel takes): key t visible iff t <= pos
+        auto pos = ix_->idx_BN().view({ix_->B(), 1, ix_->N(), 1});
+        auto cols = torch::arange(T, pos.options()).view({1, 1, 1, T});
+        mask = torch::zeros({ix_->B(), 1, ix_->N(), T}, q.options()).masked_fill_(cols > pos, -INFINITY);
+      }
+      auto o = ix_->cut(s_.out, spec4, true).contiguous();
+      auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+          dO, q, s_.k, s_.v, o, lse, 0.0, false, mask, scale);
+      return {dq, ix_->cut(dk, spec4, true), ix_->cut(dv, spec4, true)};  // dropped keys' gradients discarded
+    }
+    auto k = ix_->cut(s_.k, spec4, true).contiguous(), v = ix_->cut(s_.v, spec4, true).contiguous();
+    auto [o2, lse2] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, s_.causal, std::nullopt, scale);
+    auto o = (o2 * (lse2 - lse).exp().unsqueeze(-1).to(o2.scalar_type())).contiguous();  // O' = O'' exp(L'' - L_K)
+    auto [dq, dk, dv] =
+        at::_scaled_dot_product_flash_attention_for_cpu_backward(dO, q, k, v, o, lse, 0.0, s_.causal, std::nullopt, scale);
+    return {dq, dk, dv};
+  }
+
+  variable_list unfused(const torch::Tensor& dO, int64_t T) const {
+    const auto spec4 = bhte_spec(4), spec3 = bhte_spec(3);
     const auto dtype = s_.q.scalar_type();
     const auto f32 = [](const torch::Tensor& t) { return t.to(torch::kFloat); };
     auto q = f32(ix_->cut(s_.q, spec4, true));
@@ -135,15 +189,9 @@ class FilteredAttentionNode final : public Node {
       dk = ix_->zero_padding(ix_->cut(to_groups(ds.transpose(-2, -1).matmul(q) * s_.scale), spec4, true), spec4, false);
       dv = ix_->zero_padding(ix_->cut(to_groups(p.transpose(-2, -1).matmul(dOf)), spec4, true), spec4, false);
     }
-    variable_list out = {dq.to(dtype), dk.to(dtype), dv.to(dtype)};
-    if (masked_) {
-      for (auto& g : out) g = scatter_full(g, T);
-    }
-    while (out.size() < num_outputs()) out.emplace_back();
-    return out;
+    return {dq.to(dtype), dk.to(dtype), dv.to(dtype)};
   }
 
- private:
   torch::Tensor scatter_full(const torch::Tensor& g_BHNE, int64_t T) const {
     auto full = torch::zeros({g_BHNE.size(0), g_BHNE.size(1), T, g_BHNE.size(3)}, g_BHNE.options());
     auto idx = ix_->idx_BN().view({ix_->B(), 1, ix_->N(), 1}).expand_as(g_BHNE);
