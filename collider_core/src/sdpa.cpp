@@ -6,20 +6,16 @@
 //                dS = P (dP - rowsum(dP P)); dQ = dS K_K s; dK = dS^T Q_K s.
 //   exact_query: P = exp(Q_K K^T s - L_K) over all keys; dS = P (dO V^T - rowsum(dO O_K));
 //                dQ = dS K s; dK, dV computed for all keys, kept rows returned.
-// On the CPU (the forward ran torch's flash kernel for the CPU) both semantics call that kernel's
-// own fused backward on the cut tensors, so Collider's attention backward is the same kernel as the
-// regular one on fewer rows:
-//   exact_query: backward(dO_K, Q_K, K, V, O_K, L_K) with an additive mask [B, 1, N, T] that is causal
-//                by original positions; dK, dV of the kept keys are kept.
-//   kept_only:   the restricted output O' = P V_K (not renormalised) is what the backward's
-//                rowsum(dO O') needs. The fused forward on the cut rows gives the renormalised O''
-//                and its log-sum-exp L''; O' = O'' exp(L'' - L_K). Then backward(dO_K, Q_K, K_K, V_K,
-//                O', L_K), causal on the cut rows (kept positions are ascending, so causal by original
-//                positions is causal by index). The forward adds 2 of the backward's 5 GEMMs; the
-//                unfused path it replaces materialised [B, H, N, N] fp32 probabilities and ran
-//                4-5x slower than the regular backward per row (results/bench_hf_backward).
-// Ragged masks (padding rows, which can have no key to attend under kept_only) and the GPU's
-// kernels take the unfused path: plain ATen ops, two GEMMs per gradient.
+// How each runs (measured with python/bench/bench_hf_backward.py, results/bench_hf_backward):
+//   exact_query on the CPU (the forward ran torch's CPU flash kernel): that kernel's own fused
+//                backward on the kept queries, with an additive mask causal by original positions.
+//                A mask stops the kernel skipping the blocks above the diagonal, so the kept queries
+//                go in chunks, each against the keys up to its last position; dK, dV of kept keys kept.
+//   kept_only on the CPU: blocked ATen GEMMs over query rows with causal block skipping
+//                (kept_only_blocked below says why not the fused kernel).
+//   Elsewhere (GPU kernels; exact_query with a ragged mask): the unfused formulas on whole
+//                [B, H, N, N or T] fp32 probabilities, two GEMMs per gradient. On the CPU this was
+//                0.20-0.79 of the FLOP ideal where the two paths above reach 0.9-1.0.
 #include "sdpa.h"
 
 #include <collider/collider.h>
@@ -29,7 +25,9 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace collider::detail {
 namespace {
@@ -110,7 +108,14 @@ class FilteredAttentionNode final : public Node {
     torch::Tensor dO = grads.at(0);
     if (masked_) dO = ix_->cut(dO, spec4, true);  // full-size in, cut here
     const int64_t T = s_.q.size(2);
-    variable_list out = s_.cpu_flash && !ix_->ragged() ? fused_cpu(dO, T) : unfused(dO, T);
+    variable_list out;
+    if (!exact_ && s_.q.device().is_cpu()) {
+      out = kept_only_blocked(dO, T);
+    } else if (exact_ && s_.cpu_flash && !ix_->ragged()) {
+      out = exact_query_fused_cpu(dO, T);
+    } else {
+      out = unfused(dO, T);
+    }
     if (masked_) {
       for (auto& g : out) g = scatter_full(g, T);
     }
@@ -119,31 +124,92 @@ class FilteredAttentionNode final : public Node {
   }
 
  private:
-  // torch's CPU flash backward on the cut rows (header). dO_BHNE: the kept rows' output gradient.
-  variable_list fused_cpu(const torch::Tensor& dO_BHNE, int64_t T) const {
+  // exact_query: torch's CPU flash backward on the kept queries (header). dO_BHNE: their output gradient.
+  variable_list exact_query_fused_cpu(const torch::Tensor& dO_BHNE, int64_t T) const {
     const auto spec4 = bhte_spec(4), spec3 = bhte_spec(3);
     auto dO = dO_BHNE.contiguous();
     auto q = ix_->cut(s_.q, spec4, true).contiguous();                        // [B, H, N, E]
     auto lse = ix_->cut(s_.lse.narrow(2, 0, T), spec3, true).contiguous();   // [B, H, N]
     const std::optional<double> scale = s_.scale;
-    if (exact_) {
-      std::optional<torch::Tensor> mask;
-      if (s_.causal) {  // additive, in the query's dtype (what the kernel takes): key t visible iff t <= pos
-        auto pos = ix_->idx_BN().view({ix_->B(), 1, ix_->N(), 1});
-        auto cols = torch::arange(T, pos.options()).view({1, 1, 1, T});
-        mask = torch::zeros({ix_->B(), 1, ix_->N(), T}, q.options()).masked_fill_(cols > pos, -INFINITY);
-      }
+    {
       auto o = ix_->cut(s_.out, spec4, true).contiguous();
-      auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-          dO, q, s_.k, s_.v, o, lse, 0.0, false, mask, scale);
-      return {dq, ix_->cut(dk, spec4, true), ix_->cut(dv, spec4, true)};  // dropped keys' gradients discarded
+      if (!s_.causal) {
+        auto [dq, dk, dv] =
+            at::_scaled_dot_product_flash_attention_for_cpu_backward(dO, q, s_.k, s_.v, o, lse, 0.0, false, std::nullopt, scale);
+        return {dq, ix_->cut(dk, spec4, true), ix_->cut(dv, spec4, true)};  // dropped keys' gradients discarded
+      }
+      // Causal by original positions needs an explicit mask, and with a mask the kernel visits
+      // every key block (it skips the blocks above the diagonal only under is_causal). So the
+      // kept queries go in chunks of ascending positions, each against the keys up to its last
+      // position: 8 chunks visit ~56% of the [N, T] blocks instead of all of them.
+      const int64_t N = ix_->N(), chunks = std::clamp<int64_t>(N / 64, 1, 8);
+      auto pos = ix_->idx_BN().view({ix_->B(), 1, N, 1});
+      auto last = std::get<0>(ix_->idx_BN().max(0));  // [N]: per cut row, the largest position over the batch
+      auto last_acc = last.accessor<int64_t, 1>();
+      auto dk = torch::zeros_like(s_.k), dv = torch::zeros_like(s_.v);
+      std::vector<torch::Tensor> dqs;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t r0 = N * c / chunks, r1 = N * (c + 1) / chunks, keys = last_acc[r1 - 1] + 1;
+        auto cols = torch::arange(keys, pos.options()).view({1, 1, 1, keys});
+        auto mask = torch::zeros({ix_->B(), 1, r1 - r0, keys}, q.options())
+                        .masked_fill_(cols > pos.narrow(2, r0, r1 - r0), -INFINITY);  // additive, in q's dtype (what the kernel takes)
+        auto [dq_c, dk_c, dv_c] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+            dO.narrow(2, r0, r1 - r0), q.narrow(2, r0, r1 - r0), s_.k.narrow(2, 0, keys), s_.v.narrow(2, 0, keys),
+            o.narrow(2, r0, r1 - r0), lse.narrow(2, r0, r1 - r0), 0.0, false, mask, scale);
+        dqs.push_back(dq_c);
+        dk.narrow(2, 0, keys).add_(dk_c);
+        dv.narrow(2, 0, keys).add_(dv_c);
+      }
+      // dropped keys' gradients discarded
+      return {chunks == 1 ? dqs[0] : torch::cat(dqs, 2), ix_->cut(dk, spec4, true), ix_->cut(dv, spec4, true)};
     }
-    auto k = ix_->cut(s_.k, spec4, true).contiguous(), v = ix_->cut(s_.v, spec4, true).contiguous();
-    auto [o2, lse2] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, s_.causal, std::nullopt, scale);
-    auto o = (o2 * (lse2 - lse).exp().unsqueeze(-1).to(o2.scalar_type())).contiguous();  // O' = O'' exp(L'' - L_K)
-    auto [dq, dk, dv] =
-        at::_scaled_dot_product_flash_attention_for_cpu_backward(dO, q, k, v, o, lse, 0.0, s_.causal, std::nullopt, scale);
-    return {dq, dk, dv};
+  }
+
+  // kept_only on the CPU: the backward of the header's formulas in blocks of kQueryBlock cut query
+  // rows, each against the keys up to its last row (causal by index is causal by original position:
+  // the cut positions ascend), with the query heads that share a key/value head folded into the
+  // rows of one GEMM. Probabilities exist for one block at a time ([B*G, rep*n, keys], in cache).
+  // Five GEMMs per block, the flash backward's count; torch's fused kernel cannot be called here,
+  // because the kept_only correction rowsum(dP P) needs the restricted output P V_K, which only a
+  // second (forward) kernel call gives: that added 2 of 5 GEMMs (measured: 0.83-0.89 of the FLOP
+  // ideal at T 512 / 1024 against 0.92-0.95 with this). Ragged masks: padding keys' probabilities
+  // are zeroed, so they neither give nor receive gradient.
+  static constexpr int64_t kQueryBlock = 64;
+  variable_list kept_only_blocked(const torch::Tensor& dO_BHNE, int64_t T) const {
+    const auto spec4 = bhte_spec(4), spec3 = bhte_spec(3);
+    const int64_t B = ix_->B(), N = ix_->N(), H = s_.q.size(1), G = s_.k.size(1), rep = H / G, E = s_.q.size(3);
+    const auto dtype = s_.q.scalar_type();
+    const auto acc = dtype == torch::kDouble ? torch::kDouble : torch::kFloat;
+    // [B, G, rep, N, E]: query head h = g * rep + r reads key/value head g (SDPA's enable_gqa)
+    auto q = ix_->cut(s_.q, spec4, true).to(acc).view({B, G, rep, N, E});
+    auto dO = dO_BHNE.to(acc).reshape({B, G, rep, N, E});
+    auto lse = ix_->cut(s_.lse.narrow(2, 0, T), spec3, true).to(acc).view({B, G, rep, N});
+    auto k = ix_->cut(s_.k, spec4, true).to(acc).reshape({B * G, N, E});
+    auto v = ix_->cut(s_.v, spec4, true).to(acc).reshape({B * G, N, E});
+    torch::Tensor pad_keys;  // [B * G, 1, N]
+    if (ix_->ragged()) pad_keys = ix_->pad_BN().view({B, 1, 1, N}).expand({B, G, 1, N}).reshape({B * G, 1, N});
+    auto dq = torch::empty({B, G, rep, N, E}, q.options());
+    auto dk = torch::zeros({B * G, N, E}, q.options()), dv = torch::zeros({B * G, N, E}, q.options());
+    for (int64_t r0 = 0; r0 < N; r0 += kQueryBlock) {
+      const int64_t n = std::min(kQueryBlock, N - r0), keys = s_.causal ? r0 + n : N;
+      auto rows = [&](const torch::Tensor& t) { return t.narrow(3, r0, n).reshape({B * G, rep * n, E}); };
+      auto Qb = rows(q), dOb = rows(dO);
+      auto Kb = k.narrow(1, 0, keys), Vb = v.narrow(1, 0, keys);
+      auto Lb = lse.narrow(3, r0, n).reshape({B * G, rep * n, 1});
+      auto p = at::baddbmm(Lb, Qb, Kb.transpose(1, 2), -1.0, s_.scale).exp_();  // [B*G, rep*n, keys]
+      if (s_.causal) {  // the diagonal block: cut row r0 + i sees keys up to r0 + i
+        auto above = torch::ones({n, n}, p.options().dtype(torch::kBool)).triu_(1);
+        p.view({B * G, rep, n, keys}).narrow(3, r0, n).masked_fill_(above, 0.0);
+      }
+      if (pad_keys.defined()) p.masked_fill_(pad_keys.narrow(2, 0, keys), 0.0);
+      dv.narrow(1, 0, keys).baddbmm_(p.transpose(1, 2), dOb);
+      auto ds = at::bmm(dOb, Vb.transpose(1, 2));  // dP, then dS = P (dP - rowsum(dP P)) in place
+      auto d = (ds * p).sum(-1, true);
+      ds.sub_(d).mul_(p);
+      dq.narrow(3, r0, n).copy_(at::bmm(ds, Kb).mul_(s_.scale).view({B, G, rep, n, E}));
+      dk.narrow(1, 0, keys).baddbmm_(ds.transpose(1, 2), Qb, 1.0, s_.scale);
+    }
+    return {dq.view({B, H, N, E}).to(dtype), dk.view({B, G, N, E}).to(dtype), dv.view({B, G, N, E}).to(dtype)};
   }
 
   variable_list unfused(const torch::Tensor& dO, int64_t T) const {

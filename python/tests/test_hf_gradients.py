@@ -49,11 +49,11 @@ def plan_for(family: str, attn: str, form: str) -> collider.Plan:
     return collider.trace_plan(loss_on_random_batch)
 
 
-def batch_and_mask(batch: int, filter_ratio: float, seed: int):
+def batch_and_mask(batch: int, filter_ratio: float, seed: int, seq_len: int = T):
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 128, (batch, T), generator=gen)
+    ids = torch.randint(0, 128, (batch, seq_len), generator=gen)
     valid = chf.keep_mask_from_labels(ids)  # the last position predicts nothing
-    keep = collider.select_tokens(torch.rand(batch, T, generator=gen), filter_ratio, valid=valid)
+    keep = collider.select_tokens(torch.rand(batch, seq_len, generator=gen), filter_ratio, valid=valid)
     return ids, keep
 
 
@@ -103,6 +103,34 @@ def test_matches_oracle(family, attn, form):
                 worst[(attention, ratio, batch)] = max_rel_diff(got, ref)
     bad = {k: v for k, v in worst.items() if not v <= TOL}
     assert not bad, f"{family}/{attn}/{form}: max relative gradient difference above {TOL}: {bad}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_long_sequence_sdpa_matches_oracle(family):
+    """T = 397, so the CPU paths of the fused attention replacement (collider_core/src/sdpa.cpp) run on
+    several blocks: exact_query's fused backward in chunks of kept queries (128 or more of them),
+    kept_only's blocked GEMMs (64 query rows a block), per-sequence (238 kept per row) and ragged
+    (batch_topk: rows keep different counts, padding spread over several blocks)."""
+    seq_len = 397
+    model = model_for(family, "sdpa")
+    plan = plan_for(family, "sdpa", "per_token")
+    ids, keep = batch_and_mask(2, 0.4, seed=7, seq_len=seq_len)
+    gen = torch.Generator().manual_seed(8)
+    scores = torch.rand(2, seq_len, generator=gen)
+    scores[1] += torch.linspace(0, 0.5, seq_len)  # row 1 keeps more, later positions most
+    ragged = collider.select_tokens(scores, 0.4, policy="batch_topk", valid=chf.keep_mask_from_labels(ids))
+    counts = ragged.sum(1).tolist()
+    assert counts[0] < counts[1] - 64 and counts[0] >= 128, counts
+    worst = {}
+    for name, mask in (("per_sequence", keep), ("ragged", ragged)):
+        for attention in ("kept_only", "exact_query"):
+            got, loss_c, stats = collider_grads(model, plan, "per_token", ids, mask, attention)
+            assert stats.kept_total == int(mask.sum()) and stats.seq_len == seq_len
+            ref, loss_o = oracle_grads(model, "per_token", ids, mask, attention)
+            torch.testing.assert_close(loss_c, loss_o, rtol=1e-6, atol=0)
+            worst[(name, attention)] = max_rel_diff(got, ref)
+    bad = {k: v for k, v in worst.items() if not v <= TOL}
+    assert not bad, f"{family}/sdpa T={seq_len}: max relative gradient difference above {TOL}: {bad}"
 
 
 @pytest.mark.parametrize("form", LOSS_FORMS)
