@@ -13,7 +13,7 @@
 //                go in chunks, each against the keys up to its last position; dK, dV of kept keys kept.
 //   kept_only on the CPU: blocked ATen GEMMs over query rows with causal block skipping
 //                (kept_only_blocked below says why not the fused kernel).
-//   Elsewhere (GPU kernels; exact_query with a ragged mask): the unfused formulas on whole
+//   Elsewhere (the GPU's kernels): the unfused formulas on whole
 //                [B, H, N, N or T] fp32 probabilities, two GEMMs per gradient. On the CPU this was
 //                0.20-0.79 of the FLOP ideal where the two paths above reach 0.9-1.0.
 #include "sdpa.h"
@@ -111,7 +111,7 @@ class FilteredAttentionNode final : public Node {
     variable_list out;
     if (!exact_ && s_.q.device().is_cpu()) {
       out = kept_only_blocked(dO, T);
-    } else if (exact_ && s_.cpu_flash && !ix_->ragged()) {
+    } else if (exact_ && s_.cpu_flash) {
       out = exact_query_fused_cpu(dO, T);
     } else {
       out = unfused(dO, T);
@@ -136,7 +136,7 @@ class FilteredAttentionNode final : public Node {
       if (!s_.causal) {
         auto [dq, dk, dv] =
             at::_scaled_dot_product_flash_attention_for_cpu_backward(dO, q, s_.k, s_.v, o, lse, 0.0, false, std::nullopt, scale);
-        return {dq, ix_->cut(dk, spec4, true), ix_->cut(dv, spec4, true)};  // dropped keys' gradients discarded
+        return {dq, kept_keys(dk), kept_keys(dv)};
       }
       // Causal by original positions needs an explicit mask, and with a mask the kernel visits
       // every key block (it skips the blocks above the diagonal only under is_causal). So the
@@ -160,8 +160,7 @@ class FilteredAttentionNode final : public Node {
         dk.narrow(2, 0, keys).add_(dk_c);
         dv.narrow(2, 0, keys).add_(dv_c);
       }
-      // dropped keys' gradients discarded
-      return {chunks == 1 ? dqs[0] : torch::cat(dqs, 2), ix_->cut(dk, spec4, true), ix_->cut(dv, spec4, true)};
+      return {chunks == 1 ? dqs[0] : torch::cat(dqs, 2), kept_keys(dk), kept_keys(dv)};
     }
   }
 
@@ -175,6 +174,14 @@ class FilteredAttentionNode final : public Node {
   // ideal at T 512 / 1024 against 0.92-0.95 with this). Ragged masks: padding keys' probabilities
   // are zeroed, so they neither give nor receive gradient.
   static constexpr int64_t kQueryBlock = 64;
+
+  // exact_query's dK / dV over all T keys cut to the kept ones: dropped keys' gradients discarded,
+  // ragged rows' padding (dropped tokens too) included. A padding query row needs no care: its dO is
+  // zero (ZeroPadding where gradients are born), so it adds nothing to any gradient.
+  torch::Tensor kept_keys(const torch::Tensor& g_BGTE) const {
+    const auto spec4 = bhte_spec(4);
+    return ix_->zero_padding(ix_->cut(g_BGTE, spec4, true), spec4, false);
+  }
   variable_list kept_only_blocked(const torch::Tensor& dO_BHNE, int64_t T) const {
     const auto spec4 = bhte_spec(4), spec3 = bhte_spec(3);
     const int64_t B = ix_->B(), N = ix_->N(), H = s_.q.size(1), G = s_.k.size(1), rep = H / G, E = s_.q.size(3);
