@@ -4,6 +4,7 @@
 #include "harness/distributed.h"
 #include "harness/fsutil.h"
 #include "harness/manifest.h"
+#include "harness/run_dir.h"
 #include "harness/score.h"
 #include "harness/sweep.h"
 #include "harness/train_run.h"
@@ -137,28 +138,6 @@ bool parse_steps(const std::string& s, int64_t* a, int64_t* b) {
 }
 
 }  // namespace
-
-std::string default_run_dir(const std::string& name, bool resume) {
-  const std::string base = fsutil::join("results", name);
-  if (!resume) return fsutil::join(base, local_stamp());
-  const auto runs = fsutil::list_subdirs(base);  // date-time names sort chronologically
-  if (runs.empty()) {
-    throw std::runtime_error("--resume without --out needs an earlier run under " + base + "/; none found (pass --out DIR)");
-  }
-  return fsutil::join(base, runs.back());
-}
-
-int run_failure_status(std::ostream& err, const std::string& rank_tag, std::exception_ptr e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const DistributedError& d) {
-    err << "collider run: distributed run failed: " << d.what() << "\n";
-    return 3;
-  } catch (const std::exception& x) {
-    err << "collider run: " << rank_tag << "error: " << x.what() << "\n";
-  }  // anything else propagates, as before
-  return 1;
-}
 
 int run_run_command(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
   std::string manifest_path, out_dir, trace_path;

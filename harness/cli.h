@@ -9,7 +9,6 @@
 // Tests: tests/test_sweep.cpp (run), tests/test_manifest.cpp (errors via the CLI entry).
 #pragma once
 
-#include <exception>
 #include <iosfwd>
 #include <string>
 #include <vector>
@@ -20,11 +19,4 @@ int cli_main(const std::vector<std::string>& args);  // args without the program
 int run_models_command(const std::vector<std::string>& args, std::ostream& out);
 int run_run_command(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
 std::string usage();
-// `collider run`'s output directory when --out is not given: results/<name>/<date-time>, or with
-// resume the newest existing one (throws std::runtime_error saying to pass --out when none exists).
-std::string default_run_dir(const std::string& name, bool resume);
-// Exit status of a `collider run` (sweep or training) that threw `e`, after saying why on `err`:
-// 3 for a failed data-parallel run (every rank ends), 1 for any other error.
-int run_failure_status(std::ostream& err, const std::string& rank_tag, std::exception_ptr e);
-
 }  // namespace collider::harness

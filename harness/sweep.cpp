@@ -3,7 +3,7 @@
 
 #include "harness/fsutil.h"
 #include "harness/memory.h"
-#include "harness/run_lock.h"
+#include "harness/run_dir.h"
 #include "harness/timer.h"
 #include "harness/train_step.h"
 #include "models/flops.h"
@@ -33,11 +33,6 @@ double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-std::string hms(double seconds) {
-  const int64_t s = static_cast<int64_t>(seconds + 0.5);
-  return fmt::format("{}:{:02d}:{:02d}", s / 3600, (s / 60) % 60, s % 60);
 }
 
 bool looks_like_oom(const std::string& msg) {
@@ -374,35 +369,10 @@ SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
   if (opts.out_dir.empty()) throw std::runtime_error("run_sweep: no output directory given");
   ProcessGroup* dist = opts.dist.get();
   const bool writer = dist == nullptr || dist->rank() == 0;  // only rank 0 touches files
-  const std::string results_path = fsutil::join(opts.out_dir, "results.jsonl");
+  const RunDir run_dir(opts.out_dir, opts.resume, writer, log);
+  const std::string& results_path = run_dir.results_path();
   sum.results_path = results_path;
-  // Rank 0 alone writes the directory, so rank 0 alone locks it; a refusal ends it before any
-  // compute, and the other ranks fail at the next collective when it exits.
-  RunDirLock dir_lock;
-  if (writer) {
-    fsutil::make_dirs(opts.out_dir);
-    dir_lock = RunDirLock::acquire(opts.out_dir);
-  }
-
-  ExistingResults existing;
-  if (writer) existing = read_results(results_path, /*repair=*/opts.resume);
-  if (!opts.resume && !existing.rows.empty()) {
-    throw std::runtime_error(fmt::format(
-        "{} already holds {} rows; pass --resume to continue that run, or choose another --out directory",
-        results_path, existing.rows.size()));
-  }
-  if (opts.resume && existing.torn_bytes > 0) {
-    log << fmt::format("resume: cut an incomplete last line ({} bytes) from {}\n", existing.torn_bytes, results_path);
-  }
-
-  const std::string resolved_path = fsutil::join(opts.out_dir, "manifest.resolved.toml");
-  if (writer) {
-    if (opts.resume && fsutil::exists(resolved_path) && fsutil::read_file(resolved_path) != m.resolved_toml) {
-      log << "resume: the resolved manifest differs from the one saved in " << resolved_path
-          << "; the new one replaces it (rows keep their own settings)\n";
-    }
-    fsutil::write_file_atomic(resolved_path, m.resolved_toml);
-  }
+  const ExistingResults& existing = run_dir.existing();
   // Which points to skip (--resume) is rank 0's decision: every rank must run the same points.
   std::vector<bool> skip(m.points.size(), false);
   for (size_t k = 0; k < m.points.size(); ++k) skip[k] = opts.resume && existing.ok_point_ids.count(m.points[k].id()) > 0;
@@ -422,25 +392,13 @@ SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
   const torch::Device device(m.run.device == "cuda" ? torch::kCUDA : torch::kCPU);
   if (!device.is_cuda()) install_cpu_memory_tracking();
   const Provenance prov = collect_provenance(device);
-  // On resume the first run's env.json stays; this invocation's record goes beside it.
-  const std::string env_name = opts.resume && fsutil::exists(fsutil::join(opts.out_dir, "env.json"))
-                                   ? "env.resume-" + local_stamp() + ".json"
-                                   : std::string("env.json");
-  if (writer) {
-    nlohmann::json env = environment_record(prov);
-    if (dist != nullptr) {
-      env["world_size"] = dist->world_size();
-      env["distributed_backend"] = dist->backend();
-    }
-    fsutil::write_file_atomic(fsutil::join(opts.out_dir, env_name), env.dump(2) + "\n");
-  }
+  run_dir.write_records(m.resolved_toml, prov, dist, log);
 
   std::unique_ptr<TraceWriter> trace;
   if (!opts.trace_path.empty() && writer) trace = std::make_unique<TraceWriter>(opts.trace_path);
   RangeRecorder ranges(trace.get());
 
-  std::unique_ptr<JsonlWriter> rows;
-  if (writer) rows = std::make_unique<JsonlWriter>(results_path);
+  std::unique_ptr<JsonlWriter> rows = run_dir.open_rows();
   const int64_t t0 = host_now_ns();
   int64_t to_run = 0;
   for (bool sk : skip) to_run += sk ? 0 : 1;

@@ -4,12 +4,12 @@
 // (rank 0 writes, evaluates and runs the reference stage; every rank trains on its own windows).
 #include "harness/train_run.h"
 
-#include "harness/cli.h"
 #include "harness/distributed.h"
 #include "harness/fsutil.h"
 #include "harness/manifest.h"
 #include "harness/fault.h"
 #include "harness/results.h"
+#include "harness/run_dir.h"
 #include "harness/run_lock.h"
 #include "harness/token_data.h"
 #include "harness/toml_set.h"
@@ -60,10 +60,6 @@ struct SimulatedKill : std::runtime_error {
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-std::string hms(double seconds) {
-  const auto s = static_cast<int64_t>(seconds + 0.5);
-  return fmt::format("{}:{:02d}:{:02d}", s / 3600, (s / 60) % 60, s % 60);
-}
 
 // ---- manifest ----------------------------------------------------------------------------------
 
@@ -549,36 +545,11 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
     out_dir = from_rank0(dist, out_dir, "the output directory");  // checkpoints to resume from live there
     if (s.threads > 0) torch::set_num_threads(static_cast<int>(s.threads));
     const torch::Device device(torch::kCPU);
-    const std::string results_path = fsutil::join(out_dir, "results.jsonl");
-    ExistingResults existing;
     const Provenance prov = collect_provenance(device);
-    // Rank 0 alone writes the directory, so rank 0 alone locks it (held to the end of the run); a
-    // refusal comes before any compute, and the other ranks fail at their next collective.
-    RunDirLock dir_lock;
-    if (writer) {
-      fsutil::make_dirs(out_dir);
-      dir_lock = RunDirLock::acquire(out_dir);
-      existing = read_results(results_path, /*repair=*/resume);
-      if (!resume && !existing.rows.empty()) {
-        throw std::runtime_error(fmt::format("{} already holds {} rows; pass --resume to continue it or --out a new "
-                                             "directory",
-                                             results_path, existing.rows.size()));
-      }
-      if (resume && existing.torn_bytes > 0) {
-        log << fmt::format("resume: cut an incomplete last line ({} bytes) from {}\n", existing.torn_bytes,
-                           results_path);
-      }
-      fsutil::write_file_atomic(fsutil::join(out_dir, "manifest.resolved.toml"), m.resolved_toml);
-      const std::string env_name = resume && fsutil::exists(fsutil::join(out_dir, "env.json"))
-                                       ? "env.resume-" + local_stamp() + ".json"
-                                       : std::string("env.json");
-      nlohmann::json env = environment_record(prov);
-      if (dist) {
-        env["world_size"] = world;
-        env["distributed_backend"] = dist->backend();
-      }
-      fsutil::write_file_atomic(fsutil::join(out_dir, env_name), env.dump(2) + "\n");
-    }
+    const RunDir run_dir(out_dir, resume, writer, log);
+    const std::string& results_path = run_dir.results_path();
+    const ExistingResults& existing = run_dir.existing();
+    run_dir.write_records(m.resolved_toml, prov, dist, log);
     log << fmt::format("collider run: {} ({} training runs, {} steps each{}) -> {}\n", m.name, m.points.size(),
                        s.steps, dist ? fmt::format(", {} ranks x batch {}", world, s.batch_size) : "", out_dir);
 
@@ -688,8 +659,7 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
     // Training runs.
     // Rank r takes windows [r*B, (r+1)*B) of each step's global batch of world_size x B.
     WindowLoader loader(train_shard, s.seq_len, s.batch_size, static_cast<uint64_t>(s.seed), pool, rank, world);
-    std::unique_ptr<JsonlWriter> rows;
-    if (writer) rows = std::make_unique<JsonlWriter>(results_path);
+    std::unique_ptr<JsonlWriter> rows = run_dir.open_rows();
     // Rank 0's view (it read the rows); every rank skips the same runs. A run is finished when every
     // eval set has its final row (a kill between two of them leaves it unfinished).
     std::map<std::string, std::set<std::string>> final_sets;
