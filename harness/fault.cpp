@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <thread>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -43,6 +45,20 @@ void hit(const char* point) {
   const Target& t = target();
   if (t.point.empty() || t.point != point) return;
   if (g_hits.fetch_add(1) + 1 == t.nth) ::kill(::getpid(), SIGKILL);
+}
+
+void hold(const char* point) {
+  static const std::string env = [] {
+    const char* e = std::getenv("COLLIDER_FAULT_HOLD");
+    return std::string(e ? e : "");
+  }();
+  const auto colon = env.find(':');
+  if (colon == std::string::npos || env.compare(0, colon, point) != 0) return;
+  const std::string file = env.substr(colon + 1);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(300);
+  while (::access(file.c_str(), F_OK) != 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
 }
 
 Scope::Scope(const char* point) : previous_(g_scope) { g_scope = point; }

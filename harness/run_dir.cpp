@@ -2,6 +2,7 @@
 #include "harness/run_dir.h"
 
 #include "harness/distributed.h"
+#include "harness/fault.h"
 #include "harness/fsutil.h"
 
 #include <fmt/format.h>
@@ -46,6 +47,7 @@ RunDir::RunDir(std::string dir, bool resume, bool writer, std::ostream& log)
   // refusal comes before any compute, and the other ranks fail at their next collective.
   fsutil::make_dirs(dir_);
   lock_ = RunDirLock::acquire(dir_);
+  fault::hold("run_locked");
   existing_ = read_results(results_path_, /*repair=*/resume_);
   if (!resume_ && !existing_.rows.empty()) {
     throw std::runtime_error(fmt::format(

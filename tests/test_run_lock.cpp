@@ -86,12 +86,23 @@ std::vector<nlohmann::json> rows_of(const std::string& dir) {
 }
 
 // Two runs of `argv` (each with `--out dir` appended) started at once: exactly one runs, the other
-// is refused naming the winner's pid, and computes nothing. Returns the winner's log.
+// is refused naming the winner's pid, and computes nothing. Returns the winner's log. The winner
+// waits after taking the lock until the loser has been refused (COLLIDER_FAULT_HOLD, harness/fault.h):
+// without that, on a loaded machine the first run could finish before the second one started, and
+// the second would be refused for the rows instead of the lock.
 std::string expect_one_runs_and_one_is_refused(const ct::TempDir& t, std::vector<std::string> argv,
                                                const std::string& dir) {
   argv.push_back("--out");
   argv.push_back(dir);
-  ct::Child a(argv, {{}, t / "a.log"}), b(argv, {{}, t / "b.log"});
+  const std::string release = t / "release";
+  const std::vector<std::string> env = {"COLLIDER_FAULT_HOLD=run_locked:" + release};
+  ct::Child a(argv, {env, t / "a.log"}), b(argv, {env, t / "b.log"});
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(300);
+  auto refused = [&](const char* log) { return contains(fsu::read_file(t / log), "is in use by another run"); };
+  while (!refused("a.log") && !refused("b.log") && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  fsu::write_file(release, "");
   const int sa = a.wait(), sb = b.wait();
   const std::string la = fsu::read_file(t / "a.log"), lb = fsu::read_file(t / "b.log");
   EXPECT_TRUE((sa == 0) != (sb == 0)) << "exactly one run must succeed; status " << sa << " and " << sb << "\na:\n"
