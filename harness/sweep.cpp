@@ -46,6 +46,17 @@ models::BackwardMode backward_mode(Method m, collider::AttentionGrad ag) {
                                                   : models::BackwardMode::kExactQuery;
 }
 
+// The measured keys of a row: null (samples and layers empty) until measured, and again after a
+// failure, so that a failed point leaves no partial timings behind (DESIGN.md section 6).
+void clear_measurements(nlohmann::json& row) {
+  for (const char* k : {"fwd_ms", "bwd_ms", "filter_ms", "optim_ms", "step_ms", "tokens_kept", "flops_bwd",
+                        "tokens_per_s", "peak_mem_bytes", "mfu"}) {
+    row[k] = nullptr;
+  }
+  row["samples_step_ms"] = nlohmann::json::array();
+  row["layers"] = nlohmann::json::array();
+}
+
 nlohmann::json identity_row(const Manifest& m, const Point& p, const Provenance& prov) {
   nlohmann::json row = {
       {"experiment", m.name},
@@ -61,12 +72,7 @@ nlohmann::json identity_row(const Manifest& m, const Point& p, const Provenance&
       {"dtype", m.run.dtype},
       {"device", m.run.device},
   };
-  for (const char* k : {"fwd_ms", "bwd_ms", "filter_ms", "optim_ms", "step_ms", "tokens_kept", "flops_bwd",
-                        "tokens_per_s", "peak_mem_bytes", "mfu"}) {
-    row[k] = nullptr;
-  }
-  row["samples_step_ms"] = nlohmann::json::array();
-  row["layers"] = nlohmann::json::array();
+  clear_measurements(row);
   row["tokens"] = p.batch_size * p.seq_len;
   row["flops_fwd"] = nullptr;
   const nlohmann::json prov_json = to_json(prov);
@@ -347,12 +353,7 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
   }
   if (row["status"] != "ok") {
     // A failed point leaves no partial timings behind.
-    for (const char* k : {"fwd_ms", "bwd_ms", "filter_ms", "optim_ms", "step_ms", "tokens_kept", "flops_bwd",
-                          "tokens_per_s", "peak_mem_bytes", "mfu"}) {
-      row[k] = nullptr;
-    }
-    row["samples_step_ms"] = nlohmann::json::array();
-    row["layers"] = nlohmann::json::array();
+    clear_measurements(row);
     if (device.is_cuda() && row["status"] == "oom") {
       c10::getDeviceAllocator(c10::DeviceType::CUDA)->emptyCache();
     }
