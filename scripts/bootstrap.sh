@@ -29,7 +29,9 @@ APT_PKGS=(g++ cmake ninja-build python3-venv python3-dev libtomlplusplus-dev nlo
           libsentencepiece-dev clang libclang-rt-14-dev)
 missing=()
 for p in "${APT_PKGS[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  # grep -q on a here-string, not a pipe: under pipefail a grep -q that exits at the first match
+  # can fail the pipeline with the writer's SIGPIPE.
+  grep -q "install ok installed" <<<"$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" || missing+=("$p")
 done
 if ((${#missing[@]})); then
   if [[ "${COLLIDER_NO_APT:-0}" == 1 ]] || ! command -v apt-get >/dev/null; then
