@@ -15,6 +15,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <fstream>
 #include <map>
@@ -438,7 +439,9 @@ class Loader {
           toml::array a;
           for (const auto& v : vals) {
             if (k == "seq_len" || k == "batch_size") a.push_back(std::stoll(v));
-            else if (k == "filter_ratio") a.push_back(std::stod(v));
+            // strtod, not stod: v is fmt_ratio's shortest round-trip form, which for a subnormal
+            // ratio (4.1e-321) makes stod throw std::out_of_range; strtod returns the same value.
+            else if (k == "filter_ratio") a.push_back(std::strtod(v.c_str(), nullptr));
             else a.push_back(v);
           }
           t.insert(k, a);

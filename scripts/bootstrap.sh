@@ -4,6 +4,8 @@
 # environment so that `$COLLIDER_VENV/bin/python -c "import collider"` works from any directory.
 # Idempotent: on a machine where everything is present it only (re)builds.
 #   ./scripts/bootstrap.sh            # install what is missing, configure, build
+#   ./scripts/bootstrap.sh --deps-only   # only steps 1-3: Debian packages, Python env, report
+#                                        # (scripts/test.sh --asan, which builds build-asan/ instead)
 # Environment:
 #   COLLIDER_VENV   Python environment with torch (default ~/.cache/collider/venv; kept outside
 #                   the clone so a fresh clone reuses it instead of downloading several GB)
@@ -19,6 +21,12 @@ VENV=${COLLIDER_VENV:-$HOME/.cache/collider/venv}
 if command -v nvcc >/dev/null; then DEFAULT_PRESET=cuda; else DEFAULT_PRESET=cpu; fi
 PRESET=${COLLIDER_PRESET:-$DEFAULT_PRESET}
 JOBS=${COLLIDER_JOBS:-$(nproc)}
+DEPS_ONLY=0
+case ${1:-} in
+  --deps-only) DEPS_ONLY=1 ;;
+  "") ;;
+  *) echo "usage: $0 [--deps-only]" >&2; exit 2 ;;
+esac
 
 say() { echo "[bootstrap] $*"; }
 
@@ -29,7 +37,9 @@ APT_PKGS=(g++ cmake ninja-build python3-venv python3-dev libtomlplusplus-dev nlo
           libsentencepiece-dev clang libclang-rt-14-dev)
 missing=()
 for p in "${APT_PKGS[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  # grep -q on a here-string, not a pipe: under pipefail a grep -q that exits at the first match
+  # can fail the pipeline with the writer's SIGPIPE.
+  grep -q "install ok installed" <<<"$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" || missing+=("$p")
 done
 if ((${#missing[@]})); then
   if [[ "${COLLIDER_NO_APT:-0}" == 1 ]] || ! command -v apt-get >/dev/null; then
@@ -105,6 +115,11 @@ if command -v ccache >/dev/null; then
   export CCACHE_SLOPPINESS="pch_defines,time_macros${CCACHE_SLOPPINESS:+,$CCACHE_SLOPPINESS}"
 else
   say "optional ccache: not found"
+fi
+
+if ((DEPS_ONLY)); then
+  say "--deps-only: not configuring or building build/"
+  exit 0
 fi
 
 # 4. Configure and build.

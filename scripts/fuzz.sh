@@ -8,6 +8,8 @@
 #   ./scripts/fuzz.sh                          # every target, COLLIDER_FUZZ_SECONDS (default 25) each
 #   ./scripts/fuzz.sh fuzz_plan                # one target
 #   COLLIDER_FUZZ_SECONDS=600 ./scripts/fuzz.sh fuzz_manifest
+# Each run's figures (executions, coverage, corpus, crashes) go to build-fuzz/summary.tsv too.
+# COLLIDER_JOBS: build parallelism (default: number of cores).
 # Needs clang and libclang-rt-14-dev (scripts/bootstrap.sh installs them) and the Python env with torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +31,9 @@ LAUNCHER=()
 if command -v ccache >/dev/null; then
   LAUNCHER=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache)
   export CCACHE_BASEDIR="$ROOT"
+  # As in bootstrap.sh: every target compiles with the torch precompiled header, and without this
+  # sloppiness ccache refuses each such call and caches nothing.
+  export CCACHE_SLOPPINESS="pch_defines,time_macros${CCACHE_SLOPPINESS:+,$CCACHE_SLOPPINESS}"
 fi
 start=$(date +%s)
 # The library (libtorch aside) is compiled instrumented (COLLIDER_FUZZ in CMakeLists.txt); no
@@ -38,7 +43,7 @@ cmake -S . -B build-fuzz -G Ninja -DCOLLIDER_FUZZ=ON -DCMAKE_CXX_COMPILER="$CXX"
   -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DPython3_EXECUTABLE="$PY" "${LAUNCHER[@]}" -Wno-dev \
   >build-fuzz.configure.log 2>&1 || { cat build-fuzz.configure.log; exit 1; }
 rm -f build-fuzz.configure.log
-cmake --build build-fuzz --target "${TARGETS[@]}"
+cmake --build build-fuzz -j "${COLLIDER_JOBS:-$(nproc)}" --target "${TARGETS[@]}"
 say "built in $(( $(date +%s) - start )) s"
 
 # libtorch is not instrumented and keeps process-lifetime allocations (thread pools, caches) that
@@ -48,6 +53,8 @@ export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 export OMP_NUM_THREADS=1
 failed=()
 summary=()
+tsv=build-fuzz/summary.tsv
+printf 'target\tseconds\texecutions\tcov\tft\tcorpus_in_memory\tcorpus_files\tseeds\tcrashes\texit\n' >"$tsv"
 for t in "${TARGETS[@]}"; do
   seeds=fuzz/seeds/${t#fuzz_}
   corpus=build-fuzz/corpus/$t
@@ -66,15 +73,21 @@ for t in "${TARGETS[@]}"; do
   execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | tail -1 | grep -o '[0-9]*$' || echo 0)
   cov=$(grep -o 'cov: [0-9]*' "$log" | tail -1 | grep -o '[0-9]*' || echo 0)
   ft=$(grep -o 'ft: [0-9]*' "$log" | tail -1 | grep -o '[0-9]*' || echo 0)
-  n_corpus=$(ls "$corpus" | wc -l)
+  n_corpus=$(find "$corpus" -type f | wc -l)
+  n_seeds=$(find "$seeds" -type f | wc -l)
+  # libFuzzer's last status line ("#N DONE cov: C ft: F corp: K/SIZE ..."): inputs in its corpus.
+  corp=$(grep -o 'corp: [0-9]*' "$log" | tail -1 | grep -o '[0-9]*' || echo 0)
+  n_crashes=$(find "$findings" -type f | wc -l)
   line="$t: ${execs} executions in ${SECS} s, cov ${cov} edges, ft ${ft} features, corpus ${n_corpus} inputs"
   if ((rc != 0)); then
-    line+=", FAILED (exit $rc): $(ls "$findings" | head -3 | tr '\n' ' ')"
+    line+=", FAILED (exit $rc): $(find "$findings" -type f -printf '%f ')"
     failed+=("$t")
     grep -E "ERROR:|SUMMARY:|runtime error|terminate called|what\(\)" "$log" | head -5 | sed 's/^/    /' >&2 || true
     say "  replay: build-fuzz/fuzz/$t $findings/<file>   (full log: $log)" >&2
   fi
   summary+=("$line")
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$t" "$SECS" "$execs" "$cov" "$ft" "$corp" "$n_corpus" \
+    "$n_seeds" "$n_crashes" "$rc" >>"$tsv"
   say "$line"
 done
 say "summary (clang $("$CXX" --version | head -1 | grep -o '[0-9][0-9.]*' | head -1), $(getconf _NPROCESSORS_ONLN) cores):"

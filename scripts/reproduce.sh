@@ -67,7 +67,7 @@ no_gpu() {
   exit 2
 }
 # Before building: a paper-scale run on a machine without an NVIDIA GPU stops here.
-if [[ "$SCALE" == paper ]] && ! (command -v nvidia-smi >/dev/null && timeout 30 nvidia-smi -L 2>/dev/null | grep -q GPU); then
+if [[ "$SCALE" == paper ]] && ! (command -v nvidia-smi >/dev/null && grep -q GPU <<<"$(timeout 30 nvidia-smi -L 2>/dev/null)"); then
   no_gpu nvidia-smi
 fi
 

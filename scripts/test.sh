@@ -1,21 +1,84 @@
 #!/usr/bin/env bash
 # Sets up (scripts/bootstrap.sh), builds, runs every C++ test with CTest, then the Python package's
-# tests with pytest (python/tests, on this checkout's build/python). A failure in either fails
-# the command; both always run, so one failure does not hide the other.
-#   ./scripts/test.sh                 # all tests that need no GPU
+# tests with pytest (python/tests, on this checkout's build/python), then the libFuzzer targets for
+# a bounded time each (scripts/fuzz.sh: clang + ASan + UBSan build in build-fuzz/). A failure in any
+# step fails the command; every step always runs, so one failure does not hide another.
+#   ./scripts/test.sh                 # all tests that need no GPU, then the fuzzers
 #   ./scripts/test.sh -L cpu          # extra arguments go to ctest
+#   ./scripts/test.sh --no-fuzz       # without the fuzzing step (also: COLLIDER_FUZZ_SECONDS=0)
+#   ./scripts/test.sh --fuzz-only     # only the fuzzing step (no build/, CTest or pytest)
+#   COLLIDER_FUZZ_SECONDS=120 ./scripts/test.sh   # seconds per fuzz target (default 60)
 #   COLLIDER_PYTEST_ARGS="-k trainer" ./scripts/test.sh   # extra arguments for pytest
+#   ./scripts/test.sh --asan          # instead: the sanitizer build (preset asan, build-asan/) and
+#                                     # its CTest unit tests without the slow and gpu labels
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-./scripts/bootstrap.sh
-PY=$(cat build/python_path)
+ASAN=0
+FUZZ_ONLY=0
+FUZZ_SECONDS=${COLLIDER_FUZZ_SECONDS:-60}
+CTEST_ARGS=()
+for a in "$@"; do
+  case $a in
+    --asan) ASAN=1 ;;
+    --no-fuzz) FUZZ_SECONDS=0 ;;
+    --fuzz-only) FUZZ_ONLY=1 ;;
+    *) CTEST_ARGS+=("$a") ;;
+  esac
+done
 # One torch intra-op thread per test process; ctest runs two processes at once on 2 cores.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+if ((ASAN)); then
+  # The library, CLI and unit tests compiled with clang, ASan and UBSan (CMakePresets.json, preset
+  # asan; libtorch itself is not instrumented). The Debian packages and the Python env come from
+  # bootstrap.sh, which does not build build/ here.
+  ./scripts/bootstrap.sh --deps-only
+  PY=${COLLIDER_PYTHON:-${COLLIDER_VENV:-$HOME/.cache/collider/venv}/bin/python}
+  TORCH_PREFIX=$(cd /tmp && "$PY" -c "import torch;print(torch.utils.cmake_prefix_path)")
+  LAUNCHER=()
+  if command -v ccache >/dev/null; then
+    LAUNCHER=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache)
+    export CCACHE_BASEDIR="$ROOT"
+    # As in bootstrap.sh: without it ccache caches nothing that uses the torch precompiled header.
+    export CCACHE_SLOPPINESS="pch_defines,time_macros${CCACHE_SLOPPINESS:+,$CCACHE_SLOPPINESS}"
+  fi
+  start=$(date +%s)
+  cmake --preset asan -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DPython3_EXECUTABLE="$PY" "${LAUNCHER[@]}" -Wno-dev \
+    >build-asan.configure.log 2>&1 || { cat build-asan.configure.log; exit 1; }
+  rm -f build-asan.configure.log
+  cmake --build build-asan -j "${COLLIDER_JOBS:-$(nproc)}"
+  echo "$PY" > build-asan/python_path
+  echo "[test] asan: built in $(( $(date +%s) - start )) s"
+  # Every ASan/UBSan finding aborts the test (-fno-sanitize-recover in CMakeLists.txt). The
+  # suppressions (tests/sanitizers/) cover libtorch and other uninstrumented third-party code
+  # only, each with its reason.
+  SUPP=$ROOT/tests/sanitizers
+  export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1:symbolize=1:detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1}
+  export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$SUPP/lsan.supp:print_suppressions=0}
+  export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1:suppressions=$SUPP/ubsan.supp}
+  start=$(date +%s)
+  rc=0
+  ctest --preset asan -j "${CTEST_JOBS:-2}" --timeout 1500 "${CTEST_ARGS[@]}" || rc=$?
+  echo "[test] asan: tests took $(( $(date +%s) - start )) s"
+  if ((rc != 0)); then echo "[test] FAILED: asan ctest exit status $rc" >&2; exit 1; fi
+  exit 0
+fi
+
 ctest_rc=0
-(cd build && ctest --output-on-failure -j "${CTEST_JOBS:-2}" --timeout 1500 "$@") || ctest_rc=$?
 pytest_rc=0
-if [[ -d build/python/collider ]]; then
+if ((FUZZ_ONLY)); then
+  ./scripts/bootstrap.sh --deps-only
+  PY=${COLLIDER_PYTHON:-${COLLIDER_VENV:-$HOME/.cache/collider/venv}/bin/python}
+  ((FUZZ_SECONDS > 0)) || { echo "[test] --fuzz-only with COLLIDER_FUZZ_SECONDS=0 or --no-fuzz: nothing to run" >&2; exit 2; }
+else
+  ./scripts/bootstrap.sh
+  PY=$(cat build/python_path)
+  (cd build && ctest --output-on-failure -j "${CTEST_JOBS:-2}" --timeout 1500 "${CTEST_ARGS[@]}") || ctest_rc=$?
+fi
+if ((FUZZ_ONLY)); then
+  :
+elif [[ -d build/python/collider ]]; then
   # shellcheck disable=SC2086
   (cd "$ROOT" && "$PY" -m pytest python/tests -q -p no:cacheprovider ${COLLIDER_PYTEST_ARGS:-}) || pytest_rc=$?
   # pytest's 5 means it collected no test: the suite exists, so that is a failure here too.
@@ -24,7 +87,17 @@ else
   echo "[test] build/python/collider missing: the Python module was not built (apt-get install python3-dev)" >&2
   pytest_rc=1
 fi
-if [[ $ctest_rc -ne 0 || $pytest_rc -ne 0 ]]; then
-  echo "[test] FAILED: ctest exit status $ctest_rc, pytest exit status $pytest_rc" >&2
+# The fuzzers from the committed seeds (plus the corpus earlier runs left in build-fuzz/corpus/):
+# a crash, sanitizer report or hang fails the run (the input is kept in build-fuzz/findings/).
+fuzz_rc=0
+if ((FUZZ_SECONDS > 0)); then
+  start=$(date +%s)
+  COLLIDER_FUZZ_SECONDS=$FUZZ_SECONDS COLLIDER_PYTHON="$PY" ./scripts/fuzz.sh || fuzz_rc=$?
+  echo "[test] fuzzing took $(( $(date +%s) - start )) s (${FUZZ_SECONDS} s per target)"
+else
+  echo "[test] fuzzing skipped (--no-fuzz or COLLIDER_FUZZ_SECONDS=0)"
+fi
+if [[ $ctest_rc -ne 0 || $pytest_rc -ne 0 || $fuzz_rc -ne 0 ]]; then
+  echo "[test] FAILED: ctest exit status $ctest_rc, pytest exit status $pytest_rc, fuzz exit status $fuzz_rc" >&2
   exit 1
 fi

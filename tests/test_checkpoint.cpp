@@ -52,7 +52,8 @@ bool file_exists(const fs::path& p) { return ::access(p.c_str(), F_OK) == 0; }
 bool bit_equal(const torch::Tensor& a, const torch::Tensor& b) {
   if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
   auto ca = a.contiguous().cpu(), cb = b.contiguous().cpu();
-  return std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.nbytes()) == 0;
+  // Empty tensors may have no storage, and memcmp of a null pointer is undefined even for 0 bytes.
+  return ca.nbytes() == 0 || std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.nbytes()) == 0;
 }
 
 // Every parameter of `a` is bit-equal to the one of the same name in `b`; returns the count.

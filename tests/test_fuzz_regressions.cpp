@@ -59,7 +59,7 @@ size_t replay(const std::string& target, const Check& check) {
 }
 
 TEST(FuzzRegressions, SafetensorsSeedsAndFindings) { EXPECT_GE(replay("safetensors", cf::check_safetensors), 3u); }
-TEST(FuzzRegressions, ManifestSeedsAndFindings) { EXPECT_GE(replay("manifest", cf::check_manifest), 5u); }
+TEST(FuzzRegressions, ManifestSeedsAndFindings) { EXPECT_GE(replay("manifest", cf::check_manifest), 8u); }
 TEST(FuzzRegressions, TokensSeedsAndFindings) { EXPECT_GE(replay("tokens", cf::check_tokens), 4u); }
 TEST(FuzzRegressions, PlanSeedsAndFindings) { EXPECT_GE(replay("plan", cf::check_plan), 2u); }
 
@@ -99,6 +99,19 @@ TEST(FuzzFindings, AManifestWhoseExclusionsRemoveEveryPointIsAManifestError) {
   const std::string msg =
       error_of<ch::ManifestError>([&] { ch::load_manifest_text(text, "excluded.toml", {}, /*check_device=*/false); });
   EXPECT_NE(msg.find("excluded.toml: [[exclude]] removes all 2 points"), std::string::npos) << msg;
+}
+
+TEST(FuzzFindings, AnExcludeWithASubnormalFilterRatioIsResolved) {
+  // Was: std::out_of_range from std::stod escaping load_manifest_text while it wrote the resolved
+  // manifest, for an [[exclude]] filter_ratio of 4.1e-321 (fuzz_manifest).
+  std::string text = fsu::read_file(regression("manifest", "exclude_with_a_subnormal_filter_ratio.toml"));
+  text.resize(text.find("\n#--set\n") + 1);
+  ASSERT_NE(text.find("filter_ratio = 0.41e-320"), std::string::npos);
+  const ch::Manifest m = ch::load_manifest_text(text, "subnormal.toml", {}, /*check_device=*/false);
+  EXPECT_EQ(m.points.size(), 1u);
+  EXPECT_NE(m.resolved_toml.find("[[exclude]]"), std::string::npos) << m.resolved_toml;
+  const ch::Manifest again = ch::load_manifest_text(m.resolved_toml, "resolved.toml", {}, false);
+  EXPECT_EQ(again.points.size(), m.points.size());
 }
 
 TEST(FuzzFindings, ReferenceLossesWhoseSizeOverflowsAreRejected) {

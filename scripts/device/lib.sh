@@ -50,7 +50,7 @@ dev_start() {
   # DEST is what comes back from the device tool: it starts empty (or holding an earlier run of
   # this script, which is removed), so that a stale file cannot pass as new.
   if [[ -n "$(ls -A "$DEST")" ]]; then
-    if [[ -f "$DEST/run.log" ]] && ! find "$DEST" -mindepth 1 -type d | grep -q .; then
+    if [[ -f "$DEST/run.log" ]] && [[ -z "$(find "$DEST" -mindepth 1 -type d)" ]]; then
       find "$DEST" -mindepth 1 -maxdepth 1 -type f -delete
     else
       echo "$TAG: $DEST is not empty and holds no earlier run of this script; give an empty or new folder" >&2

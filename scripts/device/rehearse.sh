@@ -14,6 +14,13 @@ mkdir -p "$W" && W=$(cd "$W" && pwd)
 # One work folder for both scripts: run_paper_scale.sh resumes the T = 2048 slices that
 # run_gpu_checks.sh ran (as a rerun on a warm GPU machine would), which rehearses --resume too.
 export COLLIDER_DEVICE_WORK_DIR="$W/work"
+# Every rehearsal starts from an empty work folder and no earlier outputs: run_paper_scale.sh's
+# --resume would otherwise find the rows of the previous rehearsal in "$W/work" and append to them,
+# and the row counts checked below would be off on the second run in the same build folder. Only
+# what this script itself writes is removed (WORKDIR may be any folder); build-rehearsal/ stays.
+rm -rf "$W/work" "$W/gpu-check" "$W/paper-run" "$W/budget-drill" "$W/saved" "$W/deps-check-negative" \
+       "$W/gpu-check.console.log" "$W/paper-run.console.log" "$W/budget-drill.console.log" \
+       "$W/deps-check-negative.log"
 T0=$(date +%s)
 say() { printf '[rehearse +%ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
 FAIL=0
