@@ -229,7 +229,9 @@ TEST(Safetensors, RoundTripIsBitExactForEveryDtype) {
     ASSERT_EQ(out.sizes(), t.sizes()) << name;
     torch::Tensor c = t.contiguous();
     // An empty tensor may have no storage: memcmp of null pointers is undefined even for 0 bytes.
-    if (c.nbytes() > 0) EXPECT_EQ(std::memcmp(out.data_ptr(), c.data_ptr(), c.nbytes()), 0) << name << " is not bit-exact";
+    if (c.nbytes() > 0) {
+      EXPECT_EQ(std::memcmp(out.data_ptr(), c.data_ptr(), c.nbytes()), 0) << name << " is not bit-exact";
+    }
   }
   EXPECT_EQ(cm::serialize_safetensors(file.tensors(), file.metadata()), bytes) << "re-serialising changed the bytes";
 }

@@ -104,9 +104,8 @@ class FilteredAttentionNode final : public Node {
 
   variable_list apply(variable_list&& grads) override {
     torch::NoGradGuard no_grad;
-    const auto spec4 = bhte_spec(4), spec3 = bhte_spec(3);
     torch::Tensor dO = grads.at(0);
-    if (masked_) dO = ix_->cut(dO, spec4, true);  // full-size in, cut here
+    if (masked_) dO = ix_->cut(dO, bhte_spec(4), true);  // full-size in, cut here
     const int64_t T = s_.q.size(2);
     variable_list out;
     if (!exact_ && s_.q.device().is_cpu()) {
@@ -131,37 +130,35 @@ class FilteredAttentionNode final : public Node {
     auto q = ix_->cut(s_.q, spec4, true).contiguous();                        // [B, H, N, E]
     auto lse = ix_->cut(s_.lse.narrow(2, 0, T), spec3, true).contiguous();   // [B, H, N]
     const std::optional<double> scale = s_.scale;
-    {
-      auto o = ix_->cut(s_.out, spec4, true).contiguous();
-      if (!s_.causal) {
-        auto [dq, dk, dv] =
-            at::_scaled_dot_product_flash_attention_for_cpu_backward(dO, q, s_.k, s_.v, o, lse, 0.0, false, std::nullopt, scale);
-        return {dq, kept_keys(dk), kept_keys(dv)};
-      }
-      // Causal by original positions needs an explicit mask, and with a mask the kernel visits
-      // every key block (it skips the blocks above the diagonal only under is_causal). So the
-      // kept queries go in chunks of ascending positions, each against the keys up to its last
-      // position: 8 chunks visit ~56% of the [N, T] blocks instead of all of them.
-      const int64_t N = ix_->N(), chunks = std::clamp<int64_t>(N / 64, 1, 8);
-      auto pos = ix_->idx_BN().view({ix_->B(), 1, N, 1});
-      auto last = std::get<0>(ix_->idx_BN().max(0));  // [N]: per cut row, the largest position over the batch
-      auto last_acc = last.accessor<int64_t, 1>();
-      auto dk = torch::zeros_like(s_.k), dv = torch::zeros_like(s_.v);
-      std::vector<torch::Tensor> dqs;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t r0 = N * c / chunks, r1 = N * (c + 1) / chunks, keys = last_acc[r1 - 1] + 1;
-        auto cols = torch::arange(keys, pos.options()).view({1, 1, 1, keys});
-        auto mask = torch::zeros({ix_->B(), 1, r1 - r0, keys}, q.options())
-                        .masked_fill_(cols > pos.narrow(2, r0, r1 - r0), -INFINITY);  // additive, in q's dtype (what the kernel takes)
-        auto [dq_c, dk_c, dv_c] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-            dO.narrow(2, r0, r1 - r0), q.narrow(2, r0, r1 - r0), s_.k.narrow(2, 0, keys), s_.v.narrow(2, 0, keys),
-            o.narrow(2, r0, r1 - r0), lse.narrow(2, r0, r1 - r0), 0.0, false, mask, scale);
-        dqs.push_back(dq_c);
-        dk.narrow(2, 0, keys).add_(dk_c);
-        dv.narrow(2, 0, keys).add_(dv_c);
-      }
-      return {chunks == 1 ? dqs[0] : torch::cat(dqs, 2), kept_keys(dk), kept_keys(dv)};
+    auto o = ix_->cut(s_.out, spec4, true).contiguous();
+    if (!s_.causal) {
+      auto [dq, dk, dv] =
+          at::_scaled_dot_product_flash_attention_for_cpu_backward(dO, q, s_.k, s_.v, o, lse, 0.0, false, std::nullopt, scale);
+      return {dq, kept_keys(dk), kept_keys(dv)};
     }
+    // Causal by original positions needs an explicit mask, and with a mask the kernel visits
+    // every key block (it skips the blocks above the diagonal only under is_causal). So the
+    // kept queries go in chunks of ascending positions, each against the keys up to its last
+    // position: 8 chunks visit ~56% of the [N, T] blocks instead of all of them.
+    const int64_t N = ix_->N(), chunks = std::clamp<int64_t>(N / 64, 1, 8);
+    auto pos = ix_->idx_BN().view({ix_->B(), 1, N, 1});
+    auto last = std::get<0>(ix_->idx_BN().max(0));  // [N]: per cut row, the largest position over the batch
+    auto last_acc = last.accessor<int64_t, 1>();
+    auto dk = torch::zeros_like(s_.k), dv = torch::zeros_like(s_.v);
+    std::vector<torch::Tensor> dqs;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t r0 = N * c / chunks, r1 = N * (c + 1) / chunks, keys = last_acc[r1 - 1] + 1;
+      auto cols = torch::arange(keys, pos.options()).view({1, 1, 1, keys});
+      auto mask = torch::zeros({ix_->B(), 1, r1 - r0, keys}, q.options())
+                      .masked_fill_(cols > pos.narrow(2, r0, r1 - r0), -INFINITY);  // additive, in q's dtype (what the kernel takes)
+      auto [dq_c, dk_c, dv_c] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+          dO.narrow(2, r0, r1 - r0), q.narrow(2, r0, r1 - r0), s_.k.narrow(2, 0, keys), s_.v.narrow(2, 0, keys),
+          o.narrow(2, r0, r1 - r0), lse.narrow(2, r0, r1 - r0), 0.0, false, mask, scale);
+      dqs.push_back(dq_c);
+      dk.narrow(2, 0, keys).add_(dk_c);
+      dv.narrow(2, 0, keys).add_(dv_c);
+    }
+    return {chunks == 1 ? dqs[0] : torch::cat(dqs, 2), kept_keys(dk), kept_keys(dv)};
   }
 
   // kept_only on the CPU: the backward of the header's formulas in blocks of kQueryBlock cut query
@@ -171,7 +168,7 @@ class FilteredAttentionNode final : public Node {
   // Five GEMMs per block, the flash backward's count; torch's fused kernel cannot be called here,
   // because the kept_only correction rowsum(dP P) needs the restricted output P V_K, which only a
   // second (forward) kernel call gives: that added 2 of 5 GEMMs (measured: 0.83-0.89 of the FLOP
-  // ideal at T 512 / 1024 against 0.92-0.95 with this). Ragged masks: padding keys' probabilities
+  // ideal at T 1024 against 0.92-1.05 with this). Ragged masks: padding keys' probabilities
   // are zeroed, so they neither give nor receive gradient.
   static constexpr int64_t kQueryBlock = 64;
 
