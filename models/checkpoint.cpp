@@ -4,7 +4,7 @@
 // tests/test_hf_agreement.cpp.
 #include "models/checkpoint.h"
 
-#include "harness/fault.h"
+#include "base/fault.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -535,7 +535,7 @@ void save_training_checkpoint(const std::string& dir, const CausalLM& model,
                               const std::map<std::string, torch::Tensor>& optimizer_state,
                               const json& trainer_state) {
   // Each file goes through a temporary name and a rename (write_file_atomic); a test can kill the
-  // process half-way through any of them (COLLIDER_FAULT_AT=checkpoint_write, harness/fault.h).
+  // process half-way through any of them (COLLIDER_FAULT_AT=checkpoint_write, base/fault.h).
   harness::fault::Scope fault_scope("checkpoint_write");
   save_hf_model(model, dir);
   save_safetensors((fs::path(dir) / "optimizer.safetensors").string(), optimizer_state, {{"format", "pt"}});

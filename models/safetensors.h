@@ -95,7 +95,7 @@ void save_safetensors(const std::string& path, const std::map<std::string, torch
 // Convenience: open(path).tensors().
 std::map<std::string, torch::Tensor> load_safetensors(const std::string& path);
 
-// Writes `bytes` to `path` through a temporary name, fsync and a rename (harness/fsutil.h's
+// Writes `bytes` to `path` through a temporary name, fsync and a rename (base/fsutil.h's
 // write_file_atomic); throws harness::fsutil::WriteError naming the path and errno on failure.
 void write_file_atomic(const std::string& path, const std::string& bytes);
 

@@ -14,7 +14,7 @@
 #include <cstdlib>
 #include <fstream>
 
-#include "harness/score.h"
+#include "harness/recipes/score.h"
 #include "models/checkpoint.h"
 #include "models/safetensors.h"
 

@@ -5,7 +5,7 @@
 // Run: build/tests/test_gpu_collider   (on a GPU machine; scripts/device/run_gpu_checks.sh)
 #include "../collider_test_util.h"
 
-#include "harness/train_step.h"
+#include "harness/components/train_step.h"
 #include "models/model.h"
 
 #include <gtest/gtest.h>
