@@ -4,7 +4,6 @@
 #include "harness/config/manifest.h"
 
 #include "harness/config/toml_set.h"
-#include "harness/components/train_step.h"
 #include "models/model.h"
 
 #include <collider/select.h>
@@ -24,6 +23,12 @@
 
 namespace collider::harness {
 namespace {
+
+using models::Method;
+using models::MethodSpec;
+using models::Score;
+using models::method_from_string;
+using models::uses_attention_grad;
 
 const std::vector<std::string> kTopKeys = {"name", "description", "run", "axes", "exclude"};
 const std::vector<std::string> kRunKeys = {"device",       "dtype",  "warmup_steps", "measure_steps", "repetitions",
@@ -306,8 +311,8 @@ class Loader {
     check(r.eps > 0, "run.eps", fmt::format("{}", r.eps), "a number > 0");
     check(r.grad_clip >= 0, "run.grad_clip", fmt::format("{}", r.grad_clip), "a number >= 0 (0 disables clipping)");
     check(r.align >= 1, "run.align", std::to_string(r.align), "an integer >= 1");
-    check_in("run.policy", r.policy, {"per_sequence", "batch_topk"});
-    check_in("run.score", r.score, {"self", "random"});
+    check_in("run.policy", r.policy, models::policy_names());
+    check_in("run.score", r.score, {to_string(Score::kSelf), to_string(Score::kRandom)});
     check_in("run.attention_impl", r.attention_impl, {"eager", "sdpa"});
 
     for (const auto& name : axes_.model) {
@@ -329,8 +334,8 @@ class Loader {
       check(f >= 0.0 && f < 1.0, "axes.filter_ratio", fmt_ratio(f),
             "[0, 1): the fraction of tokens dropped (1.0 would drop every token)");
     }
-    for (const auto& m : axes_.method) check_in("axes.method", m, {"regular", "loss_only", "collider", "masked"});
-    for (const auto& a : axes_.attention_grad) check_in("axes.attention_grad", a, {"kept_only", "exact_query"});
+    for (const auto& m : axes_.method) check_in("axes.method", m, models::method_names());
+    for (const auto& a : axes_.attention_grad) check_in("axes.attention_grad", a, models::attention_grad_names());
     check_unique("axes.model", axes_.model);
     check_unique("axes.seq_len", axes_.seq_len);
     check_unique("axes.batch_size", axes_.batch_size);
@@ -339,9 +344,9 @@ class Loader {
     check_unique("axes.attention_grad", axes_.attention_grad);
 
     bool filtering = false;
-    for (const auto& m : axes_.method) filtering |= m != "regular";
+    for (const auto& m : axes_.method) filtering |= method_from_string(m) != Method::kRegular;
     if (filtering) {
-      const int64_t align = r.policy == "per_sequence" ? r.align : 1;
+      const int64_t align = collider::select_policy_from_string(r.policy) == collider::SelectPolicy::kPerSequence ? r.align : 1;
       for (int64_t T : axes_.seq_len) {
         for (double f : axes_.filter_ratio) {
           if (collider::kept_count(T, f, align) < 1) {
@@ -355,16 +360,21 @@ class Loader {
   }
 
   void expand() {
+    MethodSpec spec;  // the run's selection policy and scores; method and attention_grad per point
+    spec.policy = collider::select_policy_from_string(m_.run.policy);
+    spec.score = models::score_from_string(m_.run.score);
     std::vector<int64_t> hits(excludes_.size(), 0);
     for (const auto& model : axes_.model)
       for (int64_t T : axes_.seq_len)
         for (int64_t B : axes_.batch_size)
           for (double f : axes_.filter_ratio)
             for (const auto& method : axes_.method) {
+              spec.method = method_from_string(method);
               std::vector<std::string> grads = axes_.attention_grad;
-              if (!uses_attention_grad(method_from_string(method))) grads = {"none"};
+              if (!uses_attention_grad(spec.method)) grads = {"none"};
               for (const auto& ag : grads) {
-                Point p{model, T, B, f, method, ag};
+                if (uses_attention_grad(spec.method)) spec.attention_grad = collider::attention_grad_from_string(ag);
+                Point p{model, T, B, f, method, ag, spec};
                 ++m_.num_expanded;
                 bool excluded = false;
                 for (size_t i = 0; i < excludes_.size(); ++i) {

@@ -21,6 +21,8 @@
 // Tests: tests/test_manifest.cpp.
 #pragma once
 
+#include "models/method.h"
+
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -57,6 +59,9 @@ struct Point {
   double filter_ratio = 0.0;
   std::string method;
   std::string attention_grad;  // "none" for regular / loss_only
+  // The method, attention_grad, run.policy and run.score, parsed at load (the strings above are
+  // the axis values as written: the point id, the row and [[exclude]] matching use them).
+  models::MethodSpec spec;
   // Stable id from the axis values, e.g. "tinyllama-debug/T64/B2/f0.4/collider/kept_only".
   std::string id() const;
 };

@@ -40,12 +40,6 @@ bool looks_like_oom(const std::string& msg) {
          msg.find("can't allocate memory") != std::string::npos;
 }
 
-models::BackwardMode backward_mode(Method m, collider::AttentionGrad ag) {
-  if (m != Method::kCollider) return models::BackwardMode::kDense;
-  return ag == collider::AttentionGrad::kKeptOnly ? models::BackwardMode::kKeptOnly
-                                                  : models::BackwardMode::kExactQuery;
-}
-
 // The measured keys of a row: null (samples and layers empty) until measured, and again after a
 // failure, so that a failed point leaves no partial timings behind (DESIGN.md section 6).
 void clear_measurements(nlohmann::json& row) {
@@ -110,9 +104,7 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
   ScopedRange point_range(ranges, "point " + p.id());
   try {
     const models::ModelConfig& cfg = models::preset(p.model);
-    const Method method = method_from_string(p.method);
-    const auto ag = uses_attention_grad(method) ? collider::attention_grad_from_string(p.attention_grad)
-                                                : collider::AttentionGrad::kKeptOnly;
+    const Method method = p.spec.method;
     // Work known before running: forward FLOPs, attention/linear ratio.
     row["flops_fwd"] = models::forward_flops(cfg, p.batch_size, p.seq_len).total();
     row["attention_linear_ratio"] = models::attention_linear_ratio(cfg, p.seq_len);
@@ -123,10 +115,8 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
     }
 
     StepConfig sc;
-    sc.method = method;
+    sc.spec = p.spec;
     sc.filter_ratio = p.filter_ratio;
-    sc.attention_grad = ag;
-    sc.policy = collider::select_policy_from_string(m.run.policy);
     sc.align = m.run.align;
     sc.lr = m.run.lr;
     sc.weight_decay = m.run.weight_decay;
@@ -134,7 +124,6 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
     sc.beta2 = m.run.beta2;
     sc.eps = m.run.eps;
     sc.grad_clip = m.run.grad_clip;
-    sc.score = m.run.score;
     sc.bf16_autocast = m.run.dtype == "bf16";
     sc.layer_timing = m.run.layer_timing;
     const auto attn = m.run.attention_impl == "sdpa" ? models::AttentionImpl::kSdpa : models::AttentionImpl::kEager;
@@ -288,23 +277,22 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
     // Collider's backward FLOPs on the actual kept counts, row by row (the FLOP ideal of ragged
     // rows). Ragged rows are executed padded to the largest count (collider_core/src/token_index.cpp):
     // flops_bwd_executed counts that padding; it equals flops_bwd with equal counts.
-    const auto mode = backward_mode(method, ag);
     models::FlopCount bwd_flops{}, bwd_executed{};
     if (method == Method::kCollider && !kept_per_row.empty()) {
       for (int64_t n : kept_per_row) {
         if (n == 0) continue;  // a row that keeps nothing has no backward
-        const auto f = models::backward_flops(cfg, 1, p.seq_len, n, mode);
+        const auto f = models::backward_flops(cfg, 1, p.seq_len, n, p.spec);
         bwd_flops.linear += f.linear;
         bwd_flops.attention += f.attention;
         bwd_flops.lm_head += f.lm_head;
       }
       bwd_executed = models::backward_flops(cfg, p.batch_size, p.seq_len,
-                                            *std::max_element(kept_per_row.begin(), kept_per_row.end()), mode);
+                                            *std::max_element(kept_per_row.begin(), kept_per_row.end()), p.spec);
     } else {
       const int64_t N = method == Method::kCollider ? kept_per_seq : p.seq_len;
-      bwd_flops = bwd_executed = models::backward_flops(cfg, p.batch_size, p.seq_len, N, mode);
+      bwd_flops = bwd_executed = models::backward_flops(cfg, p.batch_size, p.seq_len, N, p.spec);
     }
-    const auto bwd_dense = models::backward_flops(cfg, p.batch_size, p.seq_len, p.seq_len, models::BackwardMode::kDense);
+    const auto bwd_dense = models::backward_flops(cfg, p.batch_size, p.seq_len, p.seq_len, MethodSpec{});  // regular
     row["flops_bwd"] = bwd_flops.total();
     row["flops_bwd_executed"] = bwd_executed.total();
     row["flops_bwd_dense"] = bwd_dense.total();

@@ -46,7 +46,8 @@ std::string expand_home(const std::string& path) {
 }
 
 std::string TrainPoint::id(const TrainSettings& s) const {
-  return fmt::format("{}/T{}/B{}/f{}/{}/{}", s.model, s.seq_len, s.batch_size, filter_ratio, method, attention_grad);
+  return fmt::format("{}/T{}/B{}/f{}/{}/{}", s.model, s.seq_len, s.batch_size, filter_ratio, to_string(spec.method),
+                     models::attention_grad_name(spec));
 }
 
 namespace {
@@ -250,14 +251,16 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
   for (double r : ratios) {
     if (!(r > 0.0 && r < 1.0)) L.fail("axes.filter_ratio", fmt::format("{} outside (0, 1)", r));
   }
+  const Score score = models::score_from_string(s.score);
   for (const auto& meth : methods) {
     if (meth == "regular") {
-      m.points.push_back({"regular", "none", 0.0});
+      m.points.push_back({MethodSpec{Method::kRegular}, 0.0});
     } else if (meth == "loss_only") {
-      for (double r : ratios) m.points.push_back({"loss_only", "none", r});
+      for (double r : ratios) m.points.push_back({MethodSpec{Method::kLossOnly, {}, {}, score}, r});
     } else if (meth == "collider") {
       for (double r : ratios)
-        for (const auto& g : grads) m.points.push_back({"collider", g, r});
+        for (const auto& g : grads)
+          m.points.push_back({MethodSpec{Method::kCollider, collider::attention_grad_from_string(g), {}, score}, r});
     } else {
       L.fail("axes.method", fmt::format("'{}' unknown; allowed: regular, loss_only, collider", meth));
     }
@@ -599,7 +602,7 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
           log << "reference: model from " << ref_model_dir << "\n";
         } else {
           StepConfig sc;
-          sc.method = Method::kRegular;
+          sc.spec.method = Method::kRegular;
           sc.weight_decay = s.weight_decay;
           sc.grad_clip = s.grad_clip;
           Trainer tr(ref_model, sc, device, s.seed);
@@ -697,32 +700,32 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
       }
       nlohmann::json base = {{"experiment", m.name}, {"point_id", pid}, {"status", "ok"}, {"error", nullptr},
                              {"model", s.model}, {"seq_len", s.seq_len}, {"batch_size", s.batch_size},
-                             {"filter_ratio", p.filter_ratio}, {"method", p.method},
-                             {"attention_grad", p.attention_grad}, {"dtype", "fp32"}, {"device", "cpu"},
-                             {"seed", s.seed}, {"steps_total", s.steps}, {"num_params", cfg.num_params()},
-                             {"score", p.method == "regular" ? "none" : s.score}, {"reference", ref_tag},
+                             {"filter_ratio", p.filter_ratio}, {"method", to_string(p.spec.method)},
+                             {"attention_grad", models::attention_grad_name(p.spec)}, {"dtype", "fp32"},
+                             {"device", "cpu"}, {"seed", s.seed}, {"steps_total", s.steps},
+                             {"num_params", cfg.num_params()},
+                             {"score", p.spec.method == Method::kRegular ? "none" : to_string(p.spec.score)},
+                             {"reference", ref_tag},
                              {"data_dir", data_dir}, {"train_split", s.train_split}, {"scale", "cpu"},
                              {"world_size", world}, {"global_batch_size", world * s.batch_size}};
       const nlohmann::json pj = to_json(prov);
       for (auto it = pj.begin(); it != pj.end(); ++it) base[it.key()] = it.value();
       try {
         StepConfig sc;
-        sc.method = method_from_string(p.method);
+        sc.spec = p.spec;
         sc.filter_ratio = p.filter_ratio;
-        sc.attention_grad =
-            p.attention_grad == "exact_query" ? collider::AttentionGrad::kExactQuery : collider::AttentionGrad::kKeptOnly;
         sc.align = s.align;
         sc.weight_decay = s.weight_decay;
         sc.grad_clip = s.grad_clip;
-        sc.score = p.method == "regular" ? "self" : s.score == "excess_loss" ? "reference" : "reference_only";
         Trainer tr(models::build_model(cfg, models::AttentionImpl::kEager, s.seed), sc, device, s.seed);
         if (dist) tr.set_reducer(std::make_shared<GradientReducer>(dist_ptr, tr.model()->parameters()));
         RunSpec spec;
-        spec.label = fmt::format("[{}/{} {} {}{}]", i + 1, m.points.size(), p.method,
-                                 p.method == "collider" ? p.attention_grad + " " : "", fmt_num(p.filter_ratio));
+        spec.label = fmt::format("[{}/{} {} {}{}]", i + 1, m.points.size(), to_string(p.spec.method),
+                                 p.spec.method == Method::kCollider ? models::attention_grad_name(p.spec) + " " : "",
+                                 fmt_num(p.filter_ratio));
         spec.step_cfg = sc;
         spec.loader = &loader;
-        spec.ref = p.method == "regular" ? nullptr : &ref_losses;
+        spec.ref = p.spec.method == Method::kRegular ? nullptr : &ref_losses;
         spec.steps = s.steps;
         spec.warmup_steps = s.warmup_steps;
         spec.lr = s.lr;

@@ -25,6 +25,8 @@
 // Tests: tests/test_utility.cpp, tests/test_distributed_train.cpp (2 ranks vs one process).
 #pragma once
 
+#include "models/method.h"
+
 #include <cstdint>
 #include <iosfwd>
 #include <memory>
@@ -63,8 +65,9 @@ struct TrainSettings {
 };
 
 struct TrainPoint {
-  std::string method;          // regular | loss_only | collider
-  std::string attention_grad;  // kept_only | exact_query for collider, else "none"
+  // regular | loss_only | collider; attention_grad for collider; train.score (regular: kSelf,
+  // unused); per_sequence selection. Parsed at load.
+  models::MethodSpec spec;
   double filter_ratio = 0.0;
   std::string id(const TrainSettings& s) const;  // e.g. tinyllama-mini/T256/B8/f0.4/collider/kept_only
 };
