@@ -17,10 +17,12 @@
 // attention_grad = "none". Precedence: built-in defaults, then the file, then --set key=value
 // (each override echoed). Every problem (unknown key, wrong type, unknown model or method, ratio
 // outside [0, 1), a ratio that keeps no token) is a ManifestError naming the file, the key, the
-// value and what is allowed, raised before any compute.
+// value and what is allowed, raised before any compute. Loaded by the shared loader (loader.h);
+// the training-manifest schema is train_manifest.h.
 // Tests: tests/test_manifest.cpp.
 #pragma once
 
+#include "harness/config/loader.h"
 #include "models/method.h"
 
 #include <cstdint>
@@ -29,11 +31,6 @@
 #include <vector>
 
 namespace collider::harness {
-
-class ManifestError : public std::runtime_error {
- public:
-  explicit ManifestError(const std::string& what) : std::runtime_error(what) {}
-};
 
 struct RunSettings {
   std::string device = "auto";  // resolved: "cpu" | "cuda"
