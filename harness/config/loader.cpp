@@ -16,7 +16,9 @@ std::string join(const std::vector<std::string>& v, const char* sep = ", ") {
   return fmt::format("{}", fmt::join(v, sep));
 }
 
-std::string type_name(const toml::node& n) {
+}  // namespace
+
+std::string toml_type_name(const toml::node& n) {
   switch (n.type()) {
     case toml::node_type::string: return "a string";
     case toml::node_type::integer: return "an integer";
@@ -27,6 +29,8 @@ std::string type_name(const toml::node& n) {
     default: return "a date/time";
   }
 }
+
+namespace {
 
 std::string render(const toml::node& n) {
   std::ostringstream os;
@@ -107,7 +111,7 @@ void Loader::apply(const toml::table& root, const std::vector<std::string>& sets
     const std::string key(k.str());
     if (section_keys_.count(key)) {
       const auto* sub = v.as_table();
-      if (!sub) fail(path_, key, fmt::format("must be a table ([{}]), got {}", key, type_name(v)));
+      if (!sub) fail(path_, key, fmt::format("must be a table ([{}]), got {}", key, toml_type_name(v)));
       for (auto&& [k2, v2] : *sub) apply_key(key + "." + std::string(k2.str()), v2, path_);
     } else if (auto c = custom_.find(key); c != custom_.end()) {
       c->second.first(v, path_);
@@ -189,22 +193,22 @@ std::string Loader::describe_current(const std::string& key) const {
 
 std::string Loader::get_string(const toml::node& n, const std::string& key, const std::string& where) const {
   if (auto v = n.value_exact<std::string>()) return *v;
-  fail(where, key, fmt::format("must be a string, got {} {}", type_name(n), render(n)));
+  fail(where, key, fmt::format("must be a string, got {} {}", toml_type_name(n), render(n)));
 }
 
 int64_t Loader::get_int(const toml::node& n, const std::string& key, const std::string& where) const {
   if (auto v = n.value_exact<int64_t>()) return *v;
-  fail(where, key, fmt::format("must be an integer, got {} {}", type_name(n), render(n)));
+  fail(where, key, fmt::format("must be an integer, got {} {}", toml_type_name(n), render(n)));
 }
 
 double Loader::get_float(const toml::node& n, const std::string& key, const std::string& where) const {
   if (n.is_floating_point() || n.is_integer()) return *n.value<double>();
-  fail(where, key, fmt::format("must be a number, got {} {}", type_name(n), render(n)));
+  fail(where, key, fmt::format("must be a number, got {} {}", toml_type_name(n), render(n)));
 }
 
 bool Loader::get_bool(const toml::node& n, const std::string& key, const std::string& where) const {
   if (auto v = n.value_exact<bool>()) return *v;
-  fail(where, key, fmt::format("must be true or false, got {} {}", type_name(n), render(n)));
+  fail(where, key, fmt::format("must be true or false, got {} {}", toml_type_name(n), render(n)));
 }
 
 void Loader::fail(const std::string& where, const std::string& key, const std::string& what) const {
@@ -220,7 +224,8 @@ void Loader::check_in(const std::string& key, const std::string& value, const st
 
 void Loader::check(bool ok, const std::string& key, const std::string& value, const std::string& allowed) const {
   if (!ok) {
-    throw ManifestError(fmt::format("{}: key '{}' = {} is out of range; allowed: {}", source(key), key, value, allowed));
+    throw ManifestError(
+        fmt::format("{}: key '{}' = {} is out of range; allowed: {}", source(key), key, value, allowed));
   }
 }
 

@@ -35,6 +35,8 @@ toml::table parse_manifest_toml(const std::string& text, const std::string& sour
 // The value of a `--set key=value`, in a table under "v": the text in TOML syntax ([64, 128],
 // 0.4, true, "x"), or, when it does not parse as TOML, the bare word as a string.
 toml::table parse_set_value(const std::string& text);
+// A node's TOML type as the messages name it: "a string", "an integer", "a table", ...
+std::string toml_type_name(const toml::node& n);
 
 class Loader {
  public:
@@ -79,7 +81,9 @@ class Loader {
     std::vector<T> out;
     if (const auto* arr = n.as_array()) {
       if (arr->empty()) fail(where, key, "must not be an empty array");
-      for (size_t i = 0; i < arr->size(); ++i) out.push_back(get<T>(*arr->get(i), key + "[" + std::to_string(i) + "]", where));
+      for (size_t i = 0; i < arr->size(); ++i) {
+        out.push_back(get<T>(*arr->get(i), key + "[" + std::to_string(i) + "]", where));
+      }
     } else {
       out.push_back(get<T>(n, key, where));
     }

@@ -101,26 +101,17 @@ class TimingSchema {
  private:
   void read_excludes(const toml::node& v, const std::string& where_file) {
     const auto* arr = v.as_array();
-    if (!arr) L_.fail(where_file, "exclude", fmt::format("must be an array of tables ([[exclude]]), got {}", type_of(v)));
+    if (!arr) {
+      L_.fail(where_file, "exclude",
+              fmt::format("must be an array of tables ([[exclude]]), got {}", toml_type_name(v)));
+    }
     int i = 0;
     for (const auto& e : *arr) {
       const auto* t = e.as_table();
       const std::string where = fmt::format("{}: [[exclude]] #{}", where_file, i + 1);
-      if (!t) throw ManifestError(fmt::format("{}: must be a table, got {}", where, type_of(e)));
+      if (!t) throw ManifestError(fmt::format("{}: must be a table, got {}", where, toml_type_name(e)));
       read_exclude(*t, where);
       ++i;
-    }
-  }
-
-  static std::string type_of(const toml::node& n) {
-    switch (n.type()) {
-      case toml::node_type::string: return "a string";
-      case toml::node_type::integer: return "an integer";
-      case toml::node_type::floating_point: return "a float";
-      case toml::node_type::boolean: return "a boolean";
-      case toml::node_type::array: return "an array";
-      case toml::node_type::table: return "a table";
-      default: return "a date/time";
     }
   }
 

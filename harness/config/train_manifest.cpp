@@ -82,7 +82,8 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
 
   // ---- validation ------------------------------------------------------------------------------
   // Selection score of loss_only and collider (regular selects nothing).
-  const Score score = L.parse_in("train.score", s.score, {to_string(Score::kExcessLoss), to_string(Score::kReferenceLoss)},
+  const Score score = L.parse_in("train.score", s.score,
+                                 {to_string(Score::kExcessLoss), to_string(Score::kReferenceLoss)},
                                  &models::score_from_string);
   int64_t max_position = 0;
   try {
@@ -130,7 +131,9 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
       for (double r : ratios) m.points.push_back({MethodSpec{Method::kLossOnly, {}, {}, score}, r});
     } else {
       for (double r : ratios)
-        for (collider::AttentionGrad g : attention_grads) m.points.push_back({MethodSpec{Method::kCollider, g, {}, score}, r});
+        for (collider::AttentionGrad g : attention_grads) {
+          m.points.push_back({MethodSpec{Method::kCollider, g, {}, score}, r});
+        }
     }
   }
 
