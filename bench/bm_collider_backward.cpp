@@ -22,6 +22,7 @@
 #include "harness/components/token_data.h"
 #include "harness/components/train_step.h"
 #include "models/flops.h"
+#include "models/method.h"
 #include "models/model.h"
 
 #include <collider/collider.h>
@@ -42,6 +43,9 @@
 namespace {
 
 using collider::AttentionGrad;
+using collider::SelectPolicy;
+using collider::models::Method;
+using collider::models::MethodSpec;
 using Clock = std::chrono::steady_clock;
 
 struct Options {
@@ -53,7 +57,7 @@ struct Options {
   std::string json;
   std::string device = "cpu";
   bool bf16 = false;
-  std::string selection = "per_sequence";  // or batch_topk (needs data)
+  SelectPolicy selection = SelectPolicy::kPerSequence;  // or batch_topk (needs data)
   std::string data, ref_losses;
 };
 
@@ -82,15 +86,19 @@ Options parse(int argc, char** argv) {
     else if (a == "--json") o.json = next();
     else if (a == "--device") o.device = next();
     else if (a == "--bf16") o.bf16 = true;
-    else if (a == "--selection") o.selection = next();
+    else if (a == "--selection") {
+      const std::string v = next();
+      try {
+        o.selection = collider::select_policy_from_string(v);
+      } catch (const std::invalid_argument&) {
+        throw std::invalid_argument("--selection must be per_sequence or batch_topk, got " + v);
+      }
+    }
     else if (a == "--data") o.data = next();
     else if (a == "--ref-losses") o.ref_losses = next();
     else throw std::invalid_argument("unknown option " + a + " (see the header of bench/bm_collider_backward.cpp)");
   }
-  if (o.selection != "per_sequence" && o.selection != "batch_topk") {
-    throw std::invalid_argument("--selection must be per_sequence or batch_topk, got " + o.selection);
-  }
-  if (o.selection == "batch_topk" && (o.data.empty() || o.ref_losses.empty())) {
+  if (o.selection == SelectPolicy::kBatchTopK && (o.data.empty() || o.ref_losses.empty())) {
     throw std::invalid_argument("--selection batch_topk needs --data DIR (scripts/prepare_data.sh's output) and "
                                 "--ref-losses FILE (a *.reflosses.f32 of the utility experiment's reference stage)");
   }
@@ -113,30 +121,30 @@ struct Sample {
   int64_t peak_bytes = 0, gathered_bytes = 0, tensors_gathered = 0;
 };
 
-enum class Kind { kRegular, kLossOnly, kKeptOnly, kExactQuery, kFloor, kRaggedKeptOnly, kRaggedExactQuery };
-const char* name_of(Kind k) {
-  switch (k) {
-    case Kind::kRegular: return "regular";
-    case Kind::kLossOnly: return "loss_only";
-    case Kind::kKeptOnly: return "collider kept_only";
-    case Kind::kExactQuery: return "collider exact_query";
-    case Kind::kFloor: return "floor (regular at T')";
-    case Kind::kRaggedKeptOnly: return "ragged kept_only";
-    case Kind::kRaggedExactQuery: return "ragged exact_query";
-  }
-  return "?";
-}
-bool is_collider(Kind k) {
-  return k == Kind::kKeptOnly || k == Kind::kExactQuery || k == Kind::kRaggedKeptOnly || k == Kind::kRaggedExactQuery;
-}
-bool is_exact(Kind k) { return k == Kind::kExactQuery || k == Kind::kRaggedExactQuery; }
+// One measured variant: a method (MethodSpec: method, attention_grad, selection policy) or the
+// T' floor (regular on the first T' tokens). Ragged variants are collider on the batch_topk mask.
+struct Kind {
+  const char* name;  // the table's and the JSON rows' "method"
+  MethodSpec spec;
+  bool floor = false;
+  bool is_collider() const { return spec.method == Method::kCollider; }
+  bool ragged() const { return spec.policy == SelectPolicy::kBatchTopK; }
+};
+const Kind kRegular{"regular", {Method::kRegular}};
+const Kind kLossOnly{"loss_only", {Method::kLossOnly}};
+const Kind kKeptOnly{"collider kept_only", {Method::kCollider, AttentionGrad::kKeptOnly}};
+const Kind kExactQuery{"collider exact_query", {Method::kCollider, AttentionGrad::kExactQuery}};
+const Kind kFloor{"floor (regular at T')", {Method::kRegular}, /*floor=*/true};
+const Kind kRaggedKeptOnly{"ragged kept_only", {Method::kCollider, AttentionGrad::kKeptOnly, SelectPolicy::kBatchTopK}};
+const Kind kRaggedExactQuery{"ragged exact_query",
+                             {Method::kCollider, AttentionGrad::kExactQuery, SelectPolicy::kBatchTopK}};
 
 // One forward + (rewrite) + backward; times the backward alone.
 void sync(const torch::Tensor& t) {
   if (t.is_cuda()) torch::cuda::synchronize();
 }
 
-Sample run_once(collider::models::CausalLM& m, const collider::Plan& plan, Kind kind, const torch::Tensor& idx,
+Sample run_once(collider::models::CausalLM& m, const collider::Plan& plan, const Kind& kind, const torch::Tensor& idx,
                 const torch::Tensor& labels, const torch::Tensor& keep, collider::harness::MemoryProbe& mem,
                 bool bf16) {
   for (auto& p : m->parameters()) p.mutable_grad() = torch::Tensor();
@@ -148,11 +156,11 @@ Sample run_once(collider::models::CausalLM& m, const collider::Plan& plan, Kind 
     collider::harness::AutocastScope autocast(bf16);
     loss_BT = collider::models::token_losses(m->forward(idx), labels);
   }
-  const bool dense_keep = kind == Kind::kRegular || kind == Kind::kFloor;
+  const bool dense_keep = kind.spec.method == Method::kRegular;
   auto loss = collider::models::masked_mean_loss(loss_BT, dense_keep ? torch::ones_like(keep) : keep);
-  if (is_collider(kind)) {
+  if (kind.is_collider()) {
     collider::FilterOptions opts;
-    opts.attention = is_exact(kind) ? AttentionGrad::kExactQuery : AttentionGrad::kKeptOnly;
+    opts.attention = kind.spec.attention_grad;
     sync(idx);
     auto t0 = Clock::now();
     const auto stats = collider::filter_backward(loss, keep, plan, opts);
@@ -258,7 +266,7 @@ int main(int argc, char** argv) try {
       auto labels = torch::randint(cfg.vocab_size, {o.batch, T}).to(dev);
       auto keep = collider::select_tokens(torch::rand({o.batch, T}), o.ratio).to(dev);
       torch::Tensor keep_ragged;  // batch_topk on real excess losses
-      if (o.selection == "batch_topk") {
+      if (o.selection == SelectPolicy::kBatchTopK) {
         auto real = real_batch(o.data, o.ref_losses, o.batch, T, cfg.vocab_size);
         idx = real.input_ids_BT.to(dev);
         labels = real.labels_BT.to(dev);
@@ -276,47 +284,44 @@ int main(int argc, char** argv) try {
       }
       const int64_t N = keep.sum(1)[0].item<int64_t>();
       auto idx_N = idx.narrow(1, 0, N), labels_N = labels.narrow(1, 0, N), keep_N = torch::ones({o.batch, N}, keep.options());
-      std::vector<Kind> kinds = {Kind::kRegular, Kind::kLossOnly, Kind::kKeptOnly, Kind::kExactQuery, Kind::kFloor};
-      if (keep_ragged.defined()) kinds.insert(kinds.end(), {Kind::kRaggedKeptOnly, Kind::kRaggedExactQuery});
+      std::vector<Kind> kinds = {kRegular, kLossOnly, kKeptOnly, kExactQuery, kFloor};
+      if (keep_ragged.defined()) kinds.insert(kinds.end(), {kRaggedKeptOnly, kRaggedExactQuery});
       std::vector<int64_t> ragged_rows;
       if (keep_ragged.defined()) {
         auto c = keep_ragged.sum(1).cpu();
         ragged_rows.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
       }
-      std::map<Kind, std::vector<Sample>> samples;
+      std::map<std::string, std::vector<Sample>> samples;  // by Kind::name
       for (int r = 0; r < o.warmup + o.reps; ++r) {
-        for (Kind k : kinds) {
-          const bool ragged = k == Kind::kRaggedKeptOnly || k == Kind::kRaggedExactQuery;
-          Sample s = k == Kind::kFloor ? run_once(m, plan, k, idx_N, labels_N, keep_N, mem, o.bf16)
-                                       : run_once(m, plan, k, idx, labels, ragged ? keep_ragged : keep, mem, o.bf16);
-          if (is_collider(k)) s.copy_ms = cold_copy_ms(s.gathered_bytes, dev);
-          if (r >= o.warmup) samples[k].push_back(s);
+        for (const Kind& k : kinds) {
+          Sample s = k.floor ? run_once(m, plan, k, idx_N, labels_N, keep_N, mem, o.bf16)
+                             : run_once(m, plan, k, idx, labels, k.ragged() ? keep_ragged : keep, mem, o.bf16);
+          if (k.is_collider()) s.copy_ms = cold_copy_ms(s.gathered_bytes, dev);
+          if (r >= o.warmup) samples[k.name].push_back(s);
         }
       }
-      using collider::models::BackwardMode;
-      const double f_dense = collider::models::backward_flops(cfg, o.batch, T, T, BackwardMode::kDense).total();
-      const double ideal_kept = 1 - collider::models::backward_flops(cfg, o.batch, T, N, BackwardMode::kKeptOnly).total() / f_dense;
-      const double ideal_exact = 1 - collider::models::backward_flops(cfg, o.batch, T, N, BackwardMode::kExactQuery).total() / f_dense;
-      // Ragged rows: the FLOP ideal on the actual counts, row by row.
-      auto ragged_ideal = [&](BackwardMode mode) {
+      const double f_dense = collider::models::backward_flops(cfg, o.batch, T, T, kRegular.spec).total();
+      // The FLOP ideal of a collider variant; ragged rows: on the actual counts, row by row.
+      auto ideal_of = [&](const Kind& k) {
+        if (!k.is_collider()) return 0.0;
+        if (!k.ragged()) return 1 - collider::models::backward_flops(cfg, o.batch, T, N, k.spec).total() / f_dense;
+        if (ragged_rows.empty()) return 0.0;
         double f = 0;
         for (int64_t n : ragged_rows)
-          if (n > 0) f += collider::models::backward_flops(cfg, 1, T, n, mode).total();
+          if (n > 0) f += collider::models::backward_flops(cfg, 1, T, n, k.spec).total();
         return 1 - f / f_dense;
       };
-      const double ideal_ragged_kept = ragged_rows.empty() ? 0.0 : ragged_ideal(BackwardMode::kKeptOnly);
-      const double ideal_ragged_exact = ragged_rows.empty() ? 0.0 : ragged_ideal(BackwardMode::kExactQuery);
-      auto med = [&](Kind k, double Sample::*f) {
+      auto med = [&](const Kind& k, double Sample::*f) {
         std::vector<double> v;
-        for (const auto& s : samples[k]) v.push_back(s.*f);
+        for (const auto& s : samples[k.name]) v.push_back(s.*f);
         return median(v);
       };
-      auto peak = [&](Kind k) {
+      auto peak = [&](const Kind& k) {
         int64_t p = 0;
-        for (const auto& s : samples[k]) p = std::max(p, s.peak_bytes);
+        for (const auto& s : samples[k.name]) p = std::max(p, s.peak_bytes);
         return p;
       };
-      const double reg = med(Kind::kRegular, &Sample::bwd_ms), floor_ms = med(Kind::kFloor, &Sample::bwd_ms);
+      const double reg = med(kRegular, &Sample::bwd_ms), floor_ms = med(kFloor, &Sample::bwd_ms);
       std::printf("\n%s  T=%ld  T'=%ld  attention/linear FLOPs %.3f\n", name.c_str(), static_cast<long>(T),
                   static_cast<long>(N), collider::models::attention_linear_ratio(cfg, T));
       if (!ragged_rows.empty()) {
@@ -330,45 +335,41 @@ int main(int argc, char** argv) try {
       }
       std::printf("  %-24s %9s %10s %8s %9s %10s %8s %9s %10s\n", "method", "bwd_ms", "reduction", "ideal", "of ideal",
                   "rewrite%", "rw/reg%", "vs floor", "peak_MiB");
-      for (Kind k : kinds) {
+      for (const Kind& k : kinds) {
         const double b = med(k, &Sample::bwd_ms), rw = med(k, &Sample::rewrite_ms);
         const double red = 1 - (b + rw) / reg;  // the rewrite is part of collider's backward cost
-        const double ideal = k == Kind::kKeptOnly           ? ideal_kept
-                             : k == Kind::kExactQuery       ? ideal_exact
-                             : k == Kind::kRaggedKeptOnly   ? ideal_ragged_kept
-                             : k == Kind::kRaggedExactQuery ? ideal_ragged_exact
-                                                            : 0.0;
-        const bool collider_kind = is_collider(k);
-        std::printf("  %-24s %9.2f %9.1f%% %7.1f%% %9s %9.2f%% %7.2f%% %8.2fx %10.1f\n", name_of(k), b, 100 * red,
+        const double ideal = ideal_of(k);
+        const bool collider_kind = k.is_collider();
+        std::printf("  %-24s %9.2f %9.1f%% %7.1f%% %9s %9.2f%% %7.2f%% %8.2fx %10.1f\n", k.name, b, 100 * red,
                     100 * ideal, collider_kind ? std::to_string(red / ideal).substr(0, 5).c_str() : "-", 100 * rw / b,
                     100 * rw / reg, (b + rw) / floor_ms, peak(k) / 1048576.0);
         rows.push_back({{"model", name}, {"seq_len", T}, {"batch_size", o.batch}, {"filter_ratio", o.ratio},
-                        {"kept", N}, {"method", name_of(k)}, {"bwd_ms", b}, {"rewrite_ms", rw},
-                        {"selection", k == Kind::kRaggedKeptOnly || k == Kind::kRaggedExactQuery ? "batch_topk" : "per_sequence"},
-                        {"kept_per_row", k == Kind::kRaggedKeptOnly || k == Kind::kRaggedExactQuery ? ragged_rows
-                                                                                                  : std::vector<int64_t>(o.batch, N)},
-                        {"gather_ms", med(k, &Sample::gather_ms)}, {"gathered_bytes", samples[k].front().gathered_bytes},
-                        {"tensors_gathered", samples[k].front().tensors_gathered},
+                        {"kept", N}, {"method", k.name}, {"bwd_ms", b}, {"rewrite_ms", rw},
+                        {"selection", collider::to_string(k.spec.policy)},
+                        {"kept_per_row", k.ragged() ? ragged_rows : std::vector<int64_t>(o.batch, N)},
+                        {"gather_ms", med(k, &Sample::gather_ms)},
+                        {"gathered_bytes", samples[k.name].front().gathered_bytes},
+                        {"tensors_gathered", samples[k.name].front().tensors_gathered},
                         {"reduction", red}, {"ideal", ideal}, {"floor_ms", floor_ms}, {"peak_mem_bytes", peak(k)},
                         {"attention_linear_ratio", collider::models::attention_linear_ratio(cfg, T)},
                         {"num_threads", torch::get_num_threads()}, {"torch_version", TORCH_VERSION},
                         {"device", o.device}, {"dtype", o.bf16 ? "bf16" : "fp32"},
                         {"cpu_allocator", collider::harness::cpu_allocator_mode()},
-                        {"samples_bwd_ms", [&] { std::vector<double> v; for (auto& s : samples[k]) v.push_back(s.bwd_ms); return v; }()}});
+                        {"samples_bwd_ms", [&] { std::vector<double> v; for (auto& s : samples[k.name]) v.push_back(s.bwd_ms); return v; }()}});
       }
       // Where the rewrite's time goes: copies (bandwidth) vs the graph walk and bookkeeping, and
       // what a plain copy of the same bytes costs here (the floor of a copying rewrite).
-      for (Kind k : kinds) {
-        if (!is_collider(k)) continue;
+      for (const Kind& k : kinds) {
+        if (!k.is_collider()) continue;
         const double rw = med(k, &Sample::rewrite_ms), g = med(k, &Sample::gather_ms);
-        const int64_t bytes = samples[k].front().gathered_bytes;
+        const int64_t bytes = samples[k.name].front().gathered_bytes;
         const double copy_ms = med(k, &Sample::copy_ms), b = med(k, &Sample::bwd_ms);
         std::printf("  rewrite %-20s %6.2f ms: %ld gathers %6.2f ms (%.1f MB written, %.1f GB/s), rest %5.2f ms; "
                     "plain copy of those bytes %5.2f ms = %.2f%% of the backward\n",
-                    name_of(k), rw, static_cast<long>(samples[k].front().tensors_gathered), g, bytes / 1e6,
+                    k.name, rw, static_cast<long>(samples[k.name].front().tensors_gathered), g, bytes / 1e6,
                     g > 0 ? bytes / 1e6 / g : 0.0, rw - g, copy_ms, 100 * copy_ms / b);
         for (auto& r : rows)
-          if (r["model"] == name && r["seq_len"] == T && r["method"] == name_of(k)) r["copy_floor_ms"] = copy_ms;
+          if (r["model"] == name && r["seq_len"] == T && r["method"] == k.name) r["copy_floor_ms"] = copy_ms;
       }
     }
   }

@@ -12,15 +12,6 @@
 
 namespace collider::models {
 
-const char* to_string(BackwardMode m) {
-  switch (m) {
-    case BackwardMode::kDense: return "dense";
-    case BackwardMode::kKeptOnly: return "kept_only";
-    case BackwardMode::kExactQuery: return "exact_query";
-  }
-  return "unknown";
-}
-
 namespace {
 
 // Forward FLOPs of the decoder projections per token, summed over layers.
@@ -52,10 +43,10 @@ FlopCount forward_flops(const ModelConfig& cfg, int64_t B, int64_t T) {
   return f;
 }
 
-FlopCount backward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N, BackwardMode mode) {
+FlopCount backward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N, const MethodSpec& spec) {
   check_sizes(B, T);
   FlopCount f;
-  if (mode == BackwardMode::kDense) {
+  if (spec.method != Method::kCollider) {  // the others run the dense backward
     const FlopCount fwd = forward_flops(cfg, B, T);
     f.linear = 2 * fwd.linear;
     f.attention = 2 * fwd.attention;
@@ -67,7 +58,7 @@ FlopCount backward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N
   const FlopCount kept = forward_flops(cfg, B, N);  // token-wise GEMMs on the kept rows
   f.linear = 2 * kept.linear;
   f.lm_head = 2 * kept.lm_head;
-  f.attention = mode == BackwardMode::kKeptOnly ? 4 * attention_gemm_flops(cfg, B, N, N)
+  f.attention = spec.attention_grad == collider::AttentionGrad::kKeptOnly ? 4 * attention_gemm_flops(cfg, B, N, N)
                                                 : 4 * attention_gemm_flops(cfg, B, N, T);
   return f;
 }

@@ -8,18 +8,12 @@
 // F ffn, V vocab, L layers.
 #pragma once
 
+#include "models/method.h"
 #include "models/model.h"
 
 #include <cstdint>
 
 namespace collider::models {
-
-enum class BackwardMode {
-  kDense,       // regular / loss_only / masked: every backward GEMM at full size
-  kKeptOnly,    // collider, attention_grad = kept_only
-  kExactQuery,  // collider, attention_grad = exact_query
-};
-const char* to_string(BackwardMode m);
 
 struct FlopCount {
   double linear = 0;     // decoder projections: q, k, v, o (dense), MLP
@@ -34,16 +28,18 @@ struct FlopCount {
 //   lm_head   = 2 * B*T * D*V
 FlopCount forward_flops(const ModelConfig& cfg, int64_t B, int64_t T);
 
-// Backward, N = kept tokens per row (ignored by kDense; 0 < N <= T otherwise):
-//   kDense:      every GEMM twice (dX and dW): 2 x forward_flops(B, T).
-//   kKeptOnly:   token-wise GEMMs on N rows: linear, lm_head = 2 x forward at N; attention core
-//                as if only the N kept tokens existed: 4 GEMMs (dP = dO V^T, dV = P^T dO,
-//                dQ = dS K, dK = dS^T Q) of 2*B*H*N*N*E = 2 x forward attention at N.
-//   kExactQuery: token-wise GEMMs on N rows as above; attention: dP = dO V^T is N x T, dQ = dS K
-//                contracts over T, dV = P^T dO and dK = dS^T Q are computed T x N and gathered:
-//                4 GEMMs of 2*B*H*N*T*E, per layer.
+// Backward of the method `spec` (its method and attention_grad; policy and score do not change
+// the count for a given N), N = kept tokens per row (ignored by the dense methods; 0 < N <= T for
+// collider):
+//   regular, loss_only, masked: every GEMM at full size, twice (dX and dW): 2 x forward_flops(B, T).
+//   collider, kept_only:   token-wise GEMMs on N rows: linear, lm_head = 2 x forward at N;
+//                attention core as if only the N kept tokens existed: 4 GEMMs (dP = dO V^T,
+//                dV = P^T dO, dQ = dS K, dK = dS^T Q) of 2*B*H*N*N*E = 2 x forward attention at N.
+//   collider, exact_query: token-wise GEMMs on N rows as above; attention: dP = dO V^T is N x T,
+//                dQ = dS K contracts over T, dV = P^T dO and dK = dS^T Q are computed T x N and
+//                gathered: 4 GEMMs of 2*B*H*N*T*E, per layer.
 //   The embedding backward is a scatter-add: 0 GEMM FLOPs.
-FlopCount backward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N, BackwardMode mode);
+FlopCount backward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N, const MethodSpec& spec);
 
 // Forward attention-core FLOPs over forward decoder linear-layer FLOPs (LM head excluded) at
 // sequence length T = 4*T*H*E / (2*[D*H*E + 2*D*G*E + H*E*D + M*D*F]); independent of B.

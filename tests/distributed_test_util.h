@@ -22,9 +22,9 @@ constexpr const char* kDistPreset = "tinyllama-debug";
 
 inline harness::StepConfig dist_step_config(const std::string& method) {
   harness::StepConfig c;
-  c.method = harness::method_from_string(method);
-  c.filter_ratio = c.method == harness::Method::kRegular ? 0.0 : 0.5;
-  c.score = "self";                 // each rank selects on its own slice's losses
+  c.spec.method = harness::method_from_string(method);
+  c.filter_ratio = c.spec.method == harness::Method::kRegular ? 0.0 : 0.5;
+  c.spec.score = harness::Score::kSelf;                 // each rank selects on its own slice's losses
   c.grad_clip = 0.05;               // active at every step: clipping must see the reduced gradients
   c.lr = 1e-3;                      // 5 AdamW steps move parameters by ~5e-3
   return c;

@@ -9,6 +9,14 @@
 
 using namespace collider::models;
 
+namespace {
+// The backwards the formulas distinguish: dense (regular; loss_only and masked count the same)
+// and collider with each attention gradient.
+const MethodSpec kDense{};
+const MethodSpec kKeptOnly{Method::kCollider, collider::AttentionGrad::kKeptOnly};
+const MethodSpec kExactQuery{Method::kCollider, collider::AttentionGrad::kExactQuery};
+}  // namespace
+
 TEST(Flops, TinyLlamaForwardByHand) {
   const auto& c = preset("tinyllama-1.1b");
   const double T = 2048;
@@ -30,7 +38,7 @@ TEST(Flops, PhiCountsTwoMlpMatrices) {
 TEST(Flops, DenseBackwardIsTwiceForward) {
   for (const auto& c : presets()) {
     auto f = forward_flops(c, 2, 300);
-    auto b = backward_flops(c, 2, 300, 300, BackwardMode::kDense);
+    auto b = backward_flops(c, 2, 300, 300, kDense);
     EXPECT_DOUBLE_EQ(b.linear, 2 * f.linear) << c.name;
     EXPECT_DOUBLE_EQ(b.attention, 2 * f.attention) << c.name;
     EXPECT_DOUBLE_EQ(b.lm_head, 2 * f.lm_head) << c.name;
@@ -40,10 +48,10 @@ TEST(Flops, DenseBackwardIsTwiceForward) {
 TEST(Flops, FilteredModesAtFullKeepEqualDenseAndGrowWithN) {
   for (const auto& c : presets()) {
     const int64_t T = 512;
-    auto dense = backward_flops(c, 2, T, T, BackwardMode::kDense);
-    for (auto mode : {BackwardMode::kKeptOnly, BackwardMode::kExactQuery}) {
+    auto dense = backward_flops(c, 2, T, T, kDense);
+    for (const MethodSpec& mode : {kKeptOnly, kExactQuery}) {
       auto full = backward_flops(c, 2, T, T, mode);
-      EXPECT_DOUBLE_EQ(full.total(), dense.total()) << c.name << " " << to_string(mode);
+      EXPECT_DOUBLE_EQ(full.total(), dense.total()) << c.name << " " << collider::to_string(mode.attention_grad);
       double prev = 0;
       for (int64_t N = 8; N <= T; N += 8) {
         auto b = backward_flops(c, 2, T, N, mode);
@@ -53,8 +61,8 @@ TEST(Flops, FilteredModesAtFullKeepEqualDenseAndGrowWithN) {
       }
     }
     // exact_query keeps the T-long key side: more attention work than kept_only below N = T.
-    auto ko = backward_flops(c, 2, T, T / 2, BackwardMode::kKeptOnly);
-    auto eq = backward_flops(c, 2, T, T / 2, BackwardMode::kExactQuery);
+    auto ko = backward_flops(c, 2, T, T / 2, kKeptOnly);
+    auto eq = backward_flops(c, 2, T, T / 2, kExactQuery);
     EXPECT_DOUBLE_EQ(eq.attention, 2 * ko.attention);
     EXPECT_DOUBLE_EQ(eq.linear, ko.linear);
     EXPECT_DOUBLE_EQ(ko.attention, 2 * forward_flops(c, 2, T / 2).attention);
@@ -64,8 +72,8 @@ TEST(Flops, FilteredModesAtFullKeepEqualDenseAndGrowWithN) {
 TEST(Flops, RejectsBadSizes) {
   const auto& c = preset("tinyllama-debug");
   EXPECT_THROW(forward_flops(c, 0, 8), std::invalid_argument);
-  EXPECT_THROW(backward_flops(c, 1, 8, 9, BackwardMode::kKeptOnly), std::invalid_argument);
-  EXPECT_THROW(backward_flops(c, 1, 8, 0, BackwardMode::kExactQuery), std::invalid_argument);
+  EXPECT_THROW(backward_flops(c, 1, 8, 9, kKeptOnly), std::invalid_argument);
+  EXPECT_THROW(backward_flops(c, 1, 8, 0, kExactQuery), std::invalid_argument);
 }
 
 TEST(Flops, PaperAttentionLinearRatios) {

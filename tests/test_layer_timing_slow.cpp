@@ -30,7 +30,7 @@ TEST(LayerTimingSlow, PerLayerBackwardSumsToTheBackward) {
   for (auto method : {ch::Method::kRegular, ch::Method::kCollider}) {
     SCOPED_TRACE(ch::to_string(method));
     ch::StepConfig c;
-    c.method = method;
+    c.spec.method = method;
     c.filter_ratio = method == ch::Method::kRegular ? 0.0 : 0.4;
     c.layer_timing = true;
     const auto& cfg = cm::preset("tinyllama-mini");

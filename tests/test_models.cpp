@@ -464,7 +464,7 @@ TEST(Models, DISABLED_MiniPresetTiming) {
     std::sort(ms.begin(), ms.end());
     std::sort(cpu_ms.begin(), cpu_ms.end());
     const auto f = forward_flops(c, 1, 512);
-    const auto b = backward_flops(c, 1, 512, 512, BackwardMode::kDense);
+    const auto b = backward_flops(c, 1, 512, 512, MethodSpec{});
     fmt::print("{:16s} params {:>10d}  fwd+bwd_ms(T=512) median {:7.1f} [min {:7.1f} max {:7.1f}] cpu_ms {:7.1f}  "
                "GFLOP {:5.1f}  attn/linear T=512 {:.4f} T=1024 {:.4f}  threads {}\n",
                name, c.num_params(), ms[2], ms[0], ms[4], cpu_ms[2], (f.total() + b.total()) / 1e9,

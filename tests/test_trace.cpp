@@ -113,7 +113,7 @@ TEST(Trace, TrainingStepsGiveTheTimingNamesProperlyNested) {
       ch::TraceWriter w(path);
       ch::RangeRecorder ranges(&w);
       ch::StepConfig c;
-      c.method = method;
+      c.spec.method = method;
       c.filter_ratio = method == ch::Method::kRegular ? 0.0 : 0.5;
       c.layer_timing = true;
       ch::Trainer t(cm::build_model(cm::preset("phi-1.5-debug")), c, torch::kCPU, 0, &ranges);

@@ -40,7 +40,7 @@ ch::Batch text_batch(int64_t B, int64_t T, int64_t offset) {
 
 ch::StepConfig config(ch::Method m, double ratio) {
   ch::StepConfig c;
-  c.method = m;
+  c.spec.method = m;
   c.filter_ratio = ratio;
   return c;
 }
@@ -101,7 +101,7 @@ TEST(TrainStep, RejectsBadConfigurations) {
   bf.bf16_autocast = true;
   EXPECT_THROW(make_trainer("tinyllama-debug", bf), std::invalid_argument);
   auto rs = config(ch::Method::kLossOnly, 0.5);
-  rs.score = "reference";
+  rs.spec.score = ch::Score::kExcessLoss;
   auto t = make_trainer("tinyllama-debug", rs);
   EXPECT_THROW(t.step(text_batch(2, 32, 0)), c10::Error);  // no ref_loss_BT in the batch
 }
@@ -128,7 +128,7 @@ TEST(TrainStep, LossOnlyAtZeroEqualsRegularExactly) {
 
 TEST(TrainStep, DeterministicForASeed) {
   auto c = config(ch::Method::kLossOnly, 0.5);
-  c.score = "random";
+  c.spec.score = ch::Score::kRandom;
   auto a = make_trainer("tinyllama-debug", c, 11);
   auto b = make_trainer("tinyllama-debug", c, 11);
   torch::Generator ga = at::detail::createCPUGenerator(5), gb = at::detail::createCPUGenerator(5);
@@ -172,7 +172,7 @@ TEST(TrainStep, SelectionKeepsTheRequestedShare) {
   EXPECT_EQ(r.tokens_kept, 3 * 32);
   // Reference scores: the kept tokens are those with the highest excess loss.
   auto c = config(ch::Method::kLossOnly, 0.5);
-  c.score = "reference";
+  c.spec.score = ch::Score::kExcessLoss;
   auto tr = make_trainer("tinyllama-debug", c);
   auto batch = text_batch(1, 16, 0);
   auto loss_BT = torch::zeros({1, 16});
@@ -226,7 +226,7 @@ TEST(TrainStep, ColliderAtZeroMatchesLossOnly) {
     SCOPED_TRACE(collider::to_string(ag));
     auto lo = make_trainer("tinyllama-debug", config(ch::Method::kLossOnly, 0.0), 4);
     auto cc = config(ch::Method::kCollider, 0.0);
-    cc.attention_grad = ag;
+    cc.spec.attention_grad = ag;
     auto co = make_trainer("tinyllama-debug", cc, 4);
     auto batch = text_batch(2, 32, 3);
     lo.step(batch);
@@ -241,10 +241,10 @@ TEST(TrainStep, ColliderMatchesMaskedOracle) {
     for (auto ag : {collider::AttentionGrad::kKeptOnly, collider::AttentionGrad::kExactQuery}) {
       SCOPED_TRACE(std::string(preset) + " " + collider::to_string(ag));
       auto cc = config(ch::Method::kCollider, 0.5);
-      cc.attention_grad = ag;
+      cc.spec.attention_grad = ag;
       cc.layer_timing = true;  // markers must survive the rewrite
       auto mc = config(ch::Method::kMasked, 0.5);
-      mc.attention_grad = ag;
+      mc.spec.attention_grad = ag;
       auto co = make_trainer(preset, cc, 6);
       auto ma = make_trainer(preset, mc, 6);
       auto batch = text_batch(2, 48, 21);

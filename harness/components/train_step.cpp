@@ -17,26 +17,6 @@
 
 namespace collider::harness {
 
-const char* to_string(Method m) {
-  switch (m) {
-    case Method::kRegular: return "regular";
-    case Method::kLossOnly: return "loss_only";
-    case Method::kCollider: return "collider";
-    case Method::kMasked: return "masked";
-  }
-  return "?";
-}
-
-Method method_from_string(const std::string& s) {
-  if (s == "regular") return Method::kRegular;
-  if (s == "loss_only") return Method::kLossOnly;
-  if (s == "collider") return Method::kCollider;
-  if (s == "masked") return Method::kMasked;
-  throw std::invalid_argument("unknown method '" + s + "'; allowed: regular, loss_only, collider, masked");
-}
-
-bool uses_attention_grad(Method m) { return m == Method::kCollider || m == Method::kMasked; }
-
 AutocastScope::AutocastScope(bool enabled) : enabled_(enabled) {
   if (!enabled_) return;
   prev_enabled_ = at::autocast::is_autocast_enabled(at::kCUDA);
@@ -74,10 +54,6 @@ Trainer::Trainer(models::CausalLM model, StepConfig cfg, torch::Device device, u
   }
   if (cfg_.bf16_autocast && !device_.is_cuda()) {
     throw std::invalid_argument("Trainer: bf16 autocast is for CUDA devices; on CPU the step runs in fp32");
-  }
-  if (cfg_.score != "self" && cfg_.score != "reference" && cfg_.score != "reference_only" && cfg_.score != "random") {
-    throw std::invalid_argument("Trainer: unknown score '" + cfg_.score +
-                                "'; allowed: self, reference, reference_only, random");
   }
   model_->to(device_);
   model_->train();
@@ -149,20 +125,25 @@ void Trainer::ensure_plan(int64_t B, int64_t T) {
 torch::Tensor Trainer::select(const torch::Tensor& loss_BT, const Batch& batch) {
   torch::NoGradGuard no_grad;
   auto valid_BT = batch.labels_BT != -100;
-  if (cfg_.method == Method::kRegular) return valid_BT;
+  const MethodSpec& spec = cfg_.spec;
+  if (spec.method == Method::kRegular) return valid_BT;
   torch::Tensor scores_BT;
-  if (cfg_.score == "self") {
-    scores_BT = loss_BT.detach();
-  } else if (cfg_.score == "reference" || cfg_.score == "reference_only") {
-    TORCH_CHECK(batch.ref_loss_BT.has_value(), "Trainer: score '", cfg_.score,
-                "' needs Batch::ref_loss_BT (reference per-token losses, e.g. from `collider score`)");
-    auto ref_BT = batch.ref_loss_BT->to(loss_BT.device());
-    scores_BT = cfg_.score == "reference" ? collider::excess_loss(loss_BT, ref_BT) : -ref_BT;
-  } else {
-    scores_BT = torch::rand(loss_BT.sizes(), score_gen_, torch::kFloat).to(loss_BT.device());
+  switch (spec.score) {
+    case Score::kSelf: scores_BT = loss_BT.detach(); break;
+    case Score::kExcessLoss:
+    case Score::kReferenceLoss: {
+      TORCH_CHECK(batch.ref_loss_BT.has_value(), "Trainer: score '", to_string(spec.score),
+                  "' needs Batch::ref_loss_BT (reference per-token losses, e.g. from `collider score`)");
+      auto ref_BT = batch.ref_loss_BT->to(loss_BT.device());
+      scores_BT = spec.score == Score::kExcessLoss ? collider::excess_loss(loss_BT, ref_BT) : -ref_BT;
+      break;
+    }
+    case Score::kRandom:
+      scores_BT = torch::rand(loss_BT.sizes(), score_gen_, torch::kFloat).to(loss_BT.device());
+      break;
   }
   collider::SelectOptions so;
-  so.policy = cfg_.policy;
+  so.policy = spec.policy;
   so.align = cfg_.align;
   so.valid_BT = valid_BT;
   return collider::select_tokens(scores_BT, cfg_.filter_ratio, so);
@@ -176,7 +157,7 @@ StepResult Trainer::step(const Batch& batch_in) {
   batch.input_ids_BT = batch.input_ids_BT.to(device_);
   batch.labels_BT = batch.labels_BT.to(device_);
   const int64_t B = batch.input_ids_BT.size(0), T = batch.input_ids_BT.size(1);
-  if (uses_attention_grad(cfg_.method)) ensure_plan(B, T);
+  if (uses_attention_grad(cfg_.spec.method)) ensure_plan(B, T);
 
   // Gradients of the previous step are dropped here (not after it) so that they stay readable
   // between steps; set_to_none frees them before this step's forward.
@@ -213,10 +194,10 @@ StepResult Trainer::step(const Batch& batch_in) {
     m_loss = timer_->mark();
     ScopedRange rr(ranges_, "filter.rewrite");
     collider::FilterOptions fo;
-    fo.attention = cfg_.attention_grad;
-    if (cfg_.method == Method::kCollider) {
+    fo.attention = cfg_.spec.attention_grad;
+    if (cfg_.spec.method == Method::kCollider) {
       r.filter = collider::filter_backward(loss, keep_BT, *plan_, fo);
-    } else if (cfg_.method == Method::kMasked) {
+    } else if (cfg_.spec.method == Method::kMasked) {
       r.filter = collider::mask_backward(loss, keep_BT, *plan_, fo);
     }
   }

@@ -12,6 +12,7 @@
 #include "harness/components/layer_timing.h"
 #include "harness/components/ranges.h"
 #include "harness/components/timer.h"
+#include "models/method.h"
 #include "models/model.h"
 
 #include <collider/collider.h>
@@ -25,31 +26,23 @@
 
 namespace collider::harness {
 
-enum class Method {
-  kRegular,   // no filtering: every token's loss, dense backward
-  kLossOnly,  // RHO-1: masked loss, dense backward (what existing systems do)
-  kCollider,  // masked loss + collider::filter_backward: backward on kept rows only
-  kMasked,    // masked loss + collider::mask_backward: Collider's gradient on zero-masked full tensors
-};
-const char* to_string(Method m);
-// Throws std::invalid_argument listing the allowed names.
-Method method_from_string(const std::string& s);
-// True for the methods whose backward depends on attention_grad (collider, masked).
-bool uses_attention_grad(Method m);
+// The method words (models/method.h, shared with the FLOP formulas and the benchmarks), by the
+// names the harness has always used for them.
+using models::Method;
+using models::MethodSpec;
+using models::Score;
+using models::method_from_string;
+using models::to_string;
+using models::uses_attention_grad;
 
 struct StepConfig {
-  Method method = Method::kRegular;
+  // method, attention_grad, selection policy and scores. Score::kExcessLoss and kReferenceLoss
+  // need Batch::ref_loss_BT.
+  MethodSpec spec;
   double filter_ratio = 0.0;  // fraction of tokens dropped (ignored by regular)
-  collider::AttentionGrad attention_grad = collider::AttentionGrad::kKeptOnly;
-  collider::SelectPolicy policy = collider::SelectPolicy::kPerSequence;
   int64_t align = 8;          // drop count per row rounded up to a multiple of this
   double lr = 3e-4, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double grad_clip = 1.0;     // max global grad norm; <= 0 disables clipping
-  // Token scores for selection: "self" = the model's own per-token loss, "reference" = excess
-  // loss against Batch::ref_loss_BT (RHO-1), "reference_only" = minus the reference loss (tokens
-  // the reference predicts best; independent of the current model, so the same tokens are kept
-  // whatever the batch layout), "random" = seeded uniform scores (timing runs).
-  std::string score = "self";
   bool bf16_autocast = false;  // CUDA only: forward under bf16 autocast
   bool layer_timing = false;   // install per-layer markers
 };

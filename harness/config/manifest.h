@@ -17,9 +17,13 @@
 // attention_grad = "none". Precedence: built-in defaults, then the file, then --set key=value
 // (each override echoed). Every problem (unknown key, wrong type, unknown model or method, ratio
 // outside [0, 1), a ratio that keeps no token) is a ManifestError naming the file, the key, the
-// value and what is allowed, raised before any compute.
+// value and what is allowed, raised before any compute. Loaded by the shared loader (loader.h);
+// the training-manifest schema is train_manifest.h.
 // Tests: tests/test_manifest.cpp.
 #pragma once
+
+#include "harness/config/loader.h"
+#include "models/method.h"
 
 #include <cstdint>
 #include <stdexcept>
@@ -27,11 +31,6 @@
 #include <vector>
 
 namespace collider::harness {
-
-class ManifestError : public std::runtime_error {
- public:
-  explicit ManifestError(const std::string& what) : std::runtime_error(what) {}
-};
 
 struct RunSettings {
   std::string device = "auto";  // resolved: "cpu" | "cuda"
@@ -57,6 +56,9 @@ struct Point {
   double filter_ratio = 0.0;
   std::string method;
   std::string attention_grad;  // "none" for regular / loss_only
+  // The method, attention_grad, run.policy and run.score, parsed at load (the strings above are
+  // the axis values as written: the point id, the row and [[exclude]] matching use them).
+  models::MethodSpec spec;
   // Stable id from the axis values, e.g. "tinyllama-debug/T64/B2/f0.4/collider/kept_only".
   std::string id() const;
 };

@@ -74,9 +74,10 @@ int run_models_command(const std::vector<std::string>& args, std::ostream& out) 
       const int64_t N = collider::kept_count(T, kRatio, 8);
       const double t = static_cast<double>(T);
       auto fwd = models::forward_flops(cfg, 1, T);
-      auto dense = models::backward_flops(cfg, 1, T, T, models::BackwardMode::kDense);
-      auto kept = models::backward_flops(cfg, 1, T, N, models::BackwardMode::kKeptOnly);
-      auto exact = models::backward_flops(cfg, 1, T, N, models::BackwardMode::kExactQuery);
+      auto dense = models::backward_flops(cfg, 1, T, T, models::MethodSpec{});  // regular
+      auto kept = models::backward_flops(cfg, 1, T, N, {models::Method::kCollider, collider::AttentionGrad::kKeptOnly});
+      auto exact =
+          models::backward_flops(cfg, 1, T, N, {models::Method::kCollider, collider::AttentionGrad::kExactQuery});
       per_t.push_back({{"seq_len", T},
                        {"filter_ratio", kRatio},
                        {"kept", N},

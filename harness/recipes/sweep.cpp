@@ -1,4 +1,8 @@
-// Sweep runner and per-point measurement (sweep.h).
+// Sweep runner and per-point measurement (sweep.h): a point's StepConfig comes from its
+// MethodSpec and the run settings (step_config), the step loop feeds PointMeasurements, and the
+// row's measured keys are written from it (timings, layers, kept counts) and from the analytic
+// FLOPs of the method and the kept counts (write_work). A failed point's measured keys are
+// cleared (results.h: clear_measurements).
 #include "harness/recipes/sweep.h"
 
 #include "base/fsutil.h"
@@ -40,23 +44,6 @@ bool looks_like_oom(const std::string& msg) {
          msg.find("can't allocate memory") != std::string::npos;
 }
 
-models::BackwardMode backward_mode(Method m, collider::AttentionGrad ag) {
-  if (m != Method::kCollider) return models::BackwardMode::kDense;
-  return ag == collider::AttentionGrad::kKeptOnly ? models::BackwardMode::kKeptOnly
-                                                  : models::BackwardMode::kExactQuery;
-}
-
-// The measured keys of a row: null (samples and layers empty) until measured, and again after a
-// failure, so that a failed point leaves no partial timings behind (DESIGN.md section 6).
-void clear_measurements(nlohmann::json& row) {
-  for (const char* k : {"fwd_ms", "bwd_ms", "filter_ms", "optim_ms", "step_ms", "tokens_kept", "flops_bwd",
-                        "tokens_per_s", "peak_mem_bytes", "mfu"}) {
-    row[k] = nullptr;
-  }
-  row["samples_step_ms"] = nlohmann::json::array();
-  row["layers"] = nlohmann::json::array();
-}
-
 nlohmann::json identity_row(const Manifest& m, const Point& p, const Provenance& prov) {
   nlohmann::json row = {
       {"experiment", m.name},
@@ -81,11 +68,220 @@ nlohmann::json identity_row(const Manifest& m, const Point& p, const Provenance&
   row["measure_steps"] = m.run.measure_steps;
   row["repetitions"] = m.run.repetitions;
   row["seed"] = m.run.seed;
-  row["policy"] = m.run.policy;
-  row["score"] = m.run.score;
+  row["policy"] = collider::to_string(p.spec.policy);
+  row["score"] = to_string(p.spec.score);
   row["attention_impl"] = m.run.attention_impl;
   row["align"] = m.run.align;
   return row;
+}
+
+// The StepConfig of a point: its MethodSpec and ratio with the run's optimizer and timing settings.
+StepConfig step_config(const Manifest& m, const Point& p) {
+  StepConfig sc;
+  sc.spec = p.spec;
+  sc.filter_ratio = p.filter_ratio;
+  sc.align = m.run.align;
+  sc.lr = m.run.lr;
+  sc.weight_decay = m.run.weight_decay;
+  sc.beta1 = m.run.beta1;
+  sc.beta2 = m.run.beta2;
+  sc.eps = m.run.eps;
+  sc.grad_clip = m.run.grad_clip;
+  sc.bf16_autocast = m.run.dtype == "bf16";
+  sc.layer_timing = m.run.layer_timing;
+  return sc;
+}
+
+// What the steps of one point add up to: the step loop feeds it every step (warm-up steps only
+// count for the losses), and the row's measured keys are written from it.
+class PointMeasurements {
+ public:
+  explicit PointMeasurements(int rank) : rank_(rank) {}
+
+  // Before the first measured step of a repetition.
+  void begin_measured() { cpu_ns_begin_ = process_cpu_ns(); }
+
+  void add_step(const StepResult& r, bool measured) {
+    losses_.push_back(r.loss);
+    if (!measured) return;
+    fwd_.push_back(r.fwd_ms);
+    bwd_.push_back(r.bwd_ms);
+    filter_.push_back(r.filter_ms);
+    select_.push_back(r.select_ms);
+    rewrite_.push_back(r.rewrite_ms);
+    optim_.push_back(r.optim_ms);
+    step_.push_back(r.step_ms);
+    allreduce_.push_back(r.allreduce_ms);
+    rep_step_.push_back(r.step_ms);
+    tokens_kept_ = r.dist ? r.dist->rank_tokens_kept[rank_] : r.tokens_kept;
+    global_tokens_kept_ = r.tokens_kept;
+    if (r.dist) {
+      ar_wait_.push_back(r.dist->wait_ms);
+      ar_bucket_.push_back(r.dist->bucket_ms);
+      allreduce_bytes_ = r.dist->bytes;
+      allreduce_buckets_ = r.dist->num_buckets;
+      buckets_overlapped_ = r.dist->buckets_overlapped;
+      rank_tokens_kept_ = r.dist->rank_tokens_kept;
+      rank_loss_ = r.dist->rank_loss;
+    }
+    kept_per_seq_ = r.kept_per_seq;
+    kept_per_row_ = r.kept_per_row;
+    filter_stats_ = r.filter;
+    double step_layers_bwd = 0.0;
+    for (const auto& l : r.layers) step_layers_bwd += l.bwd_ms;
+    if (!r.layers.empty() && r.bwd_ms > 0) bwd_coverage_.push_back(step_layers_bwd / r.bwd_ms);
+    for (const auto& l : r.layers) {
+      if (!layer_fwd_.count(l.name)) layer_names_.push_back(l.name);
+      layer_fwd_[l.name].push_back(l.fwd_ms);
+      layer_bwd_[l.name].push_back(l.bwd_ms);
+    }
+  }
+
+  // After the last step of a repetition (device synchronised): its peak memory and CPU time.
+  void end_repetition(int64_t peak_bytes) {
+    measured_cpu_ns_ += process_cpu_ns() - cpu_ns_begin_;
+    peak_ = std::max(peak_, peak_bytes);
+    rep_step_medians_.push_back(median(rep_step_));
+    rep_step_.clear();
+  }
+
+  void set_timer_kind(std::string kind) { timer_kind_ = std::move(kind); }
+  void set_overlaps(bool overlaps) { overlaps_ = overlaps; }
+
+  double step_ms() const { return median(step_); }
+  int64_t kept_per_seq() const { return kept_per_seq_; }
+  const std::vector<int64_t>& kept_per_row() const { return kept_per_row_; }  // this rank's, last measured step
+
+  // Timings, per-layer medians, kept counts, memory, losses, rewrite statistics.
+  void write(nlohmann::json& row, const ProcessGroup* dist, const std::string& peak_mem_method) const {
+    row["fwd_ms"] = median(fwd_);
+    row["bwd_ms"] = median(bwd_);
+    row["filter_ms"] = median(filter_);
+    row["optim_ms"] = median(optim_);
+    row["step_ms"] = median(step_);
+    row["select_ms"] = median(select_);
+    row["rewrite_ms"] = median(rewrite_);
+    row["allreduce_ms"] = median(allreduce_);  // 0 in single-process runs
+    if (dist) {
+      row["samples_allreduce_ms"] = allreduce_;
+      // allreduce_ms = the wait for the slowest rank (a tiny all-reduce before backward) + the bucket
+      // all-reduces still running after backward (all of them with COLLIDER_DIST_OVERLAP=0).
+      row["allreduce_wait_ms"] = median(ar_wait_);
+      row["allreduce_bucket_ms"] = median(ar_bucket_);
+      row["allreduce_bytes"] = allreduce_bytes_;  // gradient bytes per rank per step
+      row["allreduce_overlap"] = overlaps_;       // bucket all-reduces started during backward
+      row["allreduce_buckets"] = allreduce_buckets_;
+      row["allreduce_buckets_overlapped"] = buckets_overlapped_;
+      row["distributed_backend"] = dist->backend();
+      row["rank_tokens_kept"] = rank_tokens_kept_;  // last measured step, per rank
+      row["rank_loss_last"] = rank_loss_;
+    }
+    row["samples_step_ms"] = step_;
+    row["samples_fwd_ms"] = fwd_;
+    row["samples_bwd_ms"] = bwd_;
+    row["repetition_step_ms"] = rep_step_medians_;
+    row["timer"] = timer_kind_;
+    // CPU time this process used per measured step (all its threads): on a shared machine,
+    // wall time well above it (times the threads) means the process waited for a core.
+    row["process_cpu_ms_per_step"] =
+        static_cast<double>(measured_cpu_ns_) * 1e-6 / static_cast<double>(std::max<size_t>(1, step_.size()));
+    double layers_fwd_sum = 0, layers_bwd_sum = 0;
+    nlohmann::json layers = nlohmann::json::array();
+    for (const auto& name : layer_names_) {
+      const double f = median(layer_fwd_.at(name)), b = median(layer_bwd_.at(name));
+      layers_fwd_sum += f;
+      layers_bwd_sum += b;
+      layers.push_back({{"name", name}, {"fwd_ms", f}, {"bwd_ms", b}});
+    }
+    row["layers"] = layers;
+    if (!layer_names_.empty()) {
+      // How much of the backward the per-layer segments account for (1.0 = all of bwd_ms).
+      row["layers_fwd_sum_ms"] = layers_fwd_sum;
+      row["layers_bwd_sum_ms"] = layers_bwd_sum;
+      // Per step: the sum of the per-layer backward times over bwd_ms; the row keeps the median.
+      row["layers_bwd_coverage"] = median(bwd_coverage_);
+    }
+    row["tokens_kept"] = tokens_kept_;
+    row["kept_per_seq"] = kept_per_seq_;
+    // Kept counts of the rows (they differ under batch_topk), last measured step, this rank.
+    if (!kept_per_row_.empty()) {
+      double sum = 0;
+      for (int64_t n : kept_per_row_) sum += static_cast<double>(n);
+      row["kept_per_row"] = kept_per_row_;
+      row["kept_per_row_min"] = *std::min_element(kept_per_row_.begin(), kept_per_row_.end());
+      row["kept_per_row_max"] = *std::max_element(kept_per_row_.begin(), kept_per_row_.end());
+      row["kept_per_row_mean"] = sum / static_cast<double>(kept_per_row_.size());
+    }
+    row["global_tokens_kept"] = global_tokens_kept_;
+    row["peak_mem_bytes"] = peak_;
+    row["peak_mem_method"] = peak_mem_method;
+    row["loss_first"] = losses_.empty() ? 0.0 : losses_.front();
+    row["loss_last"] = losses_.empty() ? 0.0 : losses_.back();
+    const collider::FilterStats& fs = filter_stats_;
+    row["filter_stats"] = {{"nodes_visited", fs.nodes_visited},
+                           {"nodes_rewritten", fs.nodes_rewritten},
+                           {"tensors_gathered", fs.tensors_gathered},
+                           {"bytes_before", fs.bytes_before},
+                           {"bytes_gathered", fs.bytes_gathered},
+                           {"kept", fs.kept},
+                           {"kept_total", fs.kept_total},
+                           {"gather_nodes_inserted", fs.gather_nodes_inserted},
+                           {"rewrite_ms", fs.rewrite_ms},
+                           {"gather_ms", fs.gather_ms}};
+  }
+
+ private:
+  int rank_;
+  std::vector<double> fwd_, bwd_, filter_, select_, rewrite_, optim_, step_, losses_, allreduce_, ar_wait_, ar_bucket_;
+  std::vector<double> rep_step_, rep_step_medians_, bwd_coverage_;
+  std::map<std::string, std::vector<double>> layer_fwd_, layer_bwd_;
+  std::vector<std::string> layer_names_;  // model order
+  int64_t peak_ = -1, tokens_kept_ = -1, kept_per_seq_ = -1, global_tokens_kept_ = -1;
+  int64_t allreduce_bytes_ = 0, allreduce_buckets_ = 0, buckets_overlapped_ = 0;
+  bool overlaps_ = false;
+  std::vector<int64_t> rank_tokens_kept_, kept_per_row_;
+  std::vector<double> rank_loss_;
+  collider::FilterStats filter_stats_;
+  std::string timer_kind_;
+  int64_t cpu_ns_begin_ = 0, measured_cpu_ns_ = 0;  // process CPU time (all threads) over measured steps
+};
+
+// The work of a point: analytic backward FLOPs for its method and kept counts, throughput, MFU.
+void write_work(nlohmann::json& row, const models::ModelConfig& cfg, const Point& p, const PointMeasurements& acc,
+                int world, double peak_flops) {
+  // Collider's backward FLOPs on the actual kept counts, row by row (the FLOP ideal of ragged
+  // rows). Ragged rows are executed padded to the largest count (collider_core/src/token_index.cpp):
+  // flops_bwd_executed counts that padding; it equals flops_bwd with equal counts.
+  const std::vector<int64_t>& kept_per_row = acc.kept_per_row();
+  models::FlopCount bwd_flops{}, bwd_executed{};
+  if (p.spec.method == Method::kCollider && !kept_per_row.empty()) {
+    for (int64_t n : kept_per_row) {
+      if (n == 0) continue;  // a row that keeps nothing has no backward
+      const auto f = models::backward_flops(cfg, 1, p.seq_len, n, p.spec);
+      bwd_flops.linear += f.linear;
+      bwd_flops.attention += f.attention;
+      bwd_flops.lm_head += f.lm_head;
+    }
+    bwd_executed = models::backward_flops(cfg, p.batch_size, p.seq_len,
+                                          *std::max_element(kept_per_row.begin(), kept_per_row.end()), p.spec);
+  } else {
+    const int64_t N = p.spec.method == Method::kCollider ? acc.kept_per_seq() : p.seq_len;
+    bwd_flops = bwd_executed = models::backward_flops(cfg, p.batch_size, p.seq_len, N, p.spec);
+  }
+  const auto bwd_dense = models::backward_flops(cfg, p.batch_size, p.seq_len, p.seq_len, MethodSpec{});  // regular
+  row["flops_bwd"] = bwd_flops.total();
+  row["flops_bwd_executed"] = bwd_executed.total();
+  row["flops_bwd_dense"] = bwd_dense.total();
+  row["flop_ideal_bwd_reduction"] = 1.0 - bwd_flops.total() / bwd_dense.total();
+  const double step_s = acc.step_ms() / 1e3;
+  // tokens, tokens_kept, FLOPs and tokens_per_s are this rank's (one device's); global_* all ranks'.
+  row["tokens_per_s"] = step_s > 0 ? static_cast<double>(p.batch_size * p.seq_len) / step_s : 0.0;
+  row["global_tokens"] = p.batch_size * p.seq_len * world;
+  row["global_tokens_per_s"] = step_s > 0 ? static_cast<double>(p.batch_size * p.seq_len * world) / step_s : 0.0;
+  row["device_peak_flops"] = peak_flops > 0 ? nlohmann::json(peak_flops) : nlohmann::json(nullptr);
+  row["mfu"] = peak_flops > 0 && step_s > 0
+                   ? nlohmann::json((row["flops_fwd"].get<double>() + bwd_flops.total()) / step_s / peak_flops)
+                   : nlohmann::json(nullptr);
 }
 
 }  // namespace
@@ -110,9 +306,6 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
   ScopedRange point_range(ranges, "point " + p.id());
   try {
     const models::ModelConfig& cfg = models::preset(p.model);
-    const Method method = method_from_string(p.method);
-    const auto ag = uses_attention_grad(method) ? collider::attention_grad_from_string(p.attention_grad)
-                                                : collider::AttentionGrad::kKeptOnly;
     // Work known before running: forward FLOPs, attention/linear ratio.
     row["flops_fwd"] = models::forward_flops(cfg, p.batch_size, p.seq_len).total();
     row["attention_linear_ratio"] = models::attention_linear_ratio(cfg, p.seq_len);
@@ -122,55 +315,27 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
       throw std::runtime_error("injected failure (run.fail_point = \"" + m.run.fail_point + "\")");
     }
 
-    StepConfig sc;
-    sc.method = method;
-    sc.filter_ratio = p.filter_ratio;
-    sc.attention_grad = ag;
-    sc.policy = collider::select_policy_from_string(m.run.policy);
-    sc.align = m.run.align;
-    sc.lr = m.run.lr;
-    sc.weight_decay = m.run.weight_decay;
-    sc.beta1 = m.run.beta1;
-    sc.beta2 = m.run.beta2;
-    sc.eps = m.run.eps;
-    sc.grad_clip = m.run.grad_clip;
-    sc.score = m.run.score;
-    sc.bf16_autocast = m.run.dtype == "bf16";
-    sc.layer_timing = m.run.layer_timing;
+    const StepConfig sc = step_config(m, p);
     const auto attn = m.run.attention_impl == "sdpa" ? models::AttentionImpl::kSdpa : models::AttentionImpl::kEager;
-
     if (!device.is_cuda()) install_cpu_memory_tracking();  // before the model's tensors exist
     MemoryProbe probe(device);
-    std::vector<double> fwd, bwd, filt, sel, rew, opt, step, losses, allreduce, ar_wait, ar_bucket;
-    std::map<std::string, std::vector<double>> layer_fwd, layer_bwd;
-    std::vector<std::string> layer_names;
-    std::vector<double> rep_step_medians, bwd_coverage;
-    int64_t peak = -1, tokens_kept = -1, kept_per_seq = -1, global_tokens_kept = -1, allreduce_bytes = 0;
-    int64_t allreduce_buckets = 0, buckets_overlapped = 0;
-    bool trainer_overlaps = false;
-    std::vector<int64_t> rank_tokens_kept;
-    std::vector<int64_t> kept_per_row;  // this rank's rows, last measured step
-    std::vector<double> rank_loss;
-    collider::FilterStats fstats;
-    std::string timer_kind;
+    PointMeasurements acc(rank);
     int64_t global_step = 0;
-    int64_t cpu_ns_begin = 0, measured_cpu_ns = 0;  // process CPU time (all threads) over measured steps
     for (int64_t rep = 0; rep < m.run.repetitions; ++rep) {
       const uint64_t seed = static_cast<uint64_t>(m.run.seed + rep);
       Trainer trainer(models::build_model(cfg, attn, seed), sc, device, seed, ranges);
       if (dist) {
         trainer.set_reducer(std::make_shared<GradientReducer>(dist, trainer.model()->parameters()));
-        trainer_overlaps = trainer.reducer()->overlaps_backward();
+        acc.set_overlaps(trainer.reducer()->overlaps_backward());
       }
-      timer_kind = trainer.timer().kind();
+      acc.set_timer_kind(trainer.timer().kind());
       torch::Generator data_gen = at::detail::createCPUGenerator(seed * 7919 + 17);
-      std::vector<double> rep_step;
       for (int64_t s = 0; s < m.run.warmup_steps + m.run.measure_steps; ++s, ++global_step) {
         const bool measured = s >= m.run.warmup_steps;
         if (s == m.run.warmup_steps) {
           if (device.is_cuda()) torch::cuda::synchronize();
           probe.reset_peak();
-          cpu_ns_begin = process_cpu_ns();
+          acc.begin_measured();
         }
         if (global_step == profile_begin) cuda_profiler_start();
         // Every rank draws the same global batch and takes its own rows (world 1: the whole batch).
@@ -186,154 +351,15 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
           r = trainer.step(batch);
         }
         if (global_step + 1 == profile_end) cuda_profiler_stop();
-        losses.push_back(r.loss);
-        if (!measured) continue;
-        fwd.push_back(r.fwd_ms);
-        bwd.push_back(r.bwd_ms);
-        filt.push_back(r.filter_ms);
-        sel.push_back(r.select_ms);
-        rew.push_back(r.rewrite_ms);
-        opt.push_back(r.optim_ms);
-        step.push_back(r.step_ms);
-        allreduce.push_back(r.allreduce_ms);
-        rep_step.push_back(r.step_ms);
-        tokens_kept = r.dist ? r.dist->rank_tokens_kept[rank] : r.tokens_kept;
-        global_tokens_kept = r.tokens_kept;
-        if (r.dist) {
-          ar_wait.push_back(r.dist->wait_ms);
-          ar_bucket.push_back(r.dist->bucket_ms);
-          allreduce_bytes = r.dist->bytes;
-          allreduce_buckets = r.dist->num_buckets;
-          buckets_overlapped = r.dist->buckets_overlapped;
-          rank_tokens_kept = r.dist->rank_tokens_kept;
-          rank_loss = r.dist->rank_loss;
-        }
-        kept_per_seq = r.kept_per_seq;
-        kept_per_row = r.kept_per_row;
-        fstats = r.filter;
-        double step_layers_bwd = 0.0;
-        for (const auto& l : r.layers) step_layers_bwd += l.bwd_ms;
-        if (!r.layers.empty() && r.bwd_ms > 0) bwd_coverage.push_back(step_layers_bwd / r.bwd_ms);
-        for (const auto& l : r.layers) {
-          if (!layer_fwd.count(l.name)) layer_names.push_back(l.name);
-          layer_fwd[l.name].push_back(l.fwd_ms);
-          layer_bwd[l.name].push_back(l.bwd_ms);
-        }
+        acc.add_step(r, measured);
       }
       if (device.is_cuda()) torch::cuda::synchronize();
-      if (m.run.measure_steps > 0) measured_cpu_ns += process_cpu_ns() - cpu_ns_begin;
-      peak = std::max(peak, probe.peak_bytes());
-      rep_step_medians.push_back(median(rep_step));
+      acc.end_repetition(probe.peak_bytes());
     }
     if (profile_end > global_step && profile_begin >= 0 && profile_begin < global_step) cuda_profiler_stop();
 
-    row["fwd_ms"] = median(fwd);
-    row["bwd_ms"] = median(bwd);
-    row["filter_ms"] = median(filt);
-    row["optim_ms"] = median(opt);
-    row["step_ms"] = median(step);
-    row["select_ms"] = median(sel);
-    row["rewrite_ms"] = median(rew);
-    row["allreduce_ms"] = median(allreduce);  // 0 in single-process runs
-    if (dist) {
-      row["samples_allreduce_ms"] = allreduce;
-      // allreduce_ms = the wait for the slowest rank (a tiny all-reduce before backward) + the bucket
-      // all-reduces still running after backward (all of them with COLLIDER_DIST_OVERLAP=0).
-      row["allreduce_wait_ms"] = median(ar_wait);
-      row["allreduce_bucket_ms"] = median(ar_bucket);
-      row["allreduce_bytes"] = allreduce_bytes;  // gradient bytes per rank per step
-      row["allreduce_overlap"] = trainer_overlaps;  // bucket all-reduces started during backward
-      row["allreduce_buckets"] = allreduce_buckets;
-      row["allreduce_buckets_overlapped"] = buckets_overlapped;
-      row["distributed_backend"] = dist->backend();
-      row["rank_tokens_kept"] = rank_tokens_kept;  // last measured step, per rank
-      row["rank_loss_last"] = rank_loss;
-    }
-    row["samples_step_ms"] = step;
-    row["samples_fwd_ms"] = fwd;
-    row["samples_bwd_ms"] = bwd;
-    row["repetition_step_ms"] = rep_step_medians;
-    row["timer"] = timer_kind;
-    // CPU time this process used per measured step (all its threads): on a shared machine,
-    // wall time well above it (times the threads) means the process waited for a core.
-    row["process_cpu_ms_per_step"] =
-        static_cast<double>(measured_cpu_ns) * 1e-6 / static_cast<double>(std::max<int64_t>(1, step.size()));
-    double layers_fwd_sum = 0, layers_bwd_sum = 0;
-    nlohmann::json layers = nlohmann::json::array();
-    for (const auto& name : layer_names) {
-      const double f = median(layer_fwd[name]), b = median(layer_bwd[name]);
-      layers_fwd_sum += f;
-      layers_bwd_sum += b;
-      layers.push_back({{"name", name}, {"fwd_ms", f}, {"bwd_ms", b}});
-    }
-    row["layers"] = layers;
-    if (!layer_names.empty()) {
-      // How much of the backward the per-layer segments account for (1.0 = all of bwd_ms).
-      row["layers_fwd_sum_ms"] = layers_fwd_sum;
-      row["layers_bwd_sum_ms"] = layers_bwd_sum;
-      // Per step: the sum of the per-layer backward times over bwd_ms; the row keeps the median.
-      row["layers_bwd_coverage"] = median(bwd_coverage);
-    }
-    row["tokens_kept"] = tokens_kept;
-    row["kept_per_seq"] = kept_per_seq;
-    // Kept counts of the rows (they differ under batch_topk), last measured step, this rank.
-    if (!kept_per_row.empty()) {
-      double sum = 0;
-      for (int64_t n : kept_per_row) sum += static_cast<double>(n);
-      row["kept_per_row"] = kept_per_row;
-      row["kept_per_row_min"] = *std::min_element(kept_per_row.begin(), kept_per_row.end());
-      row["kept_per_row_max"] = *std::max_element(kept_per_row.begin(), kept_per_row.end());
-      row["kept_per_row_mean"] = sum / static_cast<double>(kept_per_row.size());
-    }
-    // Collider's backward FLOPs on the actual kept counts, row by row (the FLOP ideal of ragged
-    // rows). Ragged rows are executed padded to the largest count (collider_core/src/token_index.cpp):
-    // flops_bwd_executed counts that padding; it equals flops_bwd with equal counts.
-    const auto mode = backward_mode(method, ag);
-    models::FlopCount bwd_flops{}, bwd_executed{};
-    if (method == Method::kCollider && !kept_per_row.empty()) {
-      for (int64_t n : kept_per_row) {
-        if (n == 0) continue;  // a row that keeps nothing has no backward
-        const auto f = models::backward_flops(cfg, 1, p.seq_len, n, mode);
-        bwd_flops.linear += f.linear;
-        bwd_flops.attention += f.attention;
-        bwd_flops.lm_head += f.lm_head;
-      }
-      bwd_executed = models::backward_flops(cfg, p.batch_size, p.seq_len,
-                                            *std::max_element(kept_per_row.begin(), kept_per_row.end()), mode);
-    } else {
-      const int64_t N = method == Method::kCollider ? kept_per_seq : p.seq_len;
-      bwd_flops = bwd_executed = models::backward_flops(cfg, p.batch_size, p.seq_len, N, mode);
-    }
-    const auto bwd_dense = models::backward_flops(cfg, p.batch_size, p.seq_len, p.seq_len, models::BackwardMode::kDense);
-    row["flops_bwd"] = bwd_flops.total();
-    row["flops_bwd_executed"] = bwd_executed.total();
-    row["flops_bwd_dense"] = bwd_dense.total();
-    row["flop_ideal_bwd_reduction"] = 1.0 - bwd_flops.total() / bwd_dense.total();
-    const double step_s = median(step) / 1e3;
-    // tokens, tokens_kept, FLOPs and tokens_per_s are this rank's (one device's); global_* all ranks'.
-    row["tokens_per_s"] = step_s > 0 ? static_cast<double>(p.batch_size * p.seq_len) / step_s : 0.0;
-    row["global_tokens"] = p.batch_size * p.seq_len * world;
-    row["global_tokens_kept"] = global_tokens_kept;
-    row["global_tokens_per_s"] = step_s > 0 ? static_cast<double>(p.batch_size * p.seq_len * world) / step_s : 0.0;
-    const double peak_flops = device_peak_flops(prov.device_name, m.run.dtype);
-    row["device_peak_flops"] = peak_flops > 0 ? nlohmann::json(peak_flops) : nlohmann::json(nullptr);
-    row["mfu"] = peak_flops > 0 && step_s > 0
-                     ? nlohmann::json((row["flops_fwd"].get<double>() + bwd_flops.total()) / step_s / peak_flops)
-                     : nlohmann::json(nullptr);
-    row["peak_mem_bytes"] = peak;
-    row["peak_mem_method"] = probe.method();
-    row["loss_first"] = losses.empty() ? 0.0 : losses.front();
-    row["loss_last"] = losses.empty() ? 0.0 : losses.back();
-    row["filter_stats"] = {{"nodes_visited", fstats.nodes_visited},
-                           {"nodes_rewritten", fstats.nodes_rewritten},
-                           {"tensors_gathered", fstats.tensors_gathered},
-                           {"bytes_before", fstats.bytes_before},
-                           {"bytes_gathered", fstats.bytes_gathered},
-                           {"kept", fstats.kept},
-                           {"kept_total", fstats.kept_total},
-                           {"gather_nodes_inserted", fstats.gather_nodes_inserted},
-                           {"rewrite_ms", fstats.rewrite_ms},
-                           {"gather_ms", fstats.gather_ms}};
+    acc.write(row, dist.get(), probe.method());
+    write_work(row, cfg, p, acc, world, device_peak_flops(prov.device_name, m.run.dtype));
   } catch (const DistributedError&) {
     throw;  // a peer died or hung: the run ends (cli.cpp prints it), no row
   } catch (const c10::OutOfMemoryError& e) {

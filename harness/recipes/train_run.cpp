@@ -1,4 +1,4 @@
-// Training manifests and runs (train_run.h): load + validate, the reference stage (train on the
+// Training runs (train_run.h): the manifest (config/train_manifest.h), the reference stage (train on the
 // curated split, score the training pool once), then one training run per point with periodic
 // evaluation, checkpoints, resume and a progress line; data-parallel with a process group
 // (rank 0 writes, evaluates and runs the reference stage; every rank trains on its own windows).
@@ -6,13 +6,11 @@
 
 #include "harness/components/distributed.h"
 #include "base/fsutil.h"
-#include "harness/config/manifest.h"
 #include "base/fault.h"
 #include "harness/run/results.h"
 #include "harness/run/run_dir.h"
 #include "harness/run/run_lock.h"
 #include "harness/components/token_data.h"
-#include "harness/config/toml_set.h"
 #include "harness/components/train_step.h"
 #include "models/checkpoint.h"
 #include "models/model.h"
@@ -20,7 +18,6 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
-#include <toml++/toml.h>
 
 #include <chrono>
 #include <cmath>
@@ -45,10 +42,6 @@ std::string expand_home(const std::string& path) {
   return path;
 }
 
-std::string TrainPoint::id(const TrainSettings& s) const {
-  return fmt::format("{}/T{}/B{}/f{}/{}/{}", s.model, s.seq_len, s.batch_size, filter_ratio, method, attention_grad);
-}
-
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -59,238 +52,6 @@ struct SimulatedKill : std::runtime_error {
 };
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-
-// ---- manifest ----------------------------------------------------------------------------------
-
-const std::map<std::string, std::vector<std::string>> kKeys = {
-    {"data", {"dir", "train", "reference", "eval"}},
-    {"train",
-     {"model", "seq_len", "batch_size", "steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "align",
-      "eval_every", "eval_tokens", "eval_batch_size", "checkpoint_every", "log_every", "seed", "threads",
-      "pool_windows", "stop_after", "fail_rank", "score"}},
-    {"reference", {"steps", "lr", "batch_size"}},
-    {"axes", {"method", "attention_grad", "filter_ratio"}},
-};
-
-class Loader {
- public:
-  Loader(std::string path) : path_(std::move(path)) {}
-
-  [[noreturn]] void fail(const std::string& key, const std::string& what) const {
-    throw ManifestError(fmt::format("{}: {}: {}", path_, key, what));
-  }
-
-  void apply_set(toml::table& root, const std::string& arg, std::vector<std::string>& echo) {
-    const auto eq = arg.find('=');
-    if (eq == std::string::npos || eq == 0) {
-      throw ManifestError(fmt::format("{}: --set '{}': expected key=value (e.g. --set train.steps=40)", path_, arg));
-    }
-    const std::string key = arg.substr(0, eq), text = arg.substr(eq + 1);
-    const auto dot = key.find('.');
-    if (dot == std::string::npos || !kKeys.count(key.substr(0, dot))) {
-      throw ManifestError(fmt::format("{}: --set '{}': key must be TABLE.KEY with TABLE one of data, train, reference, axes",
-                                      path_, arg));
-    }
-    const std::string tbl = key.substr(0, dot), leaf = key.substr(dot + 1);
-    if (!root.contains(tbl)) root.insert(tbl, toml::table{});
-    auto* t = root[tbl].as_table();
-    if (t == nullptr) {
-      throw ManifestError(fmt::format("{}: --set '{}': '{}' is not a table in the manifest (write it as [{}])", path_,
-                                      arg, tbl, tbl));
-    }
-    t->insert_or_assign(leaf, *parse_set_value(text).get("v"));
-    echo.push_back(fmt::format("override {} = {} (from --set)", key, text));
-  }
-
-  template <typename T>
-  void get(const toml::table& t, const std::string& tbl, const std::string& key, T* out) const {
-    const toml::node* n = t.get(key);
-    if (!n) return;
-    const std::string where = tbl + "." + key;
-    if constexpr (std::is_same_v<T, std::string>) {
-      if (!n->is_string()) fail(where, "must be a string");
-      *out = **n->as_string();
-    } else if constexpr (std::is_same_v<T, double>) {
-      if (auto v = n->value<double>()) *out = *v;
-      else fail(where, "must be a number");
-    } else {
-      if (!n->is_integer()) fail(where, "must be an integer");
-      *out = **n->as_integer();
-    }
-  }
-
-  template <typename T>
-  std::vector<T> list(const toml::table& t, const std::string& tbl, const std::string& key,
-                      std::vector<T> fallback) const {
-    const toml::node* n = t.get(key);
-    if (!n) return fallback;
-    std::vector<T> out;
-    auto one = [&](const toml::node& e) {
-      if constexpr (std::is_same_v<T, std::string>) {
-        if (!e.is_string()) fail(tbl + "." + key, "must hold strings");
-        out.push_back(**e.as_string());
-      } else {
-        auto v = e.value<double>();
-        if (!v) fail(tbl + "." + key, "must hold numbers");
-        out.push_back(*v);
-      }
-    };
-    if (auto* a = n->as_array()) {
-      for (const auto& e : *a) one(e);
-    } else {
-      one(*n);
-    }
-    if (out.empty()) fail(tbl + "." + key, "must not be empty");
-    return out;
-  }
-
- private:
-  std::string path_;
-};
-
-}  // namespace
-
-bool is_training_manifest(const std::string& path) {
-  try {
-    auto root = toml::parse_file(path);
-    return root.contains("train");
-  } catch (...) {
-    return false;
-  }
-}
-
-TrainManifest load_train_manifest(const std::string& path, const std::vector<std::string>& sets) {
-  TrainManifest m;
-  m.path = path;
-  toml::table root;
-  try {
-    root = toml::parse_file(path);
-  } catch (const toml::parse_error& e) {
-    throw ManifestError(fmt::format("{}: TOML error: {}", path, e.description()));
-  }
-  Loader L(path);
-  for (const auto& s : sets) L.apply_set(root, s, m.overrides);
-  for (auto&& [k, v] : root) {
-    const std::string key(k.str());
-    if (key == "name" || key == "description") continue;
-    if (!kKeys.count(key)) {
-      L.fail(key, "unknown key; allowed: name, description, [data], [train], [reference], [axes]");
-    }
-    if (!v.is_table()) L.fail(key, "must be a table");
-    for (auto&& [k2, v2] : *v.as_table()) {
-      const auto& allowed = kKeys.at(key);
-      if (std::find(allowed.begin(), allowed.end(), std::string(k2.str())) == allowed.end()) {
-        L.fail(key + "." + std::string(k2.str()), fmt::format("unknown key; allowed: {}", fmt::join(allowed, ", ")));
-      }
-      (void)v2;
-    }
-  }
-  m.name = root["name"].value_or(std::string("train"));
-  m.description = root["description"].value_or(std::string());
-  auto tbl = [&](const char* n) { return root.contains(n) ? *root[n].as_table() : toml::table{}; };
-  const toml::table data = tbl("data"), tr = tbl("train"), ref = tbl("reference"), axes = tbl("axes");
-  TrainSettings& s = m.train;
-  L.get(data, "data", "dir", &s.data_dir);
-  L.get(data, "data", "train", &s.train_split);
-  L.get(data, "data", "reference", &s.reference_split);
-  s.eval_splits = L.list<std::string>(data, "data", "eval", s.eval_splits);
-  L.get(tr, "train", "model", &s.model);
-  for (auto [key, ptr] : std::vector<std::pair<const char*, int64_t*>>{
-           {"seq_len", &s.seq_len}, {"batch_size", &s.batch_size}, {"steps", &s.steps},
-           {"warmup_steps", &s.warmup_steps}, {"align", &s.align}, {"eval_every", &s.eval_every},
-           {"eval_tokens", &s.eval_tokens}, {"eval_batch_size", &s.eval_batch_size},
-           {"checkpoint_every", &s.checkpoint_every}, {"log_every", &s.log_every}, {"seed", &s.seed},
-           {"threads", &s.threads}, {"pool_windows", &s.pool_windows}, {"stop_after", &s.stop_after},
-           {"fail_rank", &s.fail_rank}}) {
-    L.get(tr, "train", key, ptr);
-  }
-  for (auto [key, ptr] : std::vector<std::pair<const char*, double*>>{
-           {"lr", &s.lr}, {"min_lr", &s.min_lr}, {"weight_decay", &s.weight_decay}, {"grad_clip", &s.grad_clip}}) {
-    L.get(tr, "train", key, ptr);
-  }
-  L.get(tr, "train", "score", &s.score);
-  if (s.score != "excess_loss" && s.score != "reference_loss") {
-    L.fail("train.score", fmt::format("'{}': allowed excess_loss (RHO-1) or reference_loss", s.score));
-  }
-  L.get(ref, "reference", "steps", &s.ref_steps);
-  L.get(ref, "reference", "batch_size", &s.ref_batch_size);
-  L.get(ref, "reference", "lr", &s.ref_lr);
-  try {
-    (void)models::preset(s.model);
-  } catch (const std::invalid_argument& e) {
-    L.fail("train.model", e.what());
-  }
-  auto positive = [&](const char* key, int64_t v) {
-    if (v < 1) L.fail(key, fmt::format("{} must be >= 1", v));
-  };
-  positive("train.seq_len", s.seq_len);
-  positive("train.batch_size", s.batch_size);
-  positive("train.steps", s.steps);
-  positive("train.eval_every", s.eval_every);
-  positive("train.eval_tokens", s.eval_tokens);
-  positive("train.eval_batch_size", s.eval_batch_size);
-  positive("train.checkpoint_every", s.checkpoint_every);
-  positive("train.log_every", s.log_every);
-  positive("reference.steps", s.ref_steps);
-  positive("reference.batch_size", s.ref_batch_size);
-  if (s.seq_len > models::preset(s.model).max_position) L.fail("train.seq_len", "exceeds the model's max_position");
-  if (!(s.lr > 0 && s.min_lr >= 0 && s.min_lr <= s.lr)) L.fail("train.lr", "need lr > 0 and 0 <= min_lr <= lr");
-  if (s.warmup_steps < 0) L.fail("train.warmup_steps", "must be >= 0");
-  if (s.pool_windows < 0) L.fail("train.pool_windows", "must be >= 0 (0 = steps x batch_size)");
-
-  const auto methods = L.list<std::string>(axes, "axes", "method", {"regular", "loss_only", "collider"});
-  const auto grads = L.list<std::string>(axes, "axes", "attention_grad", {"kept_only", "exact_query"});
-  const auto ratios = L.list<double>(axes, "axes", "filter_ratio", {0.4});
-  for (const auto& g : grads) {
-    if (g != "kept_only" && g != "exact_query") {
-      L.fail("axes.attention_grad", fmt::format("'{}' unknown; allowed: kept_only, exact_query", g));
-    }
-  }
-  for (double r : ratios) {
-    if (!(r > 0.0 && r < 1.0)) L.fail("axes.filter_ratio", fmt::format("{} outside (0, 1)", r));
-  }
-  for (const auto& meth : methods) {
-    if (meth == "regular") {
-      m.points.push_back({"regular", "none", 0.0});
-    } else if (meth == "loss_only") {
-      for (double r : ratios) m.points.push_back({"loss_only", "none", r});
-    } else if (meth == "collider") {
-      for (double r : ratios)
-        for (const auto& g : grads) m.points.push_back({"collider", g, r});
-    } else {
-      L.fail("axes.method", fmt::format("'{}' unknown; allowed: regular, loss_only, collider", meth));
-    }
-  }
-  std::ostringstream os;
-  os << "# Resolved training manifest: " << path << " with --set overrides, then defaults filled in.\n";
-  toml::table res;
-  res.insert("name", m.name);
-  res.insert("description", m.description);
-  toml::array ev;
-  for (const auto& e : s.eval_splits) ev.push_back(e);
-  res.insert("data", toml::table{{"dir", s.data_dir}, {"train", s.train_split}, {"reference", s.reference_split},
-                                 {"eval", ev}});
-  res.insert("train", toml::table{{"model", s.model}, {"seq_len", s.seq_len}, {"batch_size", s.batch_size},
-                                  {"steps", s.steps}, {"lr", s.lr}, {"min_lr", s.min_lr},
-                                  {"warmup_steps", s.warmup_steps}, {"weight_decay", s.weight_decay},
-                                  {"grad_clip", s.grad_clip}, {"align", s.align}, {"eval_every", s.eval_every},
-                                  {"eval_tokens", s.eval_tokens}, {"eval_batch_size", s.eval_batch_size},
-                                  {"checkpoint_every", s.checkpoint_every}, {"log_every", s.log_every},
-                                  {"seed", s.seed}, {"threads", s.threads}, {"pool_windows", s.pool_windows},
-                                  {"score", s.score}});
-  res.insert("reference", toml::table{{"steps", s.ref_steps}, {"lr", s.ref_lr}, {"batch_size", s.ref_batch_size}});
-  toml::array am, ag, ar;
-  for (const auto& x : methods) am.push_back(x);
-  for (const auto& x : grads) ag.push_back(x);
-  for (double x : ratios) ar.push_back(x);
-  res.insert("axes", toml::table{{"method", am}, {"attention_grad", ag}, {"filter_ratio", ar}});
-  os << res << "\n";
-  m.resolved_toml = os.str();
-  return m;
-}
-
-namespace {
 
 // ---- one training run ------------------------------------------------------------------------
 
@@ -599,7 +360,7 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
           log << "reference: model from " << ref_model_dir << "\n";
         } else {
           StepConfig sc;
-          sc.method = Method::kRegular;
+          sc.spec.method = Method::kRegular;
           sc.weight_decay = s.weight_decay;
           sc.grad_clip = s.grad_clip;
           Trainer tr(ref_model, sc, device, s.seed);
@@ -697,32 +458,32 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
       }
       nlohmann::json base = {{"experiment", m.name}, {"point_id", pid}, {"status", "ok"}, {"error", nullptr},
                              {"model", s.model}, {"seq_len", s.seq_len}, {"batch_size", s.batch_size},
-                             {"filter_ratio", p.filter_ratio}, {"method", p.method},
-                             {"attention_grad", p.attention_grad}, {"dtype", "fp32"}, {"device", "cpu"},
-                             {"seed", s.seed}, {"steps_total", s.steps}, {"num_params", cfg.num_params()},
-                             {"score", p.method == "regular" ? "none" : s.score}, {"reference", ref_tag},
+                             {"filter_ratio", p.filter_ratio}, {"method", to_string(p.spec.method)},
+                             {"attention_grad", models::attention_grad_name(p.spec)}, {"dtype", "fp32"},
+                             {"device", "cpu"}, {"seed", s.seed}, {"steps_total", s.steps},
+                             {"num_params", cfg.num_params()},
+                             {"score", p.spec.method == Method::kRegular ? "none" : to_string(p.spec.score)},
+                             {"reference", ref_tag},
                              {"data_dir", data_dir}, {"train_split", s.train_split}, {"scale", "cpu"},
                              {"world_size", world}, {"global_batch_size", world * s.batch_size}};
       const nlohmann::json pj = to_json(prov);
       for (auto it = pj.begin(); it != pj.end(); ++it) base[it.key()] = it.value();
       try {
         StepConfig sc;
-        sc.method = method_from_string(p.method);
+        sc.spec = p.spec;
         sc.filter_ratio = p.filter_ratio;
-        sc.attention_grad =
-            p.attention_grad == "exact_query" ? collider::AttentionGrad::kExactQuery : collider::AttentionGrad::kKeptOnly;
         sc.align = s.align;
         sc.weight_decay = s.weight_decay;
         sc.grad_clip = s.grad_clip;
-        sc.score = p.method == "regular" ? "self" : s.score == "excess_loss" ? "reference" : "reference_only";
         Trainer tr(models::build_model(cfg, models::AttentionImpl::kEager, s.seed), sc, device, s.seed);
         if (dist) tr.set_reducer(std::make_shared<GradientReducer>(dist_ptr, tr.model()->parameters()));
         RunSpec spec;
-        spec.label = fmt::format("[{}/{} {} {}{}]", i + 1, m.points.size(), p.method,
-                                 p.method == "collider" ? p.attention_grad + " " : "", fmt_num(p.filter_ratio));
+        spec.label = fmt::format("[{}/{} {} {}{}]", i + 1, m.points.size(), to_string(p.spec.method),
+                                 p.spec.method == Method::kCollider ? models::attention_grad_name(p.spec) + " " : "",
+                                 fmt_num(p.filter_ratio));
         spec.step_cfg = sc;
         spec.loader = &loader;
-        spec.ref = p.method == "regular" ? nullptr : &ref_losses;
+        spec.ref = p.spec.method == Method::kRegular ? nullptr : &ref_losses;
         spec.steps = s.steps;
         spec.warmup_steps = s.warmup_steps;
         spec.lr = s.lr;

@@ -16,6 +16,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstdio>
@@ -35,27 +36,48 @@ const std::vector<RowField>& required_row_fields() {
   using T = JsonType;
   static const std::vector<RowField> f = {
       // identity
-      {"experiment", T::kString, false}, {"point_id", T::kString, false}, {"status", T::kString, false},
-      {"error", T::kString, false},  // null when ok (checked separately)
-      {"model", T::kString, false}, {"seq_len", T::kInteger, false}, {"batch_size", T::kInteger, false},
-      {"filter_ratio", T::kNumber, false}, {"method", T::kString, false}, {"attention_grad", T::kString, false},
-      {"dtype", T::kString, false}, {"device", T::kString, false},
+      {"experiment", T::kString}, {"point_id", T::kString}, {"status", T::kString},
+      {"error", T::kString},  // null when ok (checked separately)
+      {"model", T::kString}, {"seq_len", T::kInteger}, {"batch_size", T::kInteger},
+      {"filter_ratio", T::kNumber}, {"method", T::kString}, {"attention_grad", T::kString},
+      {"dtype", T::kString}, {"device", T::kString},
       // timing (ms, medians over measured steps)
-      {"fwd_ms", T::kNumber, true}, {"bwd_ms", T::kNumber, true}, {"filter_ms", T::kNumber, true},
-      {"optim_ms", T::kNumber, true}, {"step_ms", T::kNumber, true}, {"samples_step_ms", T::kArray, true},
-      {"layers", T::kArray, true},
+      {"fwd_ms", T::kNumber}, {"bwd_ms", T::kNumber}, {"filter_ms", T::kNumber},
+      {"optim_ms", T::kNumber}, {"step_ms", T::kNumber}, {"samples_step_ms", T::kArray},
+      {"layers", T::kArray},
       // work
-      {"tokens", T::kInteger, false}, {"tokens_kept", T::kInteger, true}, {"flops_fwd", T::kNumber, false},
-      {"flops_bwd", T::kNumber, true}, {"tokens_per_s", T::kNumber, true}, {"peak_mem_bytes", T::kInteger, true},
+      {"tokens", T::kInteger}, {"tokens_kept", T::kInteger}, {"flops_fwd", T::kNumber},
+      {"flops_bwd", T::kNumber}, {"tokens_per_s", T::kNumber}, {"peak_mem_bytes", T::kInteger},
       // provenance
-      {"git_sha", T::kString, false}, {"git_dirty", T::kBool, false}, {"torch_version", T::kString, false},
-      {"cuda_version", T::kString, false}, {"device_name", T::kString, false}, {"num_threads", T::kInteger, false},
-      {"timestamp", T::kString, false},
+      {"git_sha", T::kString}, {"git_dirty", T::kBool}, {"torch_version", T::kString},
+      {"cuda_version", T::kString}, {"device_name", T::kString}, {"num_threads", T::kInteger},
+      {"timestamp", T::kString},
   };
   return f;
 }
 
+const std::vector<RowField>& measured_row_fields() {
+  using T = JsonType;
+  static const std::vector<RowField> f = {
+      {"fwd_ms", T::kNumber},        {"bwd_ms", T::kNumber},          {"filter_ms", T::kNumber},
+      {"optim_ms", T::kNumber},      {"step_ms", T::kNumber},         {"samples_step_ms", T::kArray},
+      {"layers", T::kArray},         {"tokens_kept", T::kInteger},    {"flops_bwd", T::kNumber},
+      {"tokens_per_s", T::kNumber},  {"peak_mem_bytes", T::kInteger}, {"mfu", T::kNumber},
+  };
+  return f;
+}
+
+void clear_measurements(nlohmann::json& row) {
+  for (const auto& f : measured_row_fields()) {
+    row[f.key] = f.type == JsonType::kArray ? nlohmann::json::array() : nlohmann::json(nullptr);
+  }
+}
+
 namespace {
+bool is_measured(const std::string& key) {
+  const auto& m = measured_row_fields();
+  return std::any_of(m.begin(), m.end(), [&](const RowField& f) { return key == f.key; });
+}
 bool has_type(const nlohmann::json& v, JsonType t) {
   switch (t) {
     case JsonType::kString: return v.is_string();
@@ -101,7 +123,7 @@ std::vector<std::string> validate_row(const nlohmann::json& row) {
       continue;
     }
     if (std::string(f.key) == "cuda_version" && v.is_null()) continue;  // no CUDA
-    if (v.is_null() && f.null_if_failed && !ok) continue;
+    if (v.is_null() && !ok && is_measured(f.key)) continue;
     if (!has_type(v, f.type)) {
       problems.push_back(std::string("key '") + f.key + "' must be " + type_name(f.type) + ", got " + v.type_name());
     }

@@ -19,11 +19,18 @@ enum class JsonType { kString, kInteger, kNumber, kBool, kArray, kObject };
 struct RowField {
   const char* key;
   JsonType type;
-  bool null_if_failed;  // null (or empty array) in rows whose status is not "ok"
 };
 
 // Every key DESIGN.md section 6 requires of a timing row, with its JSON type.
 const std::vector<RowField>& required_row_fields();
+
+// The measured keys of a timing row (timings, per-layer times, kept tokens, backward FLOPs,
+// throughput, peak memory, MFU): null (arrays: empty) until measured and in every row whose status
+// is not "ok", so that a failed point leaves no partial measurement behind. The one list: the
+// sweep clears them, the validator accepts them null in a failed row.
+const std::vector<RowField>& measured_row_fields();
+// Sets every measured key of `row` to null (arrays: empty).
+void clear_measurements(nlohmann::json& row);
 
 // Problems of one row against the schema (empty = valid): missing keys, wrong types, bad
 // status, layers entries without {name, fwd_ms, bwd_ms}.

@@ -1,0 +1,168 @@
+// The training-manifest schema (train_manifest.h) on the shared loader (loader.h): its keys
+// with their built-in defaults (TrainSettings), the validator, the runs (one per method, ratio
+// and attention_grad) and the resolved manifest.
+#include "harness/config/train_manifest.h"
+
+#include "models/model.h"
+
+#include <fmt/format.h>
+#include <toml++/toml.h>
+
+#include <sstream>
+
+namespace collider::harness {
+
+using models::Method;
+using models::MethodSpec;
+using models::Score;
+
+std::string TrainPoint::id(const TrainSettings& s) const {
+  return fmt::format("{}/T{}/B{}/f{}/{}/{}", s.model, s.seq_len, s.batch_size, filter_ratio, to_string(spec.method),
+                     models::attention_grad_name(spec));
+}
+
+bool is_training_manifest(const std::string& path) {
+  try {
+    auto root = toml::parse_file(path);
+    return root.contains("train");
+  } catch (...) {
+    return false;
+  }
+}
+
+TrainManifest load_train_manifest(const std::string& path, const std::vector<std::string>& sets) {
+  TrainManifest m;
+  m.path = path;
+  m.name = "train";
+  TrainSettings& s = m.train;
+  std::vector<std::string> methods = {"regular", "loss_only", "collider"};
+  std::vector<std::string> grads = {"kept_only", "exact_query"};
+  std::vector<double> ratios = {0.4};
+
+  Loader L(path, "train.steps=40");
+  L.add("name", &m.name);
+  L.add("description", &m.description);
+  L.add_section("data", "dir");
+  L.add("data.dir", &s.data_dir);
+  L.add("data.train", &s.train_split);
+  L.add("data.reference", &s.reference_split);
+  L.add("data.eval", &s.eval_splits);
+  L.add_section("train", "steps");
+  L.add("train.model", &s.model);
+  L.add("train.seq_len", &s.seq_len);
+  L.add("train.batch_size", &s.batch_size);
+  L.add("train.steps", &s.steps);
+  L.add("train.lr", &s.lr);
+  L.add("train.min_lr", &s.min_lr);
+  L.add("train.warmup_steps", &s.warmup_steps);
+  L.add("train.weight_decay", &s.weight_decay);
+  L.add("train.grad_clip", &s.grad_clip);
+  L.add("train.align", &s.align);
+  L.add("train.eval_every", &s.eval_every);
+  L.add("train.eval_tokens", &s.eval_tokens);
+  L.add("train.eval_batch_size", &s.eval_batch_size);
+  L.add("train.checkpoint_every", &s.checkpoint_every);
+  L.add("train.log_every", &s.log_every);
+  L.add("train.seed", &s.seed);
+  L.add("train.threads", &s.threads);
+  L.add("train.pool_windows", &s.pool_windows);
+  L.add("train.score", &s.score);
+  L.add("train.stop_after", &s.stop_after, /*advertised=*/false);  // tests
+  L.add("train.fail_rank", &s.fail_rank, /*advertised=*/false);    // tests
+  L.add_section("reference", "steps");
+  L.add("reference.steps", &s.ref_steps);
+  L.add("reference.lr", &s.ref_lr);
+  L.add("reference.batch_size", &s.ref_batch_size);
+  L.add_section("axes", "method");
+  L.add("axes.method", &methods);
+  L.add("axes.attention_grad", &grads);
+  L.add("axes.filter_ratio", &ratios);
+  L.apply(parse_manifest_toml(read_manifest_file(path), path), sets);
+  m.overrides = L.overrides();
+
+  // ---- validation ------------------------------------------------------------------------------
+  // Selection score of loss_only and collider (regular selects nothing).
+  const Score score = L.parse_in("train.score", s.score,
+                                 {to_string(Score::kExcessLoss), to_string(Score::kReferenceLoss)},
+                                 &models::score_from_string);
+  int64_t max_position = 0;
+  try {
+    max_position = models::preset(s.model).max_position;
+  } catch (const std::invalid_argument& e) {
+    throw ManifestError(fmt::format("{}: key 'train.model' = \"{}\": {}", L.source("train.model"), s.model, e.what()));
+  }
+  for (auto [key, v] : std::vector<std::pair<const char*, int64_t>>{
+           {"train.seq_len", s.seq_len}, {"train.batch_size", s.batch_size}, {"train.steps", s.steps},
+           {"train.eval_every", s.eval_every}, {"train.eval_tokens", s.eval_tokens},
+           {"train.eval_batch_size", s.eval_batch_size}, {"train.checkpoint_every", s.checkpoint_every},
+           {"train.log_every", s.log_every}, {"reference.steps", s.ref_steps},
+           {"reference.batch_size", s.ref_batch_size}}) {
+    L.check(v >= 1, key, std::to_string(v), "an integer >= 1");
+  }
+  if (s.seq_len > max_position) {
+    throw ManifestError(fmt::format("{}: key 'train.seq_len' = {} exceeds the maximum position {} of model '{}'",
+                                    L.source("train.seq_len"), s.seq_len, max_position, s.model));
+  }
+  L.check(s.lr > 0, "train.lr", fmt::format("{}", s.lr), "a number > 0");
+  L.check(s.min_lr >= 0 && s.min_lr <= s.lr, "train.min_lr", fmt::format("{}", s.min_lr),
+          fmt::format("a number in [0, train.lr = {}]", s.lr));
+  L.check(s.warmup_steps >= 0, "train.warmup_steps", std::to_string(s.warmup_steps), "an integer >= 0");
+  L.check(s.pool_windows >= 0, "train.pool_windows", std::to_string(s.pool_windows),
+          "an integer >= 0 (0 = steps x batch_size)");
+
+  // ---- the runs: regular once; loss_only per ratio; collider per ratio and attention_grad -------
+  std::vector<collider::AttentionGrad> attention_grads;
+  for (const auto& g : grads) {
+    attention_grads.push_back(
+        L.parse_in("axes.attention_grad", g, models::attention_grad_names(), &collider::attention_grad_from_string));
+  }
+  for (double r : ratios) {
+    L.check(r > 0.0 && r < 1.0, "axes.filter_ratio", fmt::format("{}", r),
+            "(0, 1): the fraction of tokens dropped (regular runs once, unfiltered)");
+  }
+  for (const auto& name : methods) {
+    const Method method = L.parse_in("axes.method", name,
+                                     {to_string(Method::kRegular), to_string(Method::kLossOnly),
+                                      to_string(Method::kCollider)},
+                                     &models::method_from_string);
+    if (method == Method::kRegular) {
+      m.points.push_back({MethodSpec{Method::kRegular}, 0.0});
+    } else if (method == Method::kLossOnly) {
+      for (double r : ratios) m.points.push_back({MethodSpec{Method::kLossOnly, {}, {}, score}, r});
+    } else {
+      for (double r : ratios)
+        for (collider::AttentionGrad g : attention_grads) {
+          m.points.push_back({MethodSpec{Method::kCollider, g, {}, score}, r});
+        }
+    }
+  }
+
+  std::ostringstream os;
+  os << "# Resolved training manifest: " << path << " with --set overrides, then defaults filled in.\n";
+  toml::table res;
+  res.insert("name", m.name);
+  res.insert("description", m.description);
+  toml::array ev;
+  for (const auto& e : s.eval_splits) ev.push_back(e);
+  res.insert("data", toml::table{{"dir", s.data_dir}, {"train", s.train_split}, {"reference", s.reference_split},
+                                 {"eval", ev}});
+  res.insert("train", toml::table{{"model", s.model}, {"seq_len", s.seq_len}, {"batch_size", s.batch_size},
+                                  {"steps", s.steps}, {"lr", s.lr}, {"min_lr", s.min_lr},
+                                  {"warmup_steps", s.warmup_steps}, {"weight_decay", s.weight_decay},
+                                  {"grad_clip", s.grad_clip}, {"align", s.align}, {"eval_every", s.eval_every},
+                                  {"eval_tokens", s.eval_tokens}, {"eval_batch_size", s.eval_batch_size},
+                                  {"checkpoint_every", s.checkpoint_every}, {"log_every", s.log_every},
+                                  {"seed", s.seed}, {"threads", s.threads}, {"pool_windows", s.pool_windows},
+                                  {"score", s.score}});
+  res.insert("reference", toml::table{{"steps", s.ref_steps}, {"lr", s.ref_lr}, {"batch_size", s.ref_batch_size}});
+  toml::array am, ag, ar;
+  for (const auto& x : methods) am.push_back(x);
+  for (const auto& x : grads) ag.push_back(x);
+  for (double x : ratios) ar.push_back(x);
+  res.insert("axes", toml::table{{"method", am}, {"attention_grad", ag}, {"filter_ratio", ar}});
+  os << res << "\n";
+  m.resolved_toml = os.str();
+  return m;
+}
+
+}  // namespace collider::harness
