@@ -2,7 +2,7 @@
 // per-token loss, boundary hooks (used for per-layer timing markers and gradient-shape probes).
 // Legend: B batch, T sequence, D hidden, H heads, G kv-heads, E head-dim, F ffn, V vocab.
 // Parameter names follow Hugging Face (model.layers.3.self_attn.q_proj.weight, ...), so
-// checkpoints map by name (models/checkpoint.h).
+// checkpoints map by name (models/hf_tensors.h).
 #pragma once
 
 #include <torch/torch.h>
