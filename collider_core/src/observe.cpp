@@ -11,13 +11,6 @@ namespace collider::detail {
 
 namespace {
 
-std::vector<int64_t> to_ints(c10::SymIntArrayRef a) {
-  std::vector<int64_t> out;
-  out.reserve(a.size());
-  for (const auto& s : a) out.push_back(s.expect_int());
-  return out;
-}
-
 // Records every field of one node.
 class RecordVisitor final : public FieldVisitor {
  public:
@@ -69,9 +62,8 @@ class RecordVisitor final : public FieldVisitor {
     out_.fields.push_back(std::move(o));
   }
   void add_sizes(const char* name, std::vector<int64_t> values, int32_t item) {
-    const std::string n(name);
-    const bool strides = n.size() > 8 && n.compare(n.size() - 8, 8, "_strides") == 0;
-    out_.fields.push_back(Observed{n, strides ? FieldKind::kStrides : FieldKind::kSizes, item, std::move(values)});
+    out_.fields.push_back(
+        Observed{name, is_strides_field(name) ? FieldKind::kStrides : FieldKind::kSizes, item, std::move(values)});
   }
   void add_scalar(const char* name, int64_t value) {
     Observed o{name, FieldKind::kSizes, 0, {value}, true, true};
