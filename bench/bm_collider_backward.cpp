@@ -5,7 +5,7 @@
 // (1 - analytic backward FLOPs / regular's), the rewrite overhead and the live-tensor peak.
 // bwd_ms is loss.backward() alone; collider's reduction and "vs floor" count bwd_ms + rewrite_ms;
 // rewrite% is rewrite_ms / collider's bwd_ms, rw/reg% rewrite_ms / regular's bwd_ms. Below each
-// table: the rewrite's copies (time, bytes, bandwidth) and a plain cold copy of the same bytes. The CPU allocator caches freed blocks like CUDA's (harness/memory.h;
+// table: the rewrite's copies (time, bytes, bandwidth) and a plain cold copy of the same bytes. The CPU allocator caches freed blocks like CUDA's (harness/components/memory.h;
 // COLLIDER_CPU_CACHING=0 for glibc's behaviour): the allocator mode is printed in the header.
 //   build/bench/bm_collider_backward [--models tinyllama-mini,qwen2.5-mini,phi-1.5-mini]
 //       [--seq 512,1024] [--ratio 0.4] [--batch 1] [--reps 7] [--warmup 2] [--json FILE]
@@ -18,9 +18,9 @@
 // point is reported against its own FLOP ideal (counted row by row on the actual counts).
 // CPU timings are relative figures only (DESIGN.md section 7); absolute times count on a GPU
 // (there: --device cuda --bf16, timed with device synchronisation around each backward).
-#include "harness/memory.h"
-#include "harness/token_data.h"
-#include "harness/train_step.h"
+#include "harness/components/memory.h"
+#include "harness/components/token_data.h"
+#include "harness/components/train_step.h"
 #include "models/flops.h"
 #include "models/model.h"
 

@@ -44,7 +44,7 @@ else()
 endif()
 message(STATUS "collider: optional CUDA sources (COLLIDER_CUDA): ${COLLIDER_CUDA}")
 
-# Data-parallel training (harness/distributed.h) on libtorch's own c10d: ProcessGroupGloo and
+# Data-parallel training (harness/components/distributed.h) on libtorch's own c10d: ProcessGroupGloo and
 # TCPStore are compiled into the wheel's libtorch_cpu, but the wheel lacks the gloo headers that
 # ProcessGroupGloo.hpp includes. Debian's libgloo-dev provides them (headers only: we never link
 # Debian's libgloo, the gloo code that runs is libtorch's own copy). COLLIDER_DISTRIBUTED=AUTO
@@ -94,7 +94,7 @@ else()
                  "`collider run` with RANK/WORLD_SIZE)")
 endif()
 
-# SentencePiece (Debian libsentencepiece-dev): the tokenizer of the utility runs (harness/token_data.h).
+# SentencePiece (Debian libsentencepiece-dev): the tokenizer of the utility runs (harness/components/token_data.h).
 find_path(SENTENCEPIECE_INCLUDE_DIR sentencepiece_processor.h)
 find_library(SENTENCEPIECE_LIBRARY sentencepiece)
 if(SENTENCEPIECE_INCLUDE_DIR AND SENTENCEPIECE_LIBRARY)

@@ -28,7 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 import collider
 import collider.hf
 
-SHARD_MAGIC = b"CLDRTOK1"  # header of harness/token_data.h: magic, u32 version, u32 bytes per token,
+SHARD_MAGIC = b"CLDRTOK1"  # header of harness/components/token_data.h: magic, u32 version, u32 bytes per token,
 SHARD_HEADER = "<8sIIQII"  # u64 number of tokens, u32 vocab size, u32 eos id (32 bytes, little endian)
 
 

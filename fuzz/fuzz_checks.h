@@ -6,9 +6,9 @@
 // libFuzzer, a failure for the test), and memory errors are the sanitizers' to catch.
 #pragma once
 
-#include "harness/manifest.h"
-#include "harness/token_data.h"
-#include "harness/train_run.h"
+#include "harness/config/manifest.h"
+#include "harness/components/token_data.h"
+#include "harness/recipes/train_run.h"
 #include "models/safetensors.h"
 
 #include <collider/collider.h>

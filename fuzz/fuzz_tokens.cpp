@@ -1,4 +1,4 @@
-// libFuzzer target: the token-file readers of training runs (harness/token_data.h) on arbitrary
+// libFuzzer target: the token-file readers of training runs (harness/components/token_data.h) on arbitrary
 // bytes: a token shard (CLDRTOK1, written by scripts/prepare_data.py) and a reference-loss file
 // (CLDRREF1), each memory-mapped from a memfd as from disk. A rejection must be a
 // std::runtime_error naming the file; an accepted file must read its first and last ids, a slice

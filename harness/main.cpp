@@ -1,6 +1,6 @@
 // collider: the command-line entry point (DESIGN.md section 5). Subcommands live in
-// harness/cli.cpp (models, run) and harness/score.cpp (score). Run `build/collider --help`.
-#include "harness/cli.h"
+// harness/recipes/cli.cpp (models, run) and harness/recipes/score.cpp (score). Run `build/collider --help`.
+#include "harness/recipes/cli.h"
 
 #include <signal.h>
 

@@ -2,8 +2,8 @@
 // tests/test_checkpoint.cpp and tests/test_fault_injection_slow.cpp.
 #include "models/checkpoint.h"
 
-#include "harness/fault.h"
-#include "harness/fsutil.h"
+#include "base/fault.h"
+#include "base/fsutil.h"
 
 #include <fmt/format.h>
 
@@ -22,8 +22,9 @@ using detail::shape_str;
 void save_training_checkpoint(const std::string& dir, const CausalLM& model,
                               const std::map<std::string, torch::Tensor>& optimizer_state,
                               const json& trainer_state) {
-  // Each file goes through a temporary name and a rename (harness::fsutil::write_file_atomic); a test can kill the
-  // process half-way through any of them (COLLIDER_FAULT_AT=checkpoint_write, harness/fault.h).
+  // Each file goes through a temporary name and a rename (harness::fsutil::write_file_atomic); a
+  // test can kill the process half-way through any of them (COLLIDER_FAULT_AT=checkpoint_write,
+  // base/fault.h).
   harness::fault::Scope fault_scope("checkpoint_write");
   save_hf_model(model, dir);
   save_safetensors((fs::path(dir) / "optimizer.safetensors").string(), optimizer_state, {{"format", "pt"}});

@@ -1,6 +1,6 @@
 // Our training checkpoints (resume): a Hugging Face checkpoint directory (models/hf_tensors.h)
 // plus optimizer.safetensors and trainer_state.json, and AdamW state as named tensors. Every file
-// is written through the shared atomic writer (harness/fsutil.h).
+// is written through the shared atomic writer (base/fsutil.h).
 // Tests: tests/test_checkpoint.cpp (bit-exact resume), tests/test_fault_injection_slow.cpp (a
 // process killed while writing one).
 #pragma once

@@ -2,7 +2,7 @@
 // and tests/test_hf_agreement.cpp.
 #include "models/hf_config.h"
 
-#include "harness/fsutil.h"
+#include "base/fsutil.h"
 
 #include <fmt/format.h>
 

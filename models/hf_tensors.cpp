@@ -3,7 +3,7 @@
 // tests/test_checkpoint.cpp and tests/test_hf_agreement.cpp.
 #include "models/hf_tensors.h"
 
-#include "harness/fsutil.h"
+#include "base/fsutil.h"
 
 #include <fmt/format.h>
 

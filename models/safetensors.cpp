@@ -4,7 +4,7 @@
 // Tests: tests/test_safetensors.cpp; fuzzing: fuzz/fuzz_safetensors.cpp.
 #include "models/safetensors.h"
 
-#include "harness/fsutil.h"
+#include "base/fsutil.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

@@ -325,3 +325,24 @@ def plot_reduction_vs(recs: Sequence[dict], x: str, panel_by: Sequence[str], xla
         axes[0].legend(fontsize=6, loc="upper left")
     fig.suptitle(title, fontsize=9)
     save_figure(fig, out_dir, stem)
+
+
+def reduction_figure(doc: str, x: str, panel_by: Sequence[str], xlabel: str, x_words: str, stem: str,
+                     logx: bool = False) -> None:
+    """The whole of a reduction-vs-x figure script (fig_context_length, fig_filter_ratio): its
+    arguments (--metric bwd_ms or step_ms), the rows, the filtering summary against regular and
+    the plot, written as `stem` (`stem`_step_ms for the end-to-end step)."""
+    args = parse_args(doc.splitlines()[0], lambda p: p.add_argument(
+        "--metric", default="bwd_ms", choices=["bwd_ms", "step_ms"], help="time to reduce"))
+    rows = load_rows(args.results, require=["model", "method", "seq_len", "batch_size",
+                                            "filter_ratio", args.metric])
+    recs = [r for r in summarize_filtering(rows, args.metric, end_to_end=args.metric == "step_ms")
+            if r["filter_ratio"]]
+    if not recs:
+        sys.exit("error: no filtering rows with filter_ratio > 0 and a matching regular baseline")
+    what = "backward" if args.metric == "bwd_ms" else "end-to-end step"
+    plot_reduction_vs(
+        recs, x, panel_by, xlabel, f"{what} time reduction vs regular (%)",
+        f"{what.capitalize()} time reduction vs {x_words} (dashed: FLOP ideal)\n"
+        f"{describe_device(rows)}", out_dir=args.out,
+        stem=stem if args.metric == "bwd_ms" else f"{stem}_step_ms", logx=logx)

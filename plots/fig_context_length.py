@@ -13,21 +13,8 @@ import common  # noqa: E402
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0], lambda p: p.add_argument(
-        "--metric", default="bwd_ms", choices=["bwd_ms", "step_ms"], help="time to reduce"))
-    rows = common.load_rows(args.results, require=["model", "method", "seq_len", "batch_size",
-                                                   "filter_ratio", args.metric])
-    recs = [r for r in common.summarize_filtering(rows, args.metric, end_to_end=args.metric == "step_ms")
-            if r["filter_ratio"]]
-    if not recs:
-        sys.exit("error: no filtering rows with filter_ratio > 0 and a matching regular baseline")
-    what = "backward" if args.metric == "bwd_ms" else "end-to-end step"
-    common.plot_reduction_vs(
-        recs, "seq_len", ["model", "filter_ratio"], "sequence length T (tokens)",
-        f"{what} time reduction vs regular (%)",
-        f"{what.capitalize()} time reduction vs sequence length (dashed: FLOP ideal)\n"
-        f"{common.describe_device(rows)}", args.out,
-        "fig_context_length" if args.metric == "bwd_ms" else "fig_context_length_step_ms", logx=True)
+    common.reduction_figure(__doc__, "seq_len", ["model", "filter_ratio"], "sequence length T (tokens)",
+                            "sequence length", "fig_context_length", logx=True)
 
 
 if __name__ == "__main__":

@@ -13,21 +13,8 @@ import common  # noqa: E402
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0], lambda p: p.add_argument(
-        "--metric", default="bwd_ms", choices=["bwd_ms", "step_ms"], help="time to reduce"))
-    rows = common.load_rows(args.results, require=["model", "method", "seq_len", "batch_size",
-                                                   "filter_ratio", args.metric])
-    recs = [r for r in common.summarize_filtering(rows, args.metric, end_to_end=args.metric == "step_ms")
-            if r["filter_ratio"]]
-    if not recs:
-        sys.exit("error: no filtering rows with filter_ratio > 0 and a matching regular baseline")
-    what = "backward" if args.metric == "bwd_ms" else "end-to-end step"
-    common.plot_reduction_vs(
-        recs, "filter_ratio", ["model", "seq_len"], "filter ratio (fraction of tokens dropped)",
-        f"{what} time reduction vs regular (%)",
-        f"{what.capitalize()} time reduction vs filter ratio (dashed: FLOP ideal)\n"
-        f"{common.describe_device(rows)}", args.out,
-        "fig_filter_ratio" if args.metric == "bwd_ms" else "fig_filter_ratio_step_ms")
+    common.reduction_figure(__doc__, "filter_ratio", ["model", "seq_len"],
+                            "filter ratio (fraction of tokens dropped)", "filter ratio", "fig_filter_ratio")
 
 
 if __name__ == "__main__":

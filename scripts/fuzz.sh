@@ -15,7 +15,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 SECS=${COLLIDER_FUZZ_SECONDS:-25}
-PY=${COLLIDER_PYTHON:-${COLLIDER_VENV:-$HOME/.cache/collider/venv}/bin/python}
 TARGETS=(fuzz_safetensors fuzz_manifest fuzz_tokens fuzz_plan)
 (($#)) && TARGETS=("$@")
 say() { echo "[fuzz] $*"; }
@@ -26,15 +25,8 @@ if ! command -v "$CXX" >/dev/null; then
   say "error: $CXX not found; run ./scripts/bootstrap.sh (it installs clang and libclang-rt-14-dev)" >&2
   exit 2
 fi
-TORCH_PREFIX=$(cd /tmp && "$PY" -c "import torch;print(torch.utils.cmake_prefix_path)")
-LAUNCHER=()
-if command -v ccache >/dev/null; then
-  LAUNCHER=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache)
-  export CCACHE_BASEDIR="$ROOT"
-  # As in bootstrap.sh: every target compiles with the torch precompiled header, and without this
-  # sloppiness ccache refuses each such call and caches nothing.
-  export CCACHE_SLOPPINESS="pch_defines,time_macros${CCACHE_SLOPPINESS:+,$CCACHE_SLOPPINESS}"
-fi
+# PY, TORCH_PREFIX, LAUNCHER (ccache), shared with scripts/test.sh --asan.
+source scripts/clang_env.sh
 start=$(date +%s)
 # The library (libtorch aside) is compiled instrumented (COLLIDER_FUZZ in CMakeLists.txt); no
 # tests, benchmarks or data-parallel code in this tree.

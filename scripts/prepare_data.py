@@ -21,7 +21,7 @@ any UTF-8 text round-trips), <split>.bin (header + token ids; documents joined w
 <split>.txt.sample (first 2 KB of the split's text), meta.json (sources, versions, sizes).
 The .deb files and their extracted trees are cached in --debs (shared by every output directory).
 Shard header (32 bytes, little endian): magic "CLDRTOK1", u32 version 1, u32 bytes per token (2|4),
-u64 number of tokens, u32 vocab size, u32 eos id. Read by harness/token_data.h.
+u64 number of tokens, u32 vocab size, u32 eos id. Read by harness/components/token_data.h.
 --sample: a few dozen pieces per split and a 1000-piece vocabulary (tests; seconds).
 Concurrency: every file is written under a temporary name in its own directory and renamed, so a
 reader never sees half of one; an flock on OUT/.lock (and on DEBS/.lock for the download and

@@ -34,15 +34,8 @@ if ((ASAN)); then
   # asan; libtorch itself is not instrumented). The Debian packages and the Python env come from
   # bootstrap.sh, which does not build build/ here.
   ./scripts/bootstrap.sh --deps-only
-  PY=${COLLIDER_PYTHON:-${COLLIDER_VENV:-$HOME/.cache/collider/venv}/bin/python}
-  TORCH_PREFIX=$(cd /tmp && "$PY" -c "import torch;print(torch.utils.cmake_prefix_path)")
-  LAUNCHER=()
-  if command -v ccache >/dev/null; then
-    LAUNCHER=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache)
-    export CCACHE_BASEDIR="$ROOT"
-    # As in bootstrap.sh: without it ccache caches nothing that uses the torch precompiled header.
-    export CCACHE_SLOPPINESS="pch_defines,time_macros${CCACHE_SLOPPINESS:+,$CCACHE_SLOPPINESS}"
-  fi
+  # PY, TORCH_PREFIX, LAUNCHER (ccache), shared with scripts/fuzz.sh.
+  source scripts/clang_env.sh
   start=$(date +%s)
   cmake --preset asan -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DPython3_EXECUTABLE="$PY" "${LAUNCHER[@]}" -Wno-dev \
     >build-asan.configure.log 2>&1 || { cat build-asan.configure.log; exit 1; }

@@ -4,8 +4,8 @@
 // batch see the same data. Legend: B batch rows, T sequence.
 #pragma once
 
-#include "harness/distributed.h"
-#include "harness/train_step.h"
+#include "harness/components/distributed.h"
+#include "harness/components/train_step.h"
 #include "models/model.h"
 
 #include <nlohmann/json.hpp>

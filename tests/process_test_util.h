@@ -5,7 +5,7 @@
 // calls between them (the test process runs libtorch's threads).
 #pragma once
 
-#include "harness/fsutil.h"
+#include "base/fsutil.h"
 
 #include <fcntl.h>
 #include <signal.h>

@@ -1,9 +1,9 @@
 // A scratch directory for harness tests, removed with its contents on destruction (kept when
 // COLLIDER_KEEP_TEST_DIRS is set, to read a failed test's logs).
-// POSIX calls via harness/fsutil.h (libtorch.so's std::filesystem::remove_all crashes).
+// POSIX calls via base/fsutil.h (libtorch.so's std::filesystem::remove_all crashes).
 #pragma once
 
-#include "harness/fsutil.h"
+#include "base/fsutil.h"
 
 #include <unistd.h>
 

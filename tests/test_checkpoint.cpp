@@ -17,7 +17,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "harness/fsutil.h"
+#include "base/fsutil.h"
 #include "models/checkpoint.h"
 #include "models/hf_config.h"
 #include "models/hf_tensors.h"

@@ -1,4 +1,4 @@
-// Data parallelism on c10d Gloo over loopback (harness/distributed.h), label `distributed`:
+// Data parallelism on c10d Gloo over loopback (harness/components/distributed.h), label `distributed`:
 //  - 2 ranks x B=1 for 5 steps (tests/distributed_worker, one process per rank) end with the
 //    parameters, losses and clipped grad norms of one process on the concatenated B=2 batch,
 //    for loss_only and collider, and also with 1 + 2 rows (unequal kept counts: weighted
@@ -13,7 +13,7 @@
 #include "distributed_test_util.h"
 #include "temp_dir.h"
 
-#include "harness/fsutil.h"
+#include "base/fsutil.h"
 #include "models/checkpoint.h"
 
 #include <gtest/gtest.h>

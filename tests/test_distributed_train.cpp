@@ -12,10 +12,10 @@
 #include "temp_dir.h"
 #include "utility_test_util.h"
 
-#include "harness/distributed.h"
-#include "harness/fsutil.h"
-#include "harness/results.h"
-#include "harness/train_run.h"
+#include "harness/components/distributed.h"
+#include "base/fsutil.h"
+#include "harness/run/results.h"
+#include "harness/recipes/train_run.h"
 #include "models/checkpoint.h"
 #include "models/model.h"
 

@@ -1,7 +1,7 @@
 // Fault injection (label slow): `collider run` killed with SIGKILL at 20 seeded random moments in
 // all, each kill followed by --resume, until the run completes:
 //   - a timing sweep of a -debug model: kills at random times and half-way through a row append
-//     (COLLIDER_FAULT_AT=row_append, harness/fault.h: leaves a torn last line for resume to cut);
+//     (COLLIDER_FAULT_AT=row_append, base/fault.h: leaves a torn last line for resume to cut);
 //   - a training run (reference stage, checkpoints every 2 steps): kills at random times, half-way
 //     through a checkpoint file (checkpoint_write), between the checkpoint renames
 //     (checkpoint_swap) and half-way through a row.
@@ -11,9 +11,9 @@
 // uninterrupted run with the same seed. Prints the counts: kills, resumes, rows checked,
 // duplicates found, torn lines cut.
 //   OMP_NUM_THREADS=1 build/tests/test_fault_injection_slow   (about 2-4 minutes on 2 cores)
-#include "harness/fsutil.h"
-#include "harness/results.h"
-#include "harness/token_data.h"
+#include "base/fsutil.h"
+#include "harness/run/results.h"
+#include "harness/components/token_data.h"
 #include "process_test_util.h"
 #include "temp_dir.h"
 #include "utility_test_util.h"

@@ -5,7 +5,7 @@
 //   build/tests/test_fuzz_regressions
 #include "fuzz/fuzz_checks.h"
 
-#include "harness/fsutil.h"
+#include "base/fsutil.h"
 #include "temp_dir.h"
 
 #include <dirent.h>

@@ -14,7 +14,7 @@
 #include <cstdlib>
 #include <fstream>
 
-#include "harness/score.h"
+#include "harness/recipes/score.h"
 #include "models/hf_tensors.h"
 #include "models/safetensors.h"
 

@@ -3,10 +3,10 @@
 // of bwd_ms, for regular and for the Collider-rewritten graph, in the Trainer and in a sweep
 // row's layers_bwd_coverage. Every decoder layer, the embedding, final norm and LM head appear.
 // Run: OMP_NUM_THREADS=1 build-harness/tests/test_layer_timing_slow
-#include "harness/manifest.h"
-#include "harness/results.h"
-#include "harness/sweep.h"
-#include "harness/train_step.h"
+#include "harness/config/manifest.h"
+#include "harness/run/results.h"
+#include "harness/recipes/sweep.h"
+#include "harness/components/train_step.h"
 #include "models/model.h"
 
 #include <gtest/gtest.h>

@@ -1,11 +1,11 @@
-// Manifests (harness/manifest.h) and the `collider run` front end: each kind of bad manifest
+// Manifests (harness/config/manifest.h) and the `collider run` front end: each kind of bad manifest
 // fails before any compute with its own message naming the file, the key, the value and what is
 // allowed, and exits non-zero without writing rows; sweep expansion, exclusion, --set
 // precedence, the resolved manifest round trip.
 // Run: OMP_NUM_THREADS=1 build-harness/tests/test_manifest
-#include "harness/cli.h"
-#include "harness/fsutil.h"
-#include "harness/manifest.h"
+#include "harness/recipes/cli.h"
+#include "base/fsutil.h"
+#include "harness/config/manifest.h"
 
 #include "temp_dir.h"
 
@@ -51,7 +51,7 @@ void expect_mentions(const std::string& msg, std::initializer_list<const char*> 
   for (const char* p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
 }
 
-// A scratch directory (std::filesystem is avoided: see harness/fsutil.h).
+// A scratch directory (std::filesystem is avoided: see base/fsutil.h).
 // Scratch directories: tests/temp_dir.h.
 struct TempDir : collider::testing::TempDir {
   TempDir() : collider::testing::TempDir("manifest") {}

@@ -6,8 +6,8 @@
 // SIGKILL at seeded random moments never leave a half-written file under a final name; the next
 // one completes the directory. Needs network or cached .debs (skips with the script's message).
 //   build/tests/test_prepare_data
-#include "harness/fsutil.h"
-#include "harness/token_data.h"
+#include "base/fsutil.h"
+#include "harness/components/token_data.h"
 #include "process_test_util.h"
 #include "temp_dir.h"
 

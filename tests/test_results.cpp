@@ -1,12 +1,12 @@
-// Result rows (harness/results.h): rows from a real point validate against the DESIGN.md
+// Result rows (harness/run/results.h): rows from a real point validate against the DESIGN.md
 // section 6 schema (every key, the right JSON types) and the validator catches missing keys and
 // wrong types; the JSONL writer/reader round trip; a torn last line is cut on repair only;
 // provenance fields.
 // Run: OMP_NUM_THREADS=1 build-harness/tests/test_results
-#include "harness/fsutil.h"
-#include "harness/manifest.h"
-#include "harness/results.h"
-#include "harness/sweep.h"
+#include "base/fsutil.h"
+#include "harness/config/manifest.h"
+#include "harness/run/results.h"
+#include "harness/recipes/sweep.h"
 
 #include "temp_dir.h"
 

@@ -1,13 +1,13 @@
-// The run-directory lock (harness/run_lock.h) through `collider run`: two sweeps, and two training
+// The run-directory lock (harness/run/run_lock.h) through `collider run`: two sweeps, and two training
 // runs, started at once on one --out give exactly one set of rows and one clear refusal (naming the
 // holder's pid, before any compute); a run killed with SIGKILL leaves its lock file behind but never
 // blocks: --resume after it completes the rows with no duplicate. Plus the lock itself: a second
 // holder is refused, a waiter gets it when the first releases it.
 //   OMP_NUM_THREADS=1 build/tests/test_run_lock
-#include "harness/fsutil.h"
-#include "harness/results.h"
-#include "harness/run_lock.h"
-#include "harness/token_data.h"
+#include "base/fsutil.h"
+#include "harness/run/results.h"
+#include "harness/run/run_lock.h"
+#include "harness/components/token_data.h"
 #include "process_test_util.h"
 #include "temp_dir.h"
 #include "utility_test_util.h"
@@ -87,7 +87,7 @@ std::vector<nlohmann::json> rows_of(const std::string& dir) {
 
 // Two runs of `argv` (each with `--out dir` appended) started at once: exactly one runs, the other
 // is refused naming the winner's pid, and computes nothing. Returns the winner's log. The winner
-// waits after taking the lock until the loser has been refused (COLLIDER_FAULT_HOLD, harness/fault.h):
+// waits after taking the lock until the loser has been refused (COLLIDER_FAULT_HOLD, base/fault.h):
 // without that, on a loaded machine the first run could finish before the second one started, and
 // the second would be refused for the rows instead of the lock.
 std::string expect_one_runs_and_one_is_refused(const ct::TempDir& t, std::vector<std::string> argv,

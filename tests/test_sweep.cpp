@@ -1,13 +1,13 @@
-// Sweeps end to end through `collider run` (harness/cli.h, harness/sweep.h): rows for every
+// Sweeps end to end through `collider run` (harness/recipes/cli.h, harness/recipes/sweep.h): rows for every
 // point, each valid against the schema; the resolved manifest and env.json saved; a forced
 // failing point yields a status row, the sweep goes on, the exit code is non-zero; --resume after
 // a killed run (a real SIGKILL of the CLI, and a torn last line) completes the sweep with no
 // duplicate rows; a directory holding rows is refused without --resume; the CPU peak-memory
 // probe grows with the batch; the smoke manifest (all four methods) runs.
 // Run: OMP_NUM_THREADS=1 build-harness/tests/test_sweep
-#include "harness/cli.h"
-#include "harness/fsutil.h"
-#include "harness/results.h"
+#include "harness/recipes/cli.h"
+#include "base/fsutil.h"
+#include "harness/run/results.h"
 
 #include "temp_dir.h"
 

@@ -1,13 +1,13 @@
-// Trace files (harness/ranges.h): the Chrome/Perfetto JSON that `collider run --trace FILE`
+// Trace files (harness/components/ranges.h): the Chrome/Perfetto JSON that `collider run --trace FILE`
 // writes is valid JSON whose ranges nest properly (a child lies inside its parent, siblings do
 // not overlap), and it carries the same names as the timings: fwd, filter, bwd, optimizer and
 // every layer's <name>.fwd / <name>.bwd, each inside its phase — on the plain and on the
 // Collider-rewritten graph.
 // Run: OMP_NUM_THREADS=1 build-harness/tests/test_trace
-#include "harness/cli.h"
-#include "harness/fsutil.h"
-#include "harness/ranges.h"
-#include "harness/train_step.h"
+#include "harness/recipes/cli.h"
+#include "base/fsutil.h"
+#include "harness/components/ranges.h"
+#include "harness/components/train_step.h"
 #include "models/model.h"
 
 #include <gtest/gtest.h>

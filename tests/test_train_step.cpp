@@ -1,9 +1,9 @@
-// Training step (harness/train_step.h): method names, loss_only at filter 0 == regular exactly
+// Training step (harness/components/train_step.h): method names, loss_only at filter 0 == regular exactly
 // (gradients and parameters), determinism for a seed, loss falls on a small English text
 // (byte-level tokens), per-layer markers leave gradients unchanged and fire in order, and the
 // collider / masked methods agree with each other (needs the rewriter on the model graphs).
 // Run: OMP_NUM_THREADS=1 build-harness/tests/test_train_step
-#include "harness/train_step.h"
+#include "harness/components/train_step.h"
 #include "models/model.h"
 
 #include <gtest/gtest.h>

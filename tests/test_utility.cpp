@@ -5,10 +5,10 @@
 // every method (regular, loss_only, collider kept_only / exact_query) at -debug size through
 // `collider run` on a training manifest, with --resume.
 //   OMP_NUM_THREADS=1 build/tests/test_utility
-#include "harness/fsutil.h"
-#include "harness/results.h"
-#include "harness/token_data.h"
-#include "harness/train_run.h"
+#include "base/fsutil.h"
+#include "harness/run/results.h"
+#include "harness/components/token_data.h"
+#include "harness/recipes/train_run.h"
 #include "models/hf_tensors.h"
 #include "models/model.h"
 #include "temp_dir.h"

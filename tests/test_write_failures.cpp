@@ -8,9 +8,9 @@
 //     whose space is then grown by a remount, and a run on a read-only mount (EROFS) or, without
 //     root, a directory without write permission (EACCES).
 //   OMP_NUM_THREADS=1 build/tests/test_write_failures
-#include "harness/fsutil.h"
-#include "harness/results.h"
-#include "harness/token_data.h"
+#include "base/fsutil.h"
+#include "harness/run/results.h"
+#include "harness/components/token_data.h"
 #include "process_test_util.h"
 #include "temp_dir.h"
 #include "utility_test_util.h"

@@ -5,8 +5,8 @@
 // And its byte-level copy, on which the -debug presets (vocab 256) train (one per test).
 #pragma once
 
-#include "harness/fsutil.h"
-#include "harness/token_data.h"
+#include "base/fsutil.h"
+#include "harness/components/token_data.h"
 
 #include <fmt/format.h>
 

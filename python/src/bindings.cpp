@@ -6,12 +6,12 @@
 // raised inside the trace callable comes back unchanged (pybind11::error_already_set).
 // Built by python/CMakeLists.txt (in the main CMake build, or by python/setup.py standalone) with
 // the pybind11 that torch ships. Tested by python/tests/test_api.py. It also compiles in the C++
-// harness's caching CPU allocator (harness/memory.cpp, torch-only), which the benchmark
+// harness's caching CPU allocator (harness/components/memory.cpp, torch-only), which the benchmark
 // python/bench/bench_hf_backward.py installs so that its numbers compare with bm_collider_backward.
 #include <collider/collider.h>
 #include <collider/select.h>
 
-#include "harness/memory.h"
+#include "harness/components/memory.h"
 
 #include <torch/extension.h>
 

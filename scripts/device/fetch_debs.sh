@@ -15,7 +15,7 @@ DEST="$ROOT/.debs"
 PKGS=(libtomlplusplus-dev libtomlplusplus3 nlohmann-json3-dev libgtest-dev libgmock-dev
       libbenchmark-dev libbenchmark1debian libgloo-dev libsentencepiece-dev libsentencepiece0)
 # libgloo-dev: headers only (libtorch's ProcessGroupGloo.hpp includes them; libtorch has its own gloo code).
-# libsentencepiece-dev + libsentencepiece0: the tokenizer (harness/token_data.h); without them the
+# libsentencepiece-dev + libsentencepiece0: the tokenizer (harness/components/token_data.h); without them the
 # build still works but harness::Tokenizer throws.
 # libgtest-dev depends on `googletest` (sources only, /usr/src); the build does not need it.
 

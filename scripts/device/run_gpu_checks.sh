@@ -40,7 +40,7 @@
 # BUILD: measured here on 2 cores with CCACHE_DISABLE=1, cmake --build -j 2 of these 6 targets (54
 # edges) of commit a42c6cb's C++ sources, 2026-12-01 22:04-22:19 UTC: wall 864 s on a machine shared
 # with three other agents' builds (load average 5-9), CPU (user + sys) 516 s; the torch precompiled header alone 36 CPU-s, which every
-# other edge waits for; the longest edge (harness/train_run.cpp) 20 CPU-s. Scaled to 16 cores:
+# other edge waits for; the longest edge (harness/recipes/train_run.cpp) 20 CPU-s. Scaled to 16 cores:
 # configure ~10 s + header 36 s + the other ~480 CPU-s / 16 = 30 s (longer than the longest edge)
 # + links and gtest discovery ~10 s = ~85 s; ~105 s if the 16 are 8 cores x 2 threads (~10 cores'
 # worth); the plan takes 150 s. A rerun on a warm machine rebuilds nothing (build/ is kept).

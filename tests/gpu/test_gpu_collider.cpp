@@ -6,7 +6,7 @@
 #include "../collider_test_util.h"
 #include "../model_attention_oracle.h"
 
-#include "harness/train_step.h"
+#include "harness/components/train_step.h"
 #include "models/model.h"
 
 #include <gtest/gtest.h>

@@ -1,8 +1,8 @@
 // Run-directory lock (run_lock.h).
-#include "harness/run_lock.h"
+#include "harness/run/run_lock.h"
 
-#include "harness/fsutil.h"
-#include "harness/results.h"
+#include "base/fsutil.h"
+#include "harness/run/results.h"
 
 #include <fmt/format.h>
 

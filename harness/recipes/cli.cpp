@@ -1,13 +1,13 @@
 // `collider` subcommands (cli.h).
-#include "harness/cli.h"
+#include "harness/recipes/cli.h"
 
-#include "harness/distributed.h"
-#include "harness/fsutil.h"
-#include "harness/manifest.h"
-#include "harness/run_dir.h"
-#include "harness/score.h"
-#include "harness/sweep.h"
-#include "harness/train_run.h"
+#include "harness/components/distributed.h"
+#include "base/fsutil.h"
+#include "harness/config/manifest.h"
+#include "harness/run/run_dir.h"
+#include "harness/recipes/score.h"
+#include "harness/recipes/sweep.h"
+#include "harness/recipes/train_run.h"
 #include "models/flops.h"
 #include "models/model.h"
 

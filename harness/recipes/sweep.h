@@ -3,16 +3,16 @@
 // JSONL row appended to DIR/results.jsonl (DESIGN.md section 6). A failing point (error, OOM)
 // becomes a row with its status and message and the sweep goes on; --resume skips points whose
 // row is already "ok". One progress line per point on stderr (i/n, elapsed, ETA).
-// Data-parallel (SweepOptions::dist, harness/distributed.h): every rank runs every point on its
+// Data-parallel (SweepOptions::dist, harness/components/distributed.h): every rank runs every point on its
 // slice of the same global batch (batch_size rows per rank) with gradients all-reduced; only
 // rank 0 writes files and rows (world_size recorded); the first failing point ends the run.
 // Tests: tests/test_sweep.cpp, tests/test_layer_timing_slow.cpp.
 #pragma once
 
-#include "harness/distributed.h"
-#include "harness/manifest.h"
-#include "harness/ranges.h"
-#include "harness/results.h"
+#include "harness/components/distributed.h"
+#include "harness/config/manifest.h"
+#include "harness/components/ranges.h"
+#include "harness/run/results.h"
 
 #include <nlohmann/json.hpp>
 

@@ -2,18 +2,18 @@
 // curated split, score the training pool once), then one training run per point with periodic
 // evaluation, checkpoints, resume and a progress line; data-parallel with a process group
 // (rank 0 writes, evaluates and runs the reference stage; every rank trains on its own windows).
-#include "harness/train_run.h"
+#include "harness/recipes/train_run.h"
 
-#include "harness/distributed.h"
-#include "harness/fsutil.h"
-#include "harness/manifest.h"
-#include "harness/fault.h"
-#include "harness/results.h"
-#include "harness/run_dir.h"
-#include "harness/run_lock.h"
-#include "harness/token_data.h"
-#include "harness/toml_set.h"
-#include "harness/train_step.h"
+#include "harness/components/distributed.h"
+#include "base/fsutil.h"
+#include "harness/config/manifest.h"
+#include "base/fault.h"
+#include "harness/run/results.h"
+#include "harness/run/run_dir.h"
+#include "harness/run/run_lock.h"
+#include "harness/components/token_data.h"
+#include "harness/config/toml_set.h"
+#include "harness/components/train_step.h"
 #include "models/checkpoint.h"
 #include "models/model.h"
 

@@ -1,9 +1,9 @@
 // The output directory of one `collider run` (run_dir.h).
-#include "harness/run_dir.h"
+#include "harness/run/run_dir.h"
 
-#include "harness/distributed.h"
-#include "harness/fault.h"
-#include "harness/fsutil.h"
+#include "harness/components/distributed.h"
+#include "base/fault.h"
+#include "base/fsutil.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>

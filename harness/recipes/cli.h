@@ -2,7 +2,7 @@
 //   collider models [--json]
 //   collider run MANIFEST.toml [--set key=value]... [--out DIR] [--dry-run] [--resume]
 //                              [--trace FILE] [--profile-steps a:b]
-//   collider score ...          (harness/score.h)
+//   collider score ...          (harness/recipes/score.h)
 // Exit codes: 0 success; 1 a point failed or a run-time error; 2 a usage or manifest error
 // (nothing computed, no rows written); 3 a data-parallel run failed (a rank died or hung, the
 // rendezvous failed, or a point failed on some rank).

@@ -2,7 +2,7 @@
 // device-generic wrapper over cudaEvent_t (ATen's CUDA backend creates it with timing enabled
 // for EventFlag::BACKEND_DEFAULT), so this file needs no CUDA headers and builds on CPU-only
 // machines; it is only instantiated when torch::cuda::is_available().
-#include "harness/timer.h"
+#include "harness/components/timer.h"
 
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>

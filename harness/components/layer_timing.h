@@ -10,8 +10,8 @@
 // Tests: tests/test_layer_timing_slow.cpp, tests/test_train_step.cpp.
 #pragma once
 
-#include "harness/ranges.h"
-#include "harness/timer.h"
+#include "harness/components/ranges.h"
+#include "harness/components/timer.h"
 #include "models/model.h"
 
 #include <mutex>

@@ -1,11 +1,11 @@
 // Sweep runner and per-point measurement (sweep.h).
-#include "harness/sweep.h"
+#include "harness/recipes/sweep.h"
 
-#include "harness/fsutil.h"
-#include "harness/memory.h"
-#include "harness/run_dir.h"
-#include "harness/timer.h"
-#include "harness/train_step.h"
+#include "base/fsutil.h"
+#include "harness/components/memory.h"
+#include "harness/run/run_dir.h"
+#include "harness/components/timer.h"
+#include "harness/components/train_step.h"
 #include "models/flops.h"
 #include "models/model.h"
 

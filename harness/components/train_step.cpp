@@ -6,7 +6,7 @@
 //            + finish (after bwd: the buckets not overlapped with it, copy back); data-parallel
 //            runs only; before clipping, so that clipping and AdamW see every rank's kept tokens
 //   optimizer  clip_grad_norm_ + AdamW step (gradients are set to none at the start of the next step)
-#include "harness/train_step.h"
+#include "harness/components/train_step.h"
 
 #include <ATen/autocast_mode.h>
 

@@ -1,6 +1,6 @@
 // The training step of every method: forward, per-token loss, token selection, the one added
 // line (Collider's graph rewrite, or the masked oracle), backward, gradient all-reduce (only with
-// a GradientReducer: data-parallel runs, harness/distributed.h), gradient clipping, AdamW.
+// a GradientReducer: data-parallel runs, harness/components/distributed.h), gradient clipping, AdamW.
 // fp32 on CPU; bf16 autocast on CUDA (parameters and optimizer state stay fp32).
 // Each phase is timed (Timer: steady clock on CPU, CUDA events on GPU), optionally per layer
 // (LayerTimer markers), and bracketed by NVTX / trace ranges with the same names.
@@ -8,10 +8,10 @@
 // Tests: tests/test_train_step.cpp (build-harness/tests/test_train_step).
 #pragma once
 
-#include "harness/distributed.h"
-#include "harness/layer_timing.h"
-#include "harness/ranges.h"
-#include "harness/timer.h"
+#include "harness/components/distributed.h"
+#include "harness/components/layer_timing.h"
+#include "harness/components/ranges.h"
+#include "harness/components/timer.h"
 #include "models/model.h"
 
 #include <collider/collider.h>

@@ -6,7 +6,7 @@
 //   row_append        half-way through appending a results.jsonl row (leaves a torn line)
 // COLLIDER_FAULT_HOLD=<point>:<file> makes the process wait at the named point until <file> exists
 // (at most 300 s), so a test can make two processes meet there without depending on timing:
-//   run_locked        a run has taken its output directory's lock (harness/run_dir.cpp)
+//   run_locked        a run has taken its output directory's lock (harness/run/run_dir.cpp)
 // Unset (the normal case) every call is one comparison. Tests: tests/test_fault_injection_slow.cpp,
 // tests/test_run_lock.cpp.
 #pragma once

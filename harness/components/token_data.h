@@ -6,7 +6,7 @@
 // Tests: tests/test_token_data.cpp (sample data from scripts/prepare_data.sh --sample).
 #pragma once
 
-#include "harness/train_step.h"
+#include "harness/components/train_step.h"
 
 #include <torch/torch.h>
 

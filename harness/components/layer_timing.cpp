@@ -1,5 +1,5 @@
 // Marker autograd function and per-layer segment bookkeeping (layer_timing.h).
-#include "harness/layer_timing.h"
+#include "harness/components/layer_timing.h"
 
 #include <collider/collider.h>
 

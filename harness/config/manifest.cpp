@@ -1,10 +1,10 @@
 // Manifest loading, overrides, validation and sweep expansion (manifest.h).
 // Values flow: built-in RunSettings / axes defaults -> the file's keys -> --set keys; each key
 // remembers where its value came from so that an error names the file (and the --set) at fault.
-#include "harness/manifest.h"
+#include "harness/config/manifest.h"
 
-#include "harness/toml_set.h"
-#include "harness/train_step.h"
+#include "harness/config/toml_set.h"
+#include "harness/components/train_step.h"
 #include "models/model.h"
 
 #include <collider/select.h>

@@ -1,8 +1,8 @@
 // NVTX ranges, the Chrome/Perfetto trace writer and the CUDA profiler capture range (ranges.h).
-#include "harness/ranges.h"
+#include "harness/components/ranges.h"
 
-#include "harness/fsutil.h"
-#include "harness/timer.h"
+#include "base/fsutil.h"
+#include "harness/components/timer.h"
 
 #include <dlfcn.h>
 

@@ -1,8 +1,8 @@
 // `collider score` (see score.h): load a Hugging Face-layout checkpoint, read token ids, write the
 // per-token losses as JSONL. Tests: tests/test_hf_agreement.cpp.
-#include "harness/score.h"
+#include "harness/recipes/score.h"
 
-#include "harness/fsutil.h"
+#include "base/fsutil.h"
 
 #include <fmt/format.h>
 

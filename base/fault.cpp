@@ -1,5 +1,5 @@
 // Fault injection points (fault.h).
-#include "harness/fault.h"
+#include "base/fault.h"
 
 #include <signal.h>
 #include <unistd.h>

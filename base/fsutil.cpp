@@ -1,7 +1,7 @@
 // POSIX file-system helpers (fsutil.h).
-#include "harness/fsutil.h"
+#include "base/fsutil.h"
 
-#include "harness/fault.h"
+#include "base/fault.h"
 
 #include <dirent.h>
 #include <fcntl.h>

@@ -1,10 +1,10 @@
 // Result rows: schema, JSONL writer/reader, provenance (results.h).
-#include "harness/results.h"
+#include "harness/run/results.h"
 
-#include "harness/fault.h"
-#include "harness/fsutil.h"
-#include "harness/memory.h"
-#include "harness/ranges.h"
+#include "base/fault.h"
+#include "base/fsutil.h"
+#include "harness/components/memory.h"
+#include "harness/components/ranges.h"
 
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/headeronly/version.h>
@@ -302,7 +302,7 @@ nlohmann::json environment_record(const Provenance& p) {
   j["nvtx"] = nvtx_enabled();
   j["interop_threads"] = at::get_num_interop_threads();
   j["parallel_info"] = at::get_parallel_info();
-  j["cpu_allocator"] = cpu_allocator_mode();  // caching | tracking | system (harness/memory.h)
+  j["cpu_allocator"] = cpu_allocator_mode();  // caching | tracking | system (harness/components/memory.h)
   j["source_dir"] = COLLIDER_SOURCE_DIR;
   return j;
 }

@@ -5,8 +5,8 @@
 // Tests: tests/test_run_lock.cpp, tests/test_sweep.cpp, tests/test_write_failures.cpp.
 #pragma once
 
-#include "harness/results.h"
-#include "harness/run_lock.h"
+#include "harness/run/results.h"
+#include "harness/run/run_lock.h"
 
 #include <exception>
 #include <iosfwd>

@@ -1,7 +1,7 @@
 // Token data (token_data.h): SentencePiece wrapper, mmap'd shards, seeded windows, reference losses.
-#include "harness/token_data.h"
+#include "harness/components/token_data.h"
 
-#include "harness/fsutil.h"
+#include "base/fsutil.h"
 
 #include <fmt/format.h>
 

@@ -1,7 +1,7 @@
 // Process group, gradient reducer and launch variables (distributed.h). The c10d headers are
 // included only here: with COLLIDER_DISTRIBUTED off this file compiles to stubs that say how to
 // enable it. Gloo's own code comes from libtorch_cpu (the gloo headers only describe it).
-#include "harness/distributed.h"
+#include "harness/components/distributed.h"
 
 #include <fmt/format.h>
 

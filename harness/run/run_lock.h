@@ -3,7 +3,7 @@
 // copy of every row, and so that a shared data directory's reference stage is computed once while
 // other runs wait. The kernel drops an flock when its holder dies (even by kill -9), so a stale
 // lock never blocks; the file's content (pid, host, start time) only names the holder in messages.
-// Both run drivers (harness/sweep.cpp, harness/train_run.cpp) take it; in a data-parallel run only
+// Both run drivers (harness/recipes/sweep.cpp, harness/recipes/train_run.cpp) take it; in a data-parallel run only
 // rank 0 writes, so only rank 0 locks. Tests: tests/test_run_lock.cpp.
 #pragma once
 
