@@ -84,7 +84,7 @@ torch::Tensor CausalLMImpl::forward(const torch::Tensor& input_ids_BT) {
 
   detail::ForwardContext ctx;
   ctx.attn = attn_;
-  ctx.oracle = oracle_ ? &*oracle_ : nullptr;
+  ctx.attention_hook = attention_hook_ ? &attention_hook_ : nullptr;
   {
     torch::NoGradGuard no_grad;
     ctx.causal_mask_TT = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x_BTD.device())).triu(1);

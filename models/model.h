@@ -2,13 +2,12 @@
 // per-token loss, boundary hooks (used for per-layer timing markers and gradient-shape probes).
 // Legend: B batch, T sequence, D hidden, H heads, G kv-heads, E head-dim, F ffn, V vocab.
 // Parameter names follow Hugging Face (model.layers.3.self_attn.q_proj.weight, ...), so
-// checkpoints map by name (models/checkpoint.h).
+// checkpoints map by name (models/hf_tensors.h).
 #pragma once
 
 #include <torch/torch.h>
 
 #include <functional>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -60,14 +59,22 @@ const ModelConfig& preset(const std::string& name);
 // autograd marker / hook-carrying tensor). x_BTD: [B, T, D].
 using BoundaryHook = std::function<torch::Tensor(const torch::Tensor& x_BTD, const std::string& name)>;
 
-// Model-level reference semantics for tests: the attention oracle of DESIGN.md section 3,
-// independent of the graph rewriter. When set, eager attention computes its backward as
-// kept_only (formulas on full-size tensors, dropped rows and columns zeroed) or exact_query
-// (K and V of dropped tokens detached).
-struct AttentionOracle {
-  torch::Tensor keep_BT;   // bool [B, T]
-  bool exact_query = false;
+// What one layer's attention core is given: q_BHTE [B, H, T, E], k_BGTE and v_BGTE [B, G, T, E]
+// after RoPE, causal_mask_TT bool [T, T] (true above the diagonal: masked), scale = E^-0.5, and
+// the model's attention implementation.
+struct AttentionCoreInputs {
+  const torch::Tensor& q_BHTE;
+  const torch::Tensor& k_BGTE;
+  const torch::Tensor& v_BGTE;
+  const torch::Tensor& causal_mask_TT;
+  double scale;
+  AttentionImpl impl;
 };
+
+// When set, computes every layer's attention core instead of the model (returns o_BHTE
+// [B, H, T, E]). The tests install reference backward semantics here (tests/model_attention_oracle.h);
+// unset, the model runs its own eager or SDPA core.
+using AttentionHook = std::function<torch::Tensor(const AttentionCoreInputs& in)>;
 
 class CausalLMImpl : public torch::nn::Module {
  public:
@@ -80,7 +87,7 @@ class CausalLMImpl : public torch::nn::Module {
   AttentionImpl attention_impl() const { return attn_; }
   void set_attention_impl(AttentionImpl a) { attn_ = a; }
   void set_boundary_hook(BoundaryHook hook) { hook_ = std::move(hook); }
-  void set_attention_oracle(std::optional<AttentionOracle> oracle) { oracle_ = std::move(oracle); }
+  void set_attention_hook(AttentionHook hook) { attention_hook_ = std::move(hook); }
   // Re-initialises every parameter deterministically from `seed` (see build_model); the
   // constructor calls it with seed 0.
   void reset_parameters(uint64_t seed);
@@ -89,7 +96,7 @@ class CausalLMImpl : public torch::nn::Module {
   ModelConfig cfg_;
   AttentionImpl attn_;
   BoundaryHook hook_;
-  std::optional<AttentionOracle> oracle_;
+  AttentionHook attention_hook_;
   torch::Tensor boundary(const torch::Tensor& x_BTD, const std::string& name) {
     return hook_ ? hook_(x_BTD, name) : x_BTD;
   }

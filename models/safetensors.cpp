@@ -65,8 +65,6 @@ std::string known_dtypes() {
   return s;
 }
 
-std::string shape_str(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
-
 [[noreturn]] void fail(const std::string& source, const std::string& what) {
   throw SafetensorsError(fmt::format("safetensors file '{}': {}", source, what));
 }
@@ -75,6 +73,21 @@ std::string shape_str(const std::vector<int64_t>& shape) { return fmt::format("[
 constexpr int kMaxJsonDepth = 8;
 
 }  // namespace
+
+namespace detail {
+
+std::string shape_str(torch::IntArrayRef shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
+
+std::string join_names(const std::vector<std::string>& names, size_t max_names) {
+  std::vector<std::string> shown(names.begin(), names.begin() + std::min(names.size(), max_names));
+  std::string s = fmt::format("{}", fmt::join(shown, ", "));
+  if (names.size() > max_names) s += fmt::format(", ... ({} more)", names.size() - max_names);
+  return s;
+}
+
+}  // namespace detail
+
+using detail::shape_str;
 
 struct SafetensorsFile::Mapping {
   void* addr = nullptr;
@@ -351,13 +364,9 @@ std::string serialize_safetensors(const std::map<std::string, torch::Tensor>& te
   return out;
 }
 
-void write_file_atomic(const std::string& path, const std::string& bytes) {
-  harness::fsutil::write_file_atomic(path, bytes);  // the one atomic writer (fsync, rename, errno in errors)
-}
-
 void save_safetensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors,
                       const std::map<std::string, std::string>& metadata) {
-  write_file_atomic(path, serialize_safetensors(tensors, metadata));
+  harness::fsutil::write_file_atomic(path, serialize_safetensors(tensors, metadata));  // fsync, rename, errno in errors
 }
 
 std::map<std::string, torch::Tensor> load_safetensors(const std::string& path) {

@@ -89,14 +89,18 @@ torch::ScalarType safetensors_dtype(const std::string& name, const std::string& 
 std::string serialize_safetensors(const std::map<std::string, torch::Tensor>& tensors,
                                   const std::map<std::string, std::string>& metadata = {});
 // Writes serialize_safetensors() to `path` through a temporary file and a rename, so that a crash
-// never leaves a half-written checkpoint under the final name.
+// never leaves a half-written checkpoint under the final name (base/fsutil.h's write_file_atomic;
+// harness::fsutil::WriteError naming the path and errno on failure).
 void save_safetensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors,
                       const std::map<std::string, std::string>& metadata = {});
 // Convenience: open(path).tensors().
 std::map<std::string, torch::Tensor> load_safetensors(const std::string& path);
 
-// Writes `bytes` to `path` through a temporary name, fsync and a rename (base/fsutil.h's
-// write_file_atomic); throws harness::fsutil::WriteError naming the path and errno on failure.
-void write_file_atomic(const std::string& path, const std::string& bytes);
+namespace detail {
+// "[2, 3]": a shape in error messages.
+std::string shape_str(torch::IntArrayRef shape);
+// "a, b, c" (at most `max_names`, then "... (N more)"): a set of tensor names in error messages.
+std::string join_names(const std::vector<std::string>& names, size_t max_names = 20);
+}  // namespace detail
 
 }  // namespace collider::models

@@ -4,6 +4,8 @@
 // Legend: B batch, T sequence, D hidden, H heads, E head-dim, V vocab.
 #pragma once
 
+#include "attention_oracle.h"
+
 #include <torch/torch.h>
 
 #include <cmath>
@@ -41,18 +43,13 @@ struct KeptOnlyAttention : public torch::autograd::Function<KeptOnlyAttention> {
   }
 };
 
-struct Oracle {
-  torch::Tensor keep_BT;  // bool [B, T]
-  bool exact_query = false;
-};
-
 struct Gpt2Impl : torch::nn::Module {
   int64_t V, D, H, L, max_T;
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   std::vector<torch::nn::LayerNorm> ln1, ln2;
   std::vector<torch::nn::Linear> qkv, proj, fc, fc_out;
   torch::nn::LayerNorm ln_f{nullptr};
-  std::optional<Oracle> oracle;
+  std::optional<AttentionOracle> oracle;
   bool use_sdpa = false;  // fused torch::scaled_dot_product_attention instead of the explicit graph
   // What a Hugging Face model with use_cache left on does at its first step: K and V are
   // concatenated onto an empty cache [B, H, 0, E] along the sequence.

@@ -1,7 +1,8 @@
-// Tests of Hugging Face-layout checkpoints (models/checkpoint.h) on the -debug presets: save/load
-// round trips are bit-exact (fp32 and bf16), bf16 files convert to fp32 exactly, shards load, tied
-// heads are handled, config.json round-trips and rejects what we cannot run, and training resumes
-// bit-identically from model + AdamW state.
+// Tests of Hugging Face-layout checkpoints (models/hf_config.h, models/hf_tensors.h) and training
+// checkpoints (models/checkpoint.h) on the -debug presets: save/load round trips are bit-exact
+// (fp32 and bf16), bf16 files convert to fp32 exactly, shards load, tied heads are handled,
+// config.json round-trips and rejects what we cannot run, and training resumes bit-identically
+// from model + AdamW state.
 // Run: OMP_NUM_THREADS=1 build/tests/test_checkpoint
 #include <gtest/gtest.h>
 
@@ -16,10 +17,14 @@
 #include <filesystem>
 #include <fstream>
 
+#include "base/fsutil.h"
 #include "models/checkpoint.h"
+#include "models/hf_config.h"
+#include "models/hf_tensors.h"
 #include "models/safetensors.h"
 
 namespace cm = collider::models;
+namespace fsu = collider::harness::fsutil;
 namespace fs = std::filesystem;
 using nlohmann::json;
 
@@ -148,7 +153,7 @@ TEST(Checkpoint, ShardedCheckpointLoadsAndIndexErrorsAreCaught) {
   const cm::ModelConfig& cfg = cm::preset("tinyllama-debug");
   TempDir dir("sharded");
   cm::CausalLM model = cm::build_model(cfg, cm::AttentionImpl::kEager, 5);
-  cm::write_file_atomic((dir.path / "config.json").string(), cm::config_to_hf_json(cfg).dump(2));
+  fsu::write_file_atomic((dir.path / "config.json").string(), cm::config_to_hf_json(cfg).dump(2));
   // Two shards: layer 0 and the rest.
   std::map<std::string, torch::Tensor> a, b;
   json weight_map;
@@ -160,7 +165,7 @@ TEST(Checkpoint, ShardedCheckpointLoadsAndIndexErrorsAreCaught) {
   cm::save_safetensors((dir.path / "model-00001-of-00002.safetensors").string(), a);
   cm::save_safetensors((dir.path / "model-00002-of-00002.safetensors").string(), b);
   auto write_index = [&](const json& wm) {
-    cm::write_file_atomic((dir.path / "model.safetensors.index.json").string(),
+    fsu::write_file_atomic((dir.path / "model.safetensors.index.json").string(),
                           json{{"metadata", {{"total_size", 0}}}, {"weight_map", wm}}.dump());
   };
   write_index(weight_map);
@@ -189,7 +194,7 @@ TEST(Checkpoint, TiedHeadInTheFileMustEqualTheEmbedding) {
   ASSERT_TRUE(cfg.tie_embeddings);
   TempDir dir("tied");
   cm::CausalLM model = cm::build_model(cfg, cm::AttentionImpl::kEager, 2);
-  cm::write_file_atomic((dir.path / "config.json").string(), cm::config_to_hf_json(cfg).dump(2));
+  fsu::write_file_atomic((dir.path / "config.json").string(), cm::config_to_hf_json(cfg).dump(2));
   auto tensors = cm::parameter_tensors(*model);
   ASSERT_EQ(tensors.count("lm_head.weight"), 0u);
   // Some writers store the tied head explicitly: accepted when it equals the embedding.
@@ -208,7 +213,7 @@ TEST(Checkpoint, MissingAndUnexpectedTensorsAreListedByName) {
   const cm::ModelConfig& cfg = cm::preset("phi-1.5-debug");
   TempDir dir("names");
   cm::CausalLM model = cm::build_model(cfg);
-  cm::write_file_atomic((dir.path / "config.json").string(), cm::config_to_hf_json(cfg).dump(2));
+  fsu::write_file_atomic((dir.path / "config.json").string(), cm::config_to_hf_json(cfg).dump(2));
   auto tensors = cm::parameter_tensors(*model);
   tensors.erase("model.layers.1.mlp.fc2.bias");
   tensors.erase("lm_head.bias");
@@ -232,7 +237,7 @@ TEST(Checkpoint, LoadWeightsIntoAModelOfOtherShapesIsAnError) {
 TEST(Checkpoint, MissingDirectoryOrFilesAreNamed) {
   EXPECT_NE(error_of([] { cm::load_hf_model("/nonexistent/ckpt"); }).find("/nonexistent/ckpt"), std::string::npos);
   TempDir dir("nofiles");
-  cm::write_file_atomic((dir.path / "config.json").string(), cm::config_to_hf_json(cm::preset("tinyllama-debug")).dump());
+  fsu::write_file_atomic((dir.path / "config.json").string(), cm::config_to_hf_json(cm::preset("tinyllama-debug")).dump());
   EXPECT_NE(error_of([&] { cm::load_hf_model(dir.str()); }).find("neither model.safetensors nor"), std::string::npos);
 }
 

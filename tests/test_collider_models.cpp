@@ -5,6 +5,7 @@
 // layer boundary; eager and fused (SDPA) attention both.
 // Run: build/tests/test_collider_models
 #include "collider_test_util.h"
+#include "model_attention_oracle.h"
 
 #include "models/model.h"
 
@@ -97,10 +98,10 @@ TEST_P(ModelGrad, MatchesOracle) {
 
   // The oracle is written for the explicit attention graph.
   m->set_attention_impl(models::AttentionImpl::kEager);
-  m->set_attention_oracle(models::AttentionOracle{keep, c.attention == AttentionGrad::kExactQuery});
+  set_attention_oracle(*m, AttentionOracle{keep, c.attention == AttentionGrad::kExactQuery});
   zero_grads(*m);
   loss_of(m, idx, labels, keep).backward();
-  m->set_attention_oracle(std::nullopt);
+  set_attention_oracle(*m, std::nullopt);
   auto g_oracle = grads_of(*m);
 
   std::string worst;

@@ -7,6 +7,7 @@
 // Run: build/tests/test_collider_ragged
 #include "collider_test_util.h"
 #include "gpt2_test_model.h"
+#include "model_attention_oracle.h"
 
 #include "models/model.h"
 
@@ -71,7 +72,7 @@ TEST_P(RaggedGrad, MatchesOracle) {
     gpt2->use_sdpa = c.sdpa;
     s.logits = [&](const torch::Tensor& idx) { return gpt2->forward(idx); };
     s.oracle = [&](std::optional<torch::Tensor> keep, bool exact) {
-      if (keep) gpt2->oracle = Oracle{*keep, exact};
+      if (keep) gpt2->oracle = AttentionOracle{*keep, exact};
       else gpt2->oracle.reset();
     };
     s.module = gpt2.get();
@@ -82,9 +83,9 @@ TEST_P(RaggedGrad, MatchesOracle) {
     s.oracle = [&](std::optional<torch::Tensor> keep, bool exact) {
       if (keep) {
         lm->set_attention_impl(models::AttentionImpl::kEager);  // the oracle is written for the explicit graph
-        lm->set_attention_oracle(models::AttentionOracle{*keep, exact});
+        set_attention_oracle(*lm, AttentionOracle{*keep, exact});
       } else {
-        lm->set_attention_oracle(std::nullopt);
+        set_attention_oracle(*lm, std::nullopt);
         lm->set_attention_impl(c.sdpa ? models::AttentionImpl::kSdpa : models::AttentionImpl::kEager);
       }
     };

@@ -57,7 +57,7 @@ ReferenceGrads reference_grads(Gpt2& m, const Plan& plan, const torch::Tensor& i
   loss_m.backward();
   out.masked = grads_of(*m);
   zero_grads(*m);
-  m->oracle = Oracle{keep, attention == AttentionGrad::kExactQuery};
+  m->oracle = AttentionOracle{keep, attention == AttentionGrad::kExactQuery};
   masked_ce(m->forward(idx), labels, keep).backward();
   m->oracle.reset();
   out.oracle = grads_of(*m);

@@ -51,7 +51,7 @@ TEST(Plan, ReusedOverTwentyStepsWithNewMasks) {
     loss.backward();
     auto g = grads_of(*m);
     zero_grads(*m);
-    m->oracle = Oracle{keep, attention == AttentionGrad::kExactQuery};
+    m->oracle = AttentionOracle{keep, attention == AttentionGrad::kExactQuery};
     masked_ce(m->forward(idx), labels, keep).backward();
     m->oracle.reset();
     ASSERT_LE(max_rel_diff(g, grads_of(*m)), 1e-4) << "step " << step;

@@ -23,7 +23,7 @@ struct SeqFirstLmImpl : torch::nn::Module {
   torch::nn::Embedding emb{nullptr};
   std::vector<torch::nn::TransformerEncoderLayer> layers;
   torch::nn::Linear head{nullptr};
-  std::optional<Oracle> oracle;  // set: run the hand-written layer with these semantics
+  std::optional<AttentionOracle> oracle;  // set: run the hand-written layer with these semantics
 
   SeqFirstLmImpl() {
     emb = register_module("emb", torch::nn::Embedding(kVocab, kDim));
@@ -114,7 +114,7 @@ TEST_P(TorchNnEncoderGrad, MatchesOracle) {
   auto g_masked = grads_of(*m);
 
   zero_grads(*m);
-  m->oracle = Oracle{keep, c.attention == AttentionGrad::kExactQuery};
+  m->oracle = AttentionOracle{keep, c.attention == AttentionGrad::kExactQuery};
   auto loss_o = masked_ce(m->forward(idx), labels, keep);
   m->oracle.reset();
   EXPECT_NEAR(loss_o.item<double>(), loss_module, 1e-10) << "the oracle's layer is not the module's layer";

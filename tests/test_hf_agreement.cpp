@@ -15,7 +15,7 @@
 #include <fstream>
 
 #include "harness/recipes/score.h"
-#include "models/checkpoint.h"
+#include "models/hf_tensors.h"
 #include "models/safetensors.h"
 
 namespace cm = collider::models;

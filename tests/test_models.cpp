@@ -7,6 +7,8 @@
 // A disabled timing probe prints the -mini fwd+bwd times:
 //   build/tests/test_models --gtest_also_run_disabled_tests --gtest_filter='*Timing*'
 // Legend: B batch, T sequence, D hidden, H heads, G kv-heads, E head dim, V vocab.
+#include "model_attention_oracle.h"
+
 #include "models/common/attention.h"
 #include "models/common/rotary.h"
 #include "models/flops.h"
@@ -25,6 +27,9 @@
 #include <vector>
 
 using namespace collider::models;
+using collider::testing::attention_oracle_hook;
+using collider::testing::AttentionOracle;
+using collider::testing::set_attention_oracle;
 
 namespace {
 
@@ -325,7 +330,7 @@ TEST(Models, OraclesAtKeepAllTrueGiveOrdinaryGradients) {
     plain_loss.backward();
     auto plain = grads_of(m);
     for (bool exact_query : {false, true}) {
-      m->set_attention_oracle(AttentionOracle{torch::ones({2, 11}, torch::kBool), exact_query});
+      set_attention_oracle(*m, AttentionOracle{torch::ones({2, 11}, torch::kBool), exact_query});
       m->zero_grad();
       auto loss = lm_loss(m, ids);
       EXPECT_EQ(loss.item<double>(), plain_loss.item<double>());
@@ -353,7 +358,7 @@ TEST(Models, OraclesKeepDroppedRowsGradientFree) {
     keep[0][2] = false, keep[0][5] = false, keep[1][0] = false, keep[1][7] = false;
     auto labels = torch::randint(c.vocab_size, {B, T}, torch::kLong);
     auto dropped_rows_grad = [&](std::optional<AttentionOracle> oracle, torch::Tensor* logits_out) {
-      m->set_attention_oracle(oracle);
+      set_attention_oracle(*m, oracle);
       torch::Tensor emb;
       m->set_boundary_hook([&](const torch::Tensor& x, const std::string& n) {
         if (n == "embedding") {
@@ -381,7 +386,7 @@ TEST(Models, OraclesKeepDroppedRowsGradientFree) {
     EXPECT_GT(exact_q.second, 1e-8);
     EXPECT_TRUE(torch::equal(l0, l1));
     EXPECT_TRUE(torch::equal(l0, l2));
-    m->set_attention_oracle(std::nullopt);
+    set_attention_oracle(*m, std::nullopt);
   }
 }
 
@@ -396,10 +401,10 @@ TEST(Models, KeptOnlyAttentionMatchesSection3Formulas) {
   auto v = torch::randn({B, G, T, E}, opts).requires_grad_();
   auto keep = torch::rand({B, T}) > 0.4;
   keep.select(1, 0).fill_(true);
-  AttentionOracle oracle{keep, false};
+  const AttentionHook oracle = attention_oracle_hook(AttentionOracle{keep, false});
   d::ForwardContext ctx;
   ctx.causal_mask_TT = torch::ones({T, T}, torch::kBool).triu(1);
-  ctx.oracle = &oracle;
+  ctx.attention_hook = &oracle;
   auto o = d::attention_core(q, k, v, ctx);
   auto dO = torch::randn({B, H, T, E}, opts);
   o.backward(dO);
@@ -507,11 +512,11 @@ TEST(Models, ColliderRewriterMatchesOraclesOnEveryFamily) {
         auto g_collider = grads_of(m);
 
         m->set_attention_impl(AttentionImpl::kEager);
-        m->set_attention_oracle(AttentionOracle{keep, sem == collider::AttentionGrad::kExactQuery});
+        set_attention_oracle(*m, AttentionOracle{keep, sem == collider::AttentionGrad::kExactQuery});
         m->zero_grad();
         masked_mean_loss(token_losses(m->forward(ids), labels), keep).backward();
         auto g_oracle = grads_of(m);
-        m->set_attention_oracle(std::nullopt);
+        set_attention_oracle(*m, std::nullopt);
         m->set_attention_impl(impl);
 
         m->zero_grad();

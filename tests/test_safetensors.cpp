@@ -13,7 +13,7 @@
 #include <cstring>
 #include <fstream>
 
-#include "models/checkpoint.h"
+#include "models/hf_tensors.h"
 #include "models/safetensors.h"
 
 namespace cm = collider::models;

@@ -9,7 +9,7 @@
 #include "harness/run/results.h"
 #include "harness/components/token_data.h"
 #include "harness/recipes/train_run.h"
-#include "models/checkpoint.h"
+#include "models/hf_tensors.h"
 #include "models/model.h"
 #include "temp_dir.h"
 #include "utility_test_util.h"

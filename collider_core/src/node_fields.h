@@ -7,7 +7,9 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/generated/Functions.h>
 
+#include <cstdint>
 #include <optional>
+#include <string_view>
 #include <vector>
 
 namespace collider::detail {
@@ -35,6 +37,19 @@ struct NodeFields {
   void (*visit)(torch::autograd::Node* node, FieldVisitor& v);
   const char* described_fields;  // "SavedVariable self_, int64_t dim, ..." for error messages
 };
+
+// The values of a size field (every size of a traced or rewritten graph is a concrete integer).
+inline std::vector<int64_t> to_ints(c10::SymIntArrayRef a) {
+  std::vector<int64_t> out;
+  out.reserve(a.size());
+  for (const auto& s : a) out.push_back(s.expect_int());
+  return out;
+}
+
+// A size field that holds strides (Functions.h: <x>_sym_strides beside its sizes <x>_sym_sizes).
+inline bool is_strides_field(std::string_view name) {
+  return name.size() > 8 && name.compare(name.size() - 8, 8, "_strides") == 0;
+}
 
 // nullptr for node types not declared in Functions.h (AccumulateGrad, custom Functions, ...).
 const NodeFields* find_node_fields(const torch::autograd::Node& node);

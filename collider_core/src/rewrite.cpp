@@ -38,12 +38,6 @@ using torch::autograd::Edge;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-std::vector<int64_t> to_ints(c10::SymIntArrayRef a) {
-  std::vector<int64_t> out;
-  out.reserve(a.size());
-  for (const auto& s : a) out.push_back(s.expect_int());
-  return out;
-}
 std::vector<c10::SymInt> to_syms(const std::vector<int64_t>& v) { return {v.begin(), v.end()}; }
 
 // Cuts (or zeroes, for the masked method) the gradient flowing into a key/value operand.
@@ -206,7 +200,7 @@ class Rewriter::Apply final : public FieldVisitor {
   }
   void sizes(const char* name, std::vector<c10::SymInt>& v) override {
     const size_t len = std::strlen(name);
-    if (len > 8 && std::strcmp(name + len - 8, "_strides") == 0) {
+    if (is_strides_field(name)) {
       // Recompute as contiguous strides of the sibling sizes, when those were cut.
       if (cut_sizes_.empty()) return;
       auto it = cut_sizes_.find(std::string(name, len - 8) + "_sizes");

@@ -2,6 +2,8 @@
 // per-token losses as JSONL. Tests: tests/test_hf_agreement.cpp.
 #include "harness/recipes/score.h"
 
+#include "base/fsutil.h"
+
 #include <fmt/format.h>
 
 #include <charconv>
@@ -12,7 +14,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "models/checkpoint.h"
+#include "models/hf_tensors.h"
 
 namespace collider::harness {
 
@@ -216,7 +218,7 @@ int run_score(const std::vector<std::string>& args) {
       std::fwrite(text.data(), 1, text.size(), stdout);
       std::fflush(stdout);
     } else {
-      models::write_file_atomic(a.out, text);
+      fsutil::write_file_atomic(a.out, text);
       std::fprintf(stderr, "collider score: %zu sequences scored with %s (%s) -> %s\n", losses.size(),
                    a.checkpoint.c_str(), model->config().name.c_str(), a.out.c_str());
     }

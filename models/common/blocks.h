@@ -22,7 +22,7 @@ struct ForwardContext {
   AttentionImpl attn = AttentionImpl::kEager;
   torch::Tensor cos_TR, sin_TR;         // rotary tables for positions 0..T-1 (no grad), x's dtype
   torch::Tensor causal_mask_TT;         // bool [T, T], true above the diagonal (masked), no grad
-  const AttentionOracle* oracle = nullptr;  // reference backward semantics (tests), or null
+  const AttentionHook* attention_hook = nullptr;  // computes the attention core when set (model.h), or null
 };
 
 // y = x W^T (+ b), as torch.nn.Linear. weight [out, in], bias [out] or undefined.

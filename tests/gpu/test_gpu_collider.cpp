@@ -4,6 +4,7 @@
 // semantics; and in bf16 autocast the filtered backward runs and stays close to the masked method.
 // Run: build/tests/test_gpu_collider   (on a GPU machine; scripts/device/run_gpu_checks.sh)
 #include "../collider_test_util.h"
+#include "../model_attention_oracle.h"
 
 #include "harness/components/train_step.h"
 #include "models/model.h"
@@ -69,10 +70,10 @@ TEST_P(GpuGrad, MatchesOracleOnCuda) {
   auto g_collider = grads_of(*m);
 
   m->set_attention_impl(models::AttentionImpl::kEager);
-  m->set_attention_oracle(models::AttentionOracle{keep, c.attention == AttentionGrad::kExactQuery});
+  set_attention_oracle(*m, AttentionOracle{keep, c.attention == AttentionGrad::kExactQuery});
   zero_grads(*m);
   loss_of(m, idx, labels, keep).backward();
-  m->set_attention_oracle(std::nullopt);
+  set_attention_oracle(*m, std::nullopt);
   std::string worst;
   // TF32 may be on for CUDA matmuls; the tolerance follows the baseline's own error.
   EXPECT_LE(max_rel_diff(g_collider, grads_of(*m), &worst), 2e-3) << "worst parameter: " << worst;

@@ -1,8 +1,9 @@
 // Internal: fused gather of the kept rows of several saved tensors in ONE kernel launch (the GPU plan's
 // "fused gather: one kernel per layer for all its saved tensors"), and the plain-ATen version with
-// the same contract (index_select per tensor) for tests and comparisons. Available only in builds
-// with COLLIDER_WITH_CUDA (COLLIDER_CUDA=ON); not wired into the rewriter yet (that waits for a GPU
-// measurement of gather_ms). Legend: R_src source rows, R_dst kept rows (= index length).
+// the same contract (index_select per tensor) for tests and comparisons. Built only with
+// COLLIDER_CUDA=ON, into collider_cuda_gather (not collider_core: the rewriter does not call it yet,
+// that waits for a GPU measurement of gather_ms), which defines COLLIDER_WITH_CUDA for its users.
+// Legend: R_src source rows, R_dst kept rows (= index length).
 // Tested by tests/gpu/test_gpu_gather.cpp.
 #pragma once
 

@@ -1,0 +1,135 @@
+// Locating attention cores in a traced plan (see attention_cores.h): a softmax over a [.., Tq, Tk]
+// score tensor between two batched matmuls, reached through shape and scale ops only.
+#include "attention_cores.h"
+
+#include "classify.h"
+
+#include <fmt/format.h>
+
+#include <set>
+#include <string>
+#include <vector>
+
+namespace collider::detail {
+
+namespace {
+
+bool is_softmax(const std::string& t) { return t == "SoftmaxBackward0"; }
+bool is_bmm(const std::string& t) { return t == "BmmBackward0"; }
+bool is_shape_or_scale(const std::string& t) {
+  static const std::set<std::string> k = {
+      "ToCopyBackward0", "ExpandBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
+      "CloneBackward0", "MaskedFillBackward0", "AddBackward0", "AddBackward1", "MulBackward0", "MulBackward1",
+      "DivBackward0", "DivBackward1", "WhereBackward0", "SubBackward0", "SubBackward1"};
+  return k.count(t) > 0;
+}
+
+bool is_sdpa(const std::string& t) { return t.rfind("ScaledDotProduct", 0) == 0 || t.rfind("Efficient", 0) == 0; }
+
+}  // namespace
+
+// Locates attention cores: softmax over a [.., Tq, Tk] score tensor, the batched matmul that
+// made the scores (Q K^T) and the one that consumes the probabilities (P V).
+void find_attention_cores(const Graph& g, PlanData& plan) {
+  const int n = static_cast<int>(g.nodes.size());
+  auto type = [&](int i) -> const std::string& { return plan.nodes[i].type; };
+  auto two_token_field = [&](int i) {
+    for (const auto& f : plan.nodes[i].fields)
+      if (token_dims(f.shape).size() >= 2) return true;
+    return false;
+  };
+  std::vector<std::string> problems;
+  for (int s = 0; s < n; ++s) {
+    if (!is_softmax(type(s)) || !two_token_field(s)) continue;
+    std::vector<int> core = {s};
+    // Down (toward the inputs): the score chain to the QK^T matmul.
+    int cur = s, qk = -1;
+    for (int steps = 0; steps < 16; ++steps) {
+      int next = -1;
+      for (const auto& e : g.nodes[cur]->next_edges()) {
+        if (e.function) {
+          next = g.index.at(e.function.get());
+          break;
+        }
+      }
+      if (next < 0) break;
+      if (is_bmm(type(next))) {
+        qk = next;
+        break;
+      }
+      if (!is_shape_or_scale(type(next))) break;
+      core.push_back(next);
+      cur = next;
+    }
+    // Up (toward the loss): the probability chain to the PV matmul (P is its first operand).
+    cur = s;
+    int pv = -1;
+    for (int steps = 0; steps < 16 && pv < 0; ++steps) {
+      if (g.parents[cur].size() != 1) break;
+      auto [p, edge] = g.parents[cur][0];
+      if (is_bmm(type(p))) {
+        if (edge == 0) pv = p;
+        break;
+      }
+      if (!is_shape_or_scale(type(p))) break;
+      core.push_back(p);
+      cur = p;
+    }
+    if (qk < 0 || pv < 0) {
+      problems.push_back(fmt::format("softmax node #{} over a [.., T, T] score tensor is not between two batched "
+                                     "matmuls (QK^T, PV) through shape/scale ops", s));
+      continue;
+    }
+    core.push_back(qk);
+    core.push_back(pv);
+    for (int c : core) plan.nodes[c].attention_core = true;
+    ++plan.num_attention_cores;
+    // Roles: in core nodes a field with two token dims is [.., Tq, Tk]; in the matmuls the
+    // second operand (mat2: K^T or V) is key-side.
+    for (int c : core) {
+      for (auto& f : plan.nodes[c].fields) {
+        auto toks = token_dims(f.shape);
+        const bool mat2 = f.name.rfind("mat2", 0) == 0;
+        int seen = 0;
+        for (auto& d : f.shape.dims) {
+          if (d.kind != DimKind::kToken) continue;
+          if (mat2 && (c == qk || c == pv)) d.role = Role::kKey;
+          else if (toks.size() >= 2 && seen == 1) d.role = Role::kKey;
+          ++seen;
+        }
+      }
+    }
+    // Gradient edges into K^T (qk, edge 1) and V (pv, edge 1) carry all key rows.
+    for (int m : {qk, pv}) {
+      const FieldSpec* sizes = nullptr;
+      for (const auto& f : plan.nodes[m].fields)
+        if ((f.name == "mat2_" || f.name == "mat2_sym_sizes") && !sizes) sizes = &f;
+      if (!sizes) {
+        problems.push_back(fmt::format("matmul node #{} has no token-shaped mat2 sizes", m));
+        continue;
+      }
+      plan.inserts.push_back(EdgeInsert{m, 1, sizes->shape});
+    }
+  }
+  // Every two-token-dim field outside a recognised core, and every SDPA node, blocks exact_query.
+  for (int i = 0; i < n; ++i) {
+    if (plan.nodes[i].attention_core) continue;
+    if (plan.nodes[i].fused_attention) continue;
+    if (is_sdpa(type(i))) {
+      problems.push_back(fmt::format("node #{} {}: no filtered replacement for this fused attention", i, type(i)));
+      continue;
+    }
+    for (const auto& f : plan.nodes[i].fields) {
+      if (token_dims(f.shape).size() >= 2) {
+        problems.push_back(fmt::format("node #{} {} field {} has two token dimensions outside a recognised "
+                                       "attention core", i, type(i), f.name));
+        break;
+      }
+    }
+  }
+  std::string joined;
+  for (const auto& p : problems) joined += (joined.empty() ? "" : "; ") + p;
+  plan.exact_query_blocker = joined;
+}
+
+}  // namespace collider::detail

@@ -1,0 +1,234 @@
+// Classifying traced fields into token, batch and flattened dimensions (see classify.h).
+#include "classify.h"
+
+#include <collider/collider.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <numeric>
+
+namespace collider::detail {
+
+// Classifies one field from its two observations. Returns false (and `why`) for dimensions that
+// scale with B or T in a way the rewriter cannot cut.
+bool classify(const Observed& a, const Observed& b, Sizes sa, Sizes sb, ShapeSpec& spec, std::string& why) {
+  spec = ShapeSpec{};
+  if (a.values.size() != b.values.size()) {
+    why = fmt::format("rank {} in one trace and {} in the other", a.values.size(), b.values.size());
+    return false;
+  }
+  spec.rank = static_cast<int32_t>(a.values.size());
+  for (size_t d = 0; d < a.values.size(); ++d) {
+    const int64_t x = a.values[d], y = b.values[d];
+    DimSpec ds;
+    ds.dim = static_cast<int32_t>(d);
+    // A value that is 0 in both traces is a constant (a slice start, an empty KV cache), never
+    // a token or batch dimension: 0 is a multiple of every B*T, so the tests below would take it.
+    if (x == 0 && y == 0) continue;
+    if (x == sa.T && y == sb.T) {
+      ds.kind = DimKind::kToken;
+    } else if (x % (sa.B * sa.T) == 0 && y % (sb.B * sb.T) == 0 && x / (sa.B * sa.T) == y / (sb.B * sb.T)) {
+      ds.kind = DimKind::kFlatToken;  // [B, mult, T] flattened
+      ds.mult = x / (sa.B * sa.T);
+    } else if (x == y) {
+      continue;  // constant
+    } else if (x % sa.B == 0 && y % sb.B == 0 && x / sa.B == y / sb.B) {
+      ds.kind = DimKind::kBatch;
+      ds.mult = x / sa.B;
+    } else {
+      why = fmt::format("dimension {} has size {} for (B={}, T={}) and {} for (B={}, T={}), which is neither "
+                        "T, B*T nor a multiple of B", d, x, sa.B, sa.T, y, sb.B, sb.T);
+      return false;
+    }
+    spec.dims.push_back(ds);
+  }
+  return true;
+}
+
+std::vector<int32_t> token_dims(const ShapeSpec& s) {
+  std::vector<int32_t> out;
+  for (const auto& d : s.dims)
+    if (d.kind == DimKind::kToken) out.push_back(d.dim);
+  return out;
+}
+const DimSpec* batch_dim(const ShapeSpec& s) {
+  for (const auto& d : s.dims)
+    if (d.kind == DimKind::kBatch) return &d;
+  return nullptr;
+}
+bool has_flat(const ShapeSpec& s) {
+  for (const auto& d : s.dims)
+    if (d.flat()) return true;
+  return false;
+}
+
+// A flattened token dimension of size B*mult*T has the same size whether the batch or the
+// sequence came first, so its row order cannot be read from sizes. It is read from the reshapes
+// that make or undo a flattening: a view whose input sizes (self_sym_sizes) have a token and a
+// batch dimension while its output (the node's input metadata) is flat, or the reverse. Nodes
+// joined by an edge whose tensor is flat see the same rows, so they share one order: every
+// reshape of such a group must agree. A group without a reshape keeps the batch-major order of
+// batch-first models, unless the graph has sequence-first tensors ([T, B, ..]): then it is refused.
+void resolve_flat_order(const Graph& g, PlanData& plan) {
+  const int n = static_cast<int>(plan.nodes.size());
+  auto flat_input = [&](int c, int64_t input_nr) {
+    for (const auto& f : plan.nodes[c].fields)
+      if (f.kind == FieldKind::kInputMeta && f.item == input_nr && has_flat(f.shape)) return true;
+    return false;
+  };
+  std::vector<int> root(n);
+  std::iota(root.begin(), root.end(), 0);
+  std::function<int(int)> find = [&](int i) { return root[i] == i ? i : root[i] = find(root[i]); };
+  bool any_flat = false, seq_first_tensor = false;
+  for (int i = 0; i < n; ++i) {
+    for (const auto& f : plan.nodes[i].fields) {
+      any_flat = any_flat || has_flat(f.shape);
+      const DimSpec* b = batch_dim(f.shape);
+      for (const auto& d : f.shape.dims)
+        if (b && d.kind == DimKind::kToken && d.dim < b->dim) seq_first_tensor = true;
+    }
+    for (const auto& e : g.nodes[i]->next_edges()) {
+      if (!e.function) continue;
+      const int c = g.index.at(e.function.get());
+      if (flat_input(c, e.input_nr)) root[find(i)] = find(c);
+    }
+  }
+  if (!any_flat) return;
+  std::map<int, std::vector<std::string>> batch_major, token_major;  // group -> the reshapes showing it
+  for (int i = 0; i < n; ++i) {
+    const NodeSpec& ns = plan.nodes[i];
+    const FieldSpec *in_sizes = nullptr, *out_meta = nullptr;
+    for (const auto& f : ns.fields) {
+      if (f.kind == FieldKind::kSizes && f.name == "self_sym_sizes") in_sizes = &f;
+      if (f.kind == FieldKind::kInputMeta && f.item == 0) out_meta = &f;
+    }
+    if (!in_sizes || !out_meta) continue;
+    const FieldSpec* flat = has_flat(out_meta->shape) ? out_meta : has_flat(in_sizes->shape) ? in_sizes : nullptr;
+    const FieldSpec* split = flat == out_meta ? in_sizes : out_meta;
+    if (!flat || has_flat(split->shape)) continue;
+    const DimSpec* b = batch_dim(split->shape);
+    auto toks = token_dims(split->shape);
+    if (!b || toks.size() != 1) continue;
+    (toks[0] < b->dim ? token_major : batch_major)[find(i)].push_back(fmt::format("#{} {}", i, ns.type));
+  }
+  for (int i = 0; i < n; ++i) {
+    const int r = find(i);
+    const bool bm = batch_major.count(r) > 0, tm = token_major.count(r) > 0;
+    if (bm && tm) {
+      throw Error(fmt::format("collider cannot rewrite node {} (#{}): its flattened batch and sequence rows are "
+                              "batch-major according to {} and sequence-major according to {}; reshape from one "
+                              "layout only", plan.nodes[i].type, i, batch_major[r].front(), token_major[r].front()));
+    }
+    bool flat_here = false;
+    for (const auto& f : plan.nodes[i].fields) flat_here = flat_here || has_flat(f.shape);
+    if (!flat_here) continue;
+    if (!bm && !tm && seq_first_tensor) {
+      throw Error(fmt::format("collider cannot rewrite node {} (#{}): it has a dimension of B*T rows, and no reshape "
+                              "next to it shows whether the batch or the sequence came first (the model has "
+                              "sequence-first [T, B, ..] tensors); flatten with view/reshape from the [B, T, ..] "
+                              "or [T, B, ..] tensor", plan.nodes[i].type, i));
+    }
+    if (!tm) continue;
+    for (auto& f : plan.nodes[i].fields)
+      for (auto& d : f.shape.dims)
+        if (d.kind == DimKind::kFlatToken) d.kind = DimKind::kFlatSeqFirst;
+  }
+}
+
+std::optional<RefLayout> layout_of(const ShapeSpec& s) {
+  if (s.pad_rank > 0) {
+    RefLayout r;
+    r.rank = s.pad_rank;
+    r.batch_dim = s.bcast_batch_dim;
+    r.mult = s.bcast_mult;
+    const int32_t off = s.pad_rank - s.rank;
+    for (int32_t t : token_dims(s)) r.tokens.push_back(t + off);
+    return r;
+  }
+  const DimSpec* b = batch_dim(s);
+  auto toks = token_dims(s);
+  if (!b || toks.empty()) return std::nullopt;
+  return RefLayout{s.rank, b->dim, b->mult, toks};
+}
+
+// Gives a batch-less token field a broadcast layout against `ref` (see ShapeSpec).
+bool align_broadcast(ShapeSpec& s, const std::vector<int64_t>& values, const RefLayout& ref) {
+  auto toks = token_dims(s);
+  if (toks.empty() || ref.tokens.empty()) return false;
+  // Align the last token dim of the field with the last token dim of the reference.
+  const int32_t off = ref.tokens.back() - toks.back();
+  if (off < 0) return false;
+  for (int32_t t : toks) {
+    if (std::find(ref.tokens.begin(), ref.tokens.end(), t + off) == ref.tokens.end()) return false;
+  }
+  const int32_t bd = ref.batch_dim;
+  if (bd < off) {
+    // the batch dimension lies in the padded leading region
+  } else if (bd - off < static_cast<int32_t>(values.size()) && values[bd - off] == 1) {
+    // an explicit size-1 batch dimension
+  } else {
+    return false;
+  }
+  s.pad_rank = s.rank + off;
+  s.bcast_batch_dim = bd;
+  s.bcast_mult = ref.mult;
+  return true;
+}
+
+const std::set<std::string>& token_mixing_nodes() {
+  // Ops that mix tokens along a dimension; cutting rows would change their meaning.
+  static const std::set<std::string> k = {
+      "CumsumBackward0", "CumprodBackward0", "LogcumsumexpBackward0", "FlipBackward0", "RollBackward0",
+      "SortBackward0", "TopkBackward0", "SliceBackward0", "SelectBackward0", "NarrowBackward0",
+      "IndexSelectBackward0", "GatherBackward0", "UnfoldBackward0", "ConstantPadNdBackward0",
+      "ConvolutionBackward0", "CumulativeTrapezoidBackward0", "DiffBackward0", "MaxBackward0",
+      "MinBackward0", "MaxBackward1", "MinBackward1", "SplitBackward0", "SplitWithSizesBackward0",
+      "UnsafeSplitBackward0", "UnsafeSplitWithSizesBackward0", "CatBackward0", "StackBackward0"};
+  return k;
+}
+
+// For an op that indexes or mixes along `dim`: does `dim` address a token dimension of the
+// field? Ops without a `dim` field (convolutions) count as mixing.
+bool along_token_dim(const ObservedNode& node, const Observed& field, const ShapeSpec& spec) {
+  if (!node.dim) return true;
+  if (field.kind == FieldKind::kSaved) return true;  // conservative: index tensors over tokens
+  const int64_t rank = static_cast<int64_t>(field.values.size());
+  const int64_t d = *node.dim < 0 ? *node.dim + rank : *node.dim;
+  for (const auto& ds : spec.dims)
+    if (ds.dim == d && ds.kind != DimKind::kBatch) return true;
+  return false;
+}
+
+// A concatenation along the token dimension onto empty tensors (a Hugging Face model's KV cache
+// at the first step: cat([B, G, 0, E], [B, G, T, E])) keeps every position where it was, so its
+// rows can be cut like any token-wise op. Any other concatenation along tokens is refused.
+bool is_cat_onto_empty(const ObservedNode& a, const ObservedNode& b, Sizes sa, Sizes sb) {
+  if (a.type != "CatBackward0" || !a.dim) return false;
+  int carrying = 0;
+  for (size_t k = 0; k < a.fields.size(); ++k) {
+    const Observed& fa = a.fields[k];
+    const Observed& fb = b.fields[k];
+    if (fa.name != "tensors_args_sizes_symint") continue;
+    const int64_t rank = static_cast<int64_t>(fa.values.size());
+    const int64_t d = *a.dim < 0 ? *a.dim + rank : *a.dim;
+    if (d < 0 || d >= rank || fb.values.size() != fa.values.size()) return false;
+    if (fa.values[d] == 0 && fb.values[d] == 0) continue;
+    if (fa.values[d] != sa.T || fb.values[d] != sb.T) return false;
+    ++carrying;
+  }
+  return carrying == 1;
+}
+
+// What to do about a refused token-mixing node, where a common cause is known.
+std::string mixing_hint(const std::string& type) {
+  if (type == "CatBackward0" || type == "StackBackward0") {
+    return " (a KV cache concatenates along the sequence: with Hugging Face transformers pass use_cache=False "
+           "to the training forward)";
+  }
+  return "";
+}
+
+}  // namespace collider::detail
