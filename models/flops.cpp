@@ -63,6 +63,34 @@ FlopCount backward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N
   return f;
 }
 
+FlopCount forward_drop_forward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N) {
+  check_sizes(B, T);
+  if (cfg.num_layers < 3)
+    throw std::invalid_argument(fmt::format("forward_drop needs at least 3 decoder layers, {} has {}", cfg.name,
+                                            cfg.num_layers));
+  if (N <= 0 || N > T)
+    throw std::invalid_argument(fmt::format("forward_drop's middle-layer token count N must be in [1, T={}], got {}",
+                                            T, N));
+  ModelConfig outer = cfg, middle = cfg;
+  outer.num_layers = 2;  // the first and the last layer, every token
+  middle.num_layers = cfg.num_layers - 2;
+  const FlopCount all = forward_flops(outer, B, T), some = forward_flops(middle, B, N);
+  FlopCount f;
+  f.linear = all.linear + some.linear;
+  f.attention = all.attention + some.attention;
+  f.lm_head = all.lm_head;
+  return f;
+}
+
+FlopCount forward_drop_backward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N) {
+  const FlopCount fwd = forward_drop_forward_flops(cfg, B, T, N);
+  FlopCount f;
+  f.linear = 2 * fwd.linear;
+  f.attention = 2 * fwd.attention;
+  f.lm_head = 2 * fwd.lm_head;
+  return f;
+}
+
 double attention_linear_ratio(const ModelConfig& cfg, int64_t T) {
   const FlopCount f = forward_flops(cfg, 1, T);
   return f.attention / f.linear;

@@ -41,6 +41,14 @@ FlopCount forward_flops(const ModelConfig& cfg, int64_t B, int64_t T);
 //   The embedding backward is a scatter-add: 0 GEMM FLOPs.
 FlopCount backward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N, const MethodSpec& spec);
 
+// forward_drop (forward token dropping, CausalLM::forward(input_ids, middle_BN)), N = tokens per
+// row the middle layers see (0 < N <= T; needs L >= 3):
+//   forward:  layers 0 and L-1 and the LM head at T tokens per row, the L-2 middle layers at N
+//             (their attention N x N): forward_flops of those layer counts at T and at N.
+//   backward: every GEMM of that forward twice (dX and dW): 2 x the forward.
+FlopCount forward_drop_forward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N);
+FlopCount forward_drop_backward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N);
+
 // Forward attention-core FLOPs over forward decoder linear-layer FLOPs (LM head excluded) at
 // sequence length T = 4*T*H*E / (2*[D*H*E + 2*D*G*E + H*E*D + M*D*F]); independent of B.
 // Paper models at T = 2048: TinyLlama-1.1B 0.190, Qwen2.5-1.5B 0.134, Phi-1.5 0.167.

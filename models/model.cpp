@@ -76,10 +76,45 @@ void CausalLMImpl::reset_parameters(uint64_t seed) {
   }
 }
 
-torch::Tensor CausalLMImpl::forward(const torch::Tensor& input_ids_BT) {
+namespace {
+
+// bool [T, T], true above the diagonal (the positions a query must not see), no grad.
+torch::Tensor causal_mask(int64_t T, torch::Device device) {
+  return torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(device)).triu(1);
+}
+
+// The forward_drop token subset: int64 [B, N], 0 < N <= T, each row strictly increasing in [0, T).
+void check_middle_tokens(const torch::Tensor& middle_BN, int64_t B, int64_t T, int64_t num_layers) {
+  TORCH_CHECK(num_layers >= 3, "forward token dropping needs at least 3 decoder layers (the first and the last see "
+              "every token), this model has ", num_layers, "; use a preset with more layers");
+  TORCH_CHECK(middle_BN.scalar_type() == torch::kLong && middle_BN.dim() == 2 && middle_BN.size(0) == B,
+              "middle_BN must be an int64 [B, N] tensor with B = ", B, ", got ", middle_BN.scalar_type(), " ",
+              middle_BN.sizes());
+  const int64_t N = middle_BN.size(1);
+  TORCH_CHECK(N > 0 && N <= T, "middle_BN must keep 1 to T = ", T, " tokens per row, got N = ", N);
+  torch::NoGradGuard no_grad;
+  const auto m = middle_BN.cpu();
+  TORCH_CHECK(m.min().item<int64_t>() >= 0 && m.max().item<int64_t>() < T, "middle_BN positions must lie in [0, ", T,
+              "); got ", m.min().item<int64_t>(), " .. ", m.max().item<int64_t>());
+  TORCH_CHECK(N == 1 || (m.slice(1, 1) > m.slice(1, 0, N - 1)).all().item<bool>(),
+              "middle_BN rows must be strictly increasing positions (sorted, no repeats); random_middle_tokens "
+              "draws such rows");
+}
+
+}  // namespace
+
+torch::Tensor CausalLMImpl::forward(const torch::Tensor& input_ids_BT) { return forward(input_ids_BT, {}); }
+
+torch::Tensor CausalLMImpl::forward(const torch::Tensor& input_ids_BT, const torch::Tensor& middle_BN) {
   TORCH_CHECK(input_ids_BT.dim() == 2, "input_ids must be [B, T], got shape ", input_ids_BT.sizes());
-  const int64_t T = input_ids_BT.size(1);
+  const int64_t B = input_ids_BT.size(0), T = input_ids_BT.size(1);
   TORCH_CHECK(T > 0, "input_ids must hold at least one position per sequence");
+  const auto L = static_cast<int64_t>(model_->layers.size());
+  if (middle_BN.defined()) {
+    check_middle_tokens(middle_BN, B, T, L);
+    TORCH_CHECK(!oracle_, "the attention oracle's keep mask covers all T tokens, which the middle layers of forward "
+                "token dropping do not see; clear it (set_attention_oracle(std::nullopt)) for forward_drop");
+  }
   auto x_BTD = boundary(model_->embed_tokens->forward(input_ids_BT), "embedding");
 
   detail::ForwardContext ctx;
@@ -87,15 +122,45 @@ torch::Tensor CausalLMImpl::forward(const torch::Tensor& input_ids_BT) {
   ctx.attention_hook = attention_hook_ ? &attention_hook_ : nullptr;
   {
     torch::NoGradGuard no_grad;
-    ctx.causal_mask_TT = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x_BTD.device())).triu(1);
+    ctx.causal_mask_TT = causal_mask(T, x_BTD.device());
     std::tie(ctx.cos_TR, ctx.sin_TR) =
         detail::rotary_tables(T, detail::rotary_dim(cfg_), cfg_.rope_theta, x_BTD.scalar_type(), x_BTD.device());
   }
-  for (size_t i = 0; i < model_->layers.size(); ++i)
-    x_BTD = boundary(model_->layers[i]->forward(x_BTD, ctx), fmt::format("layer.{:02d}", i));
+  auto layer = [&](int64_t i, const torch::Tensor& x, const detail::ForwardContext& c) {
+    return boundary(model_->layers[i]->forward(x, c), fmt::format("layer.{:02d}", i));
+  };
+  if (!middle_BN.defined()) {
+    for (int64_t i = 0; i < L; ++i) x_BTD = layer(i, x_BTD, ctx);
+  } else {
+    const int64_t N = middle_BN.size(1), D = x_BTD.size(2);
+    x_BTD = layer(0, x_BTD, ctx);
+    auto idx_BND = middle_BN.to(x_BTD.device()).unsqueeze(-1).expand({B, N, D});
+    auto x_BND = x_BTD.gather(1, idx_BND);
+    detail::ForwardContext mid = ctx;  // the middle layers' tokens: N per row at their own positions
+    {
+      torch::NoGradGuard no_grad;
+      // Sorted positions keep causal order, so the N x N causal mask is exact.
+      mid.causal_mask_TT = causal_mask(N, x_BTD.device());
+      const auto flat_BN = middle_BN.to(x_BTD.device()).reshape({B * N});
+      mid.cos_TR = ctx.cos_TR.index_select(0, flat_BN).view({B, N, -1});
+      mid.sin_TR = ctx.sin_TR.index_select(0, flat_BN).view({B, N, -1});
+    }
+    for (int64_t i = 1; i + 1 < L; ++i) x_BND = layer(i, x_BND, mid);
+    x_BTD = layer(L - 1, x_BTD.scatter(1, idx_BND, x_BND), ctx);
+  }
   x_BTD = boundary(model_->final_norm->forward(x_BTD), "final_norm");
   if (lm_head_) return lm_head_->forward(x_BTD);
   return torch::nn::functional::linear(x_BTD, model_->embed_tokens->weight);  // tied head
+}
+
+torch::Tensor random_middle_tokens(int64_t B, int64_t T, int64_t N, torch::Generator& gen, torch::Device device) {
+  TORCH_CHECK(B > 0 && T > 0 && N > 0 && N <= T, "random_middle_tokens needs B > 0 and 0 < N <= T, got B ", B,
+              ", T ", T, ", N ", N);
+  torch::NoGradGuard no_grad;
+  // One uniform key per position, the N smallest per row: a uniform N-subset of each row.
+  auto keys_BT = torch::rand({B, T}, gen, torch::TensorOptions().dtype(torch::kFloat));
+  auto idx_BN = std::get<1>(keys_BT.topk(N, /*dim=*/1, /*largest=*/false, /*sorted=*/false));
+  return std::get<0>(idx_BN.sort(1)).to(device);
 }
 
 CausalLM build_model(const ModelConfig& cfg, AttentionImpl attn, uint64_t seed) {

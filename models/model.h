@@ -82,6 +82,13 @@ class CausalLMImpl : public torch::nn::Module {
 
   // input_ids_BT: int64 [B, T] -> logits_BTV (float, the LM head's dtype)
   torch::Tensor forward(const torch::Tensor& input_ids_BT);
+  // Forward token dropping (the forward_drop method, DeepSpeed's random-LTD): the first and the
+  // last decoder layer see every token; the middle layers (1 .. L-2) see only the tokens at
+  // middle_BN, int64 [B, N], each row's positions strictly increasing in [0, T). Their hidden
+  // states are gathered after layer 0 and scattered back before layer L-1; every other token
+  // skips the middle layers (its state after layer 0 goes on unchanged). The middle layers keep
+  // the tokens' original positions (RoPE) and causal order. Needs at least 3 decoder layers.
+  torch::Tensor forward(const torch::Tensor& input_ids_BT, const torch::Tensor& middle_BN);
 
   const ModelConfig& config() const { return cfg_; }
   AttentionImpl attention_impl() const { return attn_; }
@@ -111,6 +118,10 @@ TORCH_MODULE(CausalLM);
 // Builds the family's model with deterministic init from `seed` (GPT-2 style: normal(0, 0.02)
 // for linear and embedding weights, zeros for biases, ones for norm weights), fp32 on CPU.
 CausalLM build_model(const ModelConfig& cfg, AttentionImpl attn = AttentionImpl::kEager, uint64_t seed = 0);
+
+// middle_BN for forward(input_ids, middle_BN): per row, N of the T positions drawn uniformly
+// without replacement from `gen` (a CPU generator), sorted; int64 [B, N] on `device`.
+torch::Tensor random_middle_tokens(int64_t B, int64_t T, int64_t N, torch::Generator& gen, torch::Device device);
 
 // Per-token cross-entropy in nats: logits_BTV [B, T, V], labels_BT int64 [B, T] (pre-shifted:
 // labels[t] is the token after position t; -100 = no label) -> loss_BT float [B, T] (0 where

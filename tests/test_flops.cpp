@@ -1,6 +1,7 @@
 // Unit tests of the analytic FLOP counts (models/flops.h): hand-computed paper-model values,
 // dense backward = 2x forward, the filtered modes at N = T equal dense and grow with N, the
-// attention/linear ratio of the paper models and the -mini sizing rule of DESIGN.md section 7.
+// attention/linear ratio of the paper models, the -mini sizing rule of DESIGN.md section 7, and
+// forward_drop (middle layers at N tokens per row).
 // Run: build/tests/test_flops
 // Legend: B batch, T sequence, N kept tokens per row.
 #include "models/flops.h"
@@ -94,4 +95,28 @@ TEST(Flops, MiniPresetsStayRepresentative) {
       EXPECT_LE(r, ref * 2) << mini << " T=" << T;
     }
   }
+}
+
+// forward_drop: TinyLlama-1.1B by hand (22 layers: 2 at T, 20 at N), N = T gives the dense
+// counts, the backward is twice the forward, and bad sizes are refused.
+TEST(Flops, ForwardDropCountsTheMiddleLayersAtNByHand) {
+  const auto& c = preset("tinyllama-1.1b");
+  const double T = 2048, N = 1229;
+  const double lin_tok = 2.0 * (2048.0 * 2048 * 2 + 2 * 2048.0 * 256 + 3 * 2048.0 * 5632);
+  auto f = forward_drop_forward_flops(c, 3, 2048, 1229);
+  EXPECT_DOUBLE_EQ(f.linear, 3 * T * 2 * lin_tok + 3 * N * 20 * lin_tok);
+  EXPECT_DOUBLE_EQ(f.attention, 2 * 2 * 2.0 * 3 * 32 * T * T * 64 + 20 * 2 * 2.0 * 3 * 32 * N * N * 64);
+  EXPECT_DOUBLE_EQ(f.lm_head, 2.0 * 3 * T * 2048 * 32000);
+  auto b = forward_drop_backward_flops(c, 3, 2048, 1229);
+  EXPECT_DOUBLE_EQ(b.linear, 2 * f.linear);
+  EXPECT_DOUBLE_EQ(b.attention, 2 * f.attention);
+  EXPECT_DOUBLE_EQ(b.lm_head, 2 * f.lm_head);
+  for (const char* name : {"tinyllama-mini", "qwen2.5-mini", "phi-1.5-mini"}) {
+    const auto& m = preset(name);
+    EXPECT_DOUBLE_EQ(forward_drop_forward_flops(m, 2, 256, 256).total(), forward_flops(m, 2, 256).total()) << name;
+    EXPECT_LT(forward_drop_forward_flops(m, 2, 256, 128).total(), forward_flops(m, 2, 256).total()) << name;
+  }
+  EXPECT_THROW(forward_drop_forward_flops(c, 1, 16, 0), std::invalid_argument);
+  EXPECT_THROW(forward_drop_forward_flops(c, 1, 16, 17), std::invalid_argument);
+  EXPECT_THROW(forward_drop_forward_flops(preset("tinyllama-debug"), 1, 16, 8), std::invalid_argument);
 }

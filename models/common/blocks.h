@@ -20,7 +20,8 @@ namespace collider::models::detail {
 // Inputs every layer of one forward shares; built once per forward by CausalLMImpl.
 struct ForwardContext {
   AttentionImpl attn = AttentionImpl::kEager;
-  torch::Tensor cos_TR, sin_TR;         // rotary tables for positions 0..T-1 (no grad), x's dtype
+  torch::Tensor cos_TR, sin_TR;         // rotary tables [T, R] for positions 0..T-1, or [B, T, R]
+                                        // for each row's own positions (no grad), x's dtype
   torch::Tensor causal_mask_TT;         // bool [T, T], true above the diagonal (masked), no grad
   const AttentionHook* attention_hook = nullptr;  // computes the attention core when set (model.h), or null
 };

@@ -34,10 +34,13 @@ torch::Tensor rotate_half(const torch::Tensor& x) {
 torch::Tensor apply_rotary(const torch::Tensor& x_BHTE, const torch::Tensor& cos_TR, const torch::Tensor& sin_TR) {
   const int64_t E = x_BHTE.size(-1), R = cos_TR.size(-1);
   TORCH_CHECK(R <= E, "rotary table has ", R, " dims but heads have only ", E);
-  TORCH_CHECK(cos_TR.size(0) == x_BHTE.size(-2), "rotary table covers ", cos_TR.size(0),
+  TORCH_CHECK(cos_TR.size(-2) == x_BHTE.size(-2), "rotary table covers ", cos_TR.size(-2),
               " positions but the sequence has ", x_BHTE.size(-2));
-  // [1, 1, T, R], as HF's cos.unsqueeze(1): the token dim sits where it sits in x.
-  auto cos = cos_TR.unsqueeze(0).unsqueeze(0), sin = sin_TR.unsqueeze(0).unsqueeze(0);
+  // [1, 1, T, R] (or [B, 1, T, R] for per-row positions), as HF's cos.unsqueeze(1): the token
+  // dim sits where it sits in x.
+  const bool per_row = cos_TR.dim() == 3;
+  auto cos = per_row ? cos_TR.unsqueeze(1) : cos_TR.unsqueeze(0).unsqueeze(0);
+  auto sin = per_row ? sin_TR.unsqueeze(1) : sin_TR.unsqueeze(0).unsqueeze(0);
   if (R == E) return x_BHTE * cos + rotate_half(x_BHTE) * sin;
   // Phi: split along the head dim only (never the token dim).
   auto parts = x_BHTE.split_with_sizes({R, E - R}, -1);

@@ -17,7 +17,9 @@ namespace collider::models::detail {
 std::pair<torch::Tensor, torch::Tensor> rotary_tables(int64_t T, int64_t rotary_dim, double theta,
                                                       torch::ScalarType dtype, torch::Device device);
 
-// x_BHTE with the first R = cos_TR.size(1) dims of each head rotated (R == E: full rotary).
+// x_BHTE with the first R = cos_TR.size(-1) dims of each head rotated (R == E: full rotary).
+// cos_TR / sin_TR: [T, R] (positions 0..T-1, shared by every row) or [B, T, R] (each row's own
+// positions: the middle layers of forward token dropping see a subset of each row's tokens).
 torch::Tensor apply_rotary(const torch::Tensor& x_BHTE, const torch::Tensor& cos_TR, const torch::Tensor& sin_TR);
 
 }  // namespace collider::models::detail
