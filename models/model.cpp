@@ -110,11 +110,7 @@ torch::Tensor CausalLMImpl::forward(const torch::Tensor& input_ids_BT, const tor
   const int64_t B = input_ids_BT.size(0), T = input_ids_BT.size(1);
   TORCH_CHECK(T > 0, "input_ids must hold at least one position per sequence");
   const auto L = static_cast<int64_t>(model_->layers.size());
-  if (middle_BN.defined()) {
-    check_middle_tokens(middle_BN, B, T, L);
-    TORCH_CHECK(!oracle_, "the attention oracle's keep mask covers all T tokens, which the middle layers of forward "
-                "token dropping do not see; clear it (set_attention_oracle(std::nullopt)) for forward_drop");
-  }
+  if (middle_BN.defined()) check_middle_tokens(middle_BN, B, T, L);
   auto x_BTD = boundary(model_->embed_tokens->forward(input_ids_BT), "embedding");
 
   detail::ForwardContext ctx;

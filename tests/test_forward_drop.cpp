@@ -185,9 +185,6 @@ TEST(ForwardDropEdges, BadSubsetsAndTooFewLayersAreRefusedWithWhatToDo) {
   expect_refusal(torch::tensor({{0, 2, 2}, {1, 3, 8}}, torch::kLong), "strictly increasing");
   expect_refusal(torch::tensor({{0, 2, 9}, {1, 3, 8}}, torch::kLong), "must lie in [0, 9)");
   expect_refusal(torch::zeros({2, 0}, torch::kLong), "1 to T = 9");
-  m->set_attention_oracle(AttentionOracle{torch::ones({B, T}, torch::kBool), false});
-  expect_refusal(ok, "clear it");
-  m->set_attention_oracle(std::nullopt);
   EXPECT_NO_THROW(m->forward(in.ids_BT, ok));
 
   auto two = build_model(preset("tinyllama-debug"), AttentionImpl::kEager);  // 2 decoder layers
