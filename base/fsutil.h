@@ -31,7 +31,7 @@ void rename_path(const std::string& from, const std::string& to);
 // rm -rf (no error when missing); throws on failure.
 void remove_tree(const std::string& path);
 std::string join(const std::string& a, const std::string& b);
-std::string read_file(const std::string& path);  // "" when missing
+std::string read_file(const std::string& path);                     // "" when missing
 void write_file(const std::string& path, const std::string& text);  // throws WriteError on failure
 
 // Writes the pieces, in order, to a temporary name beside `path` (path.tmp.<pid>), fsyncs it,

@@ -38,24 +38,32 @@ struct Projection {
 // TinyLlama-1.1B: D=2048, F=5632, 4 KV heads x 64 = 256. Qwen2.5-1.5B: D=1536, F=8960, 2 KV heads
 // x 128 = 256. Phi-1.5: D=2048, F=8192, multi-head attention (q/k/v all D), `dense` output, fc1/fc2.
 const std::vector<Projection> kProjections = {
-    {"tinyllama-1.1b", "q_proj", 2048, 2048},  {"tinyllama-1.1b", "k_proj", 2048, 256},
-    {"tinyllama-1.1b", "v_proj", 2048, 256},   {"tinyllama-1.1b", "o_proj", 2048, 2048},
-    {"tinyllama-1.1b", "gate_proj", 2048, 5632}, {"tinyllama-1.1b", "up_proj", 2048, 5632},
+    {"tinyllama-1.1b", "q_proj", 2048, 2048},
+    {"tinyllama-1.1b", "k_proj", 2048, 256},
+    {"tinyllama-1.1b", "v_proj", 2048, 256},
+    {"tinyllama-1.1b", "o_proj", 2048, 2048},
+    {"tinyllama-1.1b", "gate_proj", 2048, 5632},
+    {"tinyllama-1.1b", "up_proj", 2048, 5632},
     {"tinyllama-1.1b", "down_proj", 5632, 2048},
-    {"qwen2.5-1.5b", "q_proj", 1536, 1536},    {"qwen2.5-1.5b", "k_proj", 1536, 256},
-    {"qwen2.5-1.5b", "v_proj", 1536, 256},     {"qwen2.5-1.5b", "o_proj", 1536, 1536},
-    {"qwen2.5-1.5b", "gate_proj", 1536, 8960}, {"qwen2.5-1.5b", "up_proj", 1536, 8960},
+    {"qwen2.5-1.5b", "q_proj", 1536, 1536},
+    {"qwen2.5-1.5b", "k_proj", 1536, 256},
+    {"qwen2.5-1.5b", "v_proj", 1536, 256},
+    {"qwen2.5-1.5b", "o_proj", 1536, 1536},
+    {"qwen2.5-1.5b", "gate_proj", 1536, 8960},
+    {"qwen2.5-1.5b", "up_proj", 1536, 8960},
     {"qwen2.5-1.5b", "down_proj", 8960, 1536},
-    {"phi-1.5", "q_proj", 2048, 2048},         {"phi-1.5", "k_proj", 2048, 2048},
-    {"phi-1.5", "v_proj", 2048, 2048},         {"phi-1.5", "dense", 2048, 2048},
-    {"phi-1.5", "fc1", 2048, 8192},            {"phi-1.5", "fc2", 8192, 2048},
+    {"phi-1.5", "q_proj", 2048, 2048},
+    {"phi-1.5", "k_proj", 2048, 2048},
+    {"phi-1.5", "v_proj", 2048, 2048},
+    {"phi-1.5", "dense", 2048, 2048},
+    {"phi-1.5", "fc1", 2048, 8192},
+    {"phi-1.5", "fc2", 8192, 2048},
 };
 constexpr int64_t kPaperSeqLen = 2048;
 
 // The declared axes. Dense does not depend on the filter ratio and runs once, at ratio 0.
 const std::vector<std::string> kOps = {"dX", "dW"};
-const std::vector<std::string> kMethods = {"dense", "sparse_coo", "sparse_csr", "reduced",
-                                           "reduced_gather"};
+const std::vector<std::string> kMethods = {"dense", "sparse_coo", "sparse_csr", "reduced", "reduced_gather"};
 const std::vector<int64_t> kRatiosPermille = {100, 200, 300, 400, 500, 600, 700, 800, 900, 950, 990};
 
 struct Scale {
@@ -84,8 +92,8 @@ torch::ScalarType bench_dtype() {
   if (name == "float32") return torch::kFloat32;
   if (name == "bfloat16") return torch::kBFloat16;
   if (name == "float16") return torch::kFloat16;
-  throw std::invalid_argument(fmt::format(
-      "COLLIDER_BENCH_DTYPE='{}' is not supported; use float32, bfloat16 or float16", name));
+  throw std::invalid_argument(
+      fmt::format("COLLIDER_BENCH_DTYPE='{}' is not supported; use float32, bfloat16 or float16", name));
 }
 
 // Times one call of `fn` per benchmark iteration. On CUDA: device time between two events, as
@@ -107,9 +115,7 @@ void run_timed(benchmark::State& state, const torch::Device& device, Fn&& fn) {
       state.SetIterationTime(start.elapsedTime(stop) / 1e3);  // elapsedTime is in ms
     }
   } else {
-    for (auto _ : state) {
-      fn();
-    }
+    for (auto _ : state) { fn(); }
   }
 }
 
@@ -128,8 +134,7 @@ void bm_backward_gemm(benchmark::State& state, const Case& c) {
   torch::Tensor dy_TM = torch::randn({T, M}, opts);
   // Kept rows: a random subset, in sequence order (what select_tokens returns).
   torch::Tensor idx_N =
-      std::get<0>(torch::randperm(T, torch::TensorOptions().dtype(torch::kLong)).slice(0, 0, N).sort())
-          .to(device);
+      std::get<0>(torch::randperm(T, torch::TensorOptions().dtype(torch::kLong)).slice(0, 0, N).sort()).to(device);
   torch::Tensor keep_T = torch::zeros({T}, torch::TensorOptions().dtype(torch::kBool).device(device));
   keep_T.index_fill_(0, idx_N, true);
   torch::Tensor dy_masked_TM = dy_TM * keep_T.unsqueeze(1).to(dy_TM.dtype());
@@ -190,8 +195,8 @@ void bm_backward_gemm(benchmark::State& state, const Case& c) {
   state.counters["flops"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["rows"] = static_cast<double>(rows);
   state.counters["filter_ratio"] = c.method == "dense" ? 0.0 : filter_ratio;
-  state.SetLabel(fmt::format("{} {} {} {} T={} N={} K={} M={}", c.proj.model, c.proj.layer, c.op,
-                             c.method, T, rows, K, M));
+  state.SetLabel(
+      fmt::format("{} {} {} {} T={} N={} K={} M={}", c.proj.model, c.proj.layer, c.op, c.method, T, rows, K, M));
 }
 
 // --collider_scale=cpu|paper, else COLLIDER_BENCH_SCALE, else paper on CUDA and cpu without.
@@ -213,8 +218,8 @@ Scale parse_scale(int* argc, char** argv) {
   if (name.empty()) name = torch::cuda::is_available() ? "paper" : "cpu";
   if (name == "cpu") return {"cpu", 4};
   if (name == "paper") return {"paper", 1};
-  throw std::invalid_argument(fmt::format(
-      "collider scale '{}' is not known; use --collider_scale=cpu (T and widths / 4) or paper", name));
+  throw std::invalid_argument(
+      fmt::format("collider scale '{}' is not known; use --collider_scale=cpu (T and widths / 4) or paper", name));
 }
 
 void register_benchmarks(const Scale& scale, bool manual_time) {

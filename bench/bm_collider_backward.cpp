@@ -77,15 +77,25 @@ Options parse(int argc, char** argv) {
       if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
       return argv[++i];
     };
-    if (a == "--models") o.models = split(next());
-    else if (a == "--seq") { o.seqs.clear(); for (auto& s : split(next())) o.seqs.push_back(std::stoll(s)); }
-    else if (a == "--ratio") o.ratio = std::stod(next());
-    else if (a == "--batch") o.batch = std::stoll(next());
-    else if (a == "--reps") o.reps = std::stoi(next());
-    else if (a == "--warmup") o.warmup = std::stoi(next());
-    else if (a == "--json") o.json = next();
-    else if (a == "--device") o.device = next();
-    else if (a == "--bf16") o.bf16 = true;
+    if (a == "--models")
+      o.models = split(next());
+    else if (a == "--seq") {
+      o.seqs.clear();
+      for (auto& s : split(next())) o.seqs.push_back(std::stoll(s));
+    } else if (a == "--ratio")
+      o.ratio = std::stod(next());
+    else if (a == "--batch")
+      o.batch = std::stoll(next());
+    else if (a == "--reps")
+      o.reps = std::stoi(next());
+    else if (a == "--warmup")
+      o.warmup = std::stoi(next());
+    else if (a == "--json")
+      o.json = next();
+    else if (a == "--device")
+      o.device = next();
+    else if (a == "--bf16")
+      o.bf16 = true;
     else if (a == "--selection") {
       const std::string v = next();
       try {
@@ -93,21 +103,22 @@ Options parse(int argc, char** argv) {
       } catch (const std::invalid_argument&) {
         throw std::invalid_argument("--selection must be per_sequence or batch_topk, got " + v);
       }
-    }
-    else if (a == "--data") o.data = next();
-    else if (a == "--ref-losses") o.ref_losses = next();
-    else throw std::invalid_argument("unknown option " + a + " (see the header of bench/bm_collider_backward.cpp)");
+    } else if (a == "--data")
+      o.data = next();
+    else if (a == "--ref-losses")
+      o.ref_losses = next();
+    else
+      throw std::invalid_argument("unknown option " + a + " (see the header of bench/bm_collider_backward.cpp)");
   }
   if (o.selection == SelectPolicy::kBatchTopK && (o.data.empty() || o.ref_losses.empty())) {
-    throw std::invalid_argument("--selection batch_topk needs --data DIR (scripts/prepare_data.sh's output) and "
-                                "--ref-losses FILE (a *.reflosses.f32 of the utility experiment's reference stage)");
+    throw std::invalid_argument(
+        "--selection batch_topk needs --data DIR (scripts/prepare_data.sh's output) and "
+        "--ref-losses FILE (a *.reflosses.f32 of the utility experiment's reference stage)");
   }
   return o;
 }
 
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
+double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -117,7 +128,7 @@ double median(std::vector<double> v) {
 
 struct Sample {
   double bwd_ms = 0, rewrite_ms = 0, gather_ms = 0;  // gather_ms: the rewrite's copies of saved tensors
-  double copy_ms = 0;                                 // a plain cold copy of the gathered bytes (cold_copy_ms)
+  double copy_ms = 0;                                // a plain cold copy of the gathered bytes (cold_copy_ms)
   int64_t peak_bytes = 0, gathered_bytes = 0, tensors_gathered = 0;
 };
 
@@ -243,10 +254,12 @@ int main(int argc, char** argv) try {
   if (dev.is_cpu()) collider::harness::install_cpu_memory_tracking();
   collider::harness::MemoryProbe mem(dev);
   nlohmann::json rows = nlohmann::json::array();
-  std::printf("Collider backward benchmark: filter_ratio %.2f, batch %ld, %d reps (+%d warm-up), %d threads, %s, "
-              "CPU allocator %s\n", o.ratio, static_cast<long>(o.batch), o.reps, o.warmup, torch::get_num_threads(),
-              dev.is_cuda() ? (o.bf16 ? "CUDA bf16" : "CUDA fp32") : "CPU scale (relative figures)",
-              collider::harness::cpu_allocator_mode());
+  std::printf(
+      "Collider backward benchmark: filter_ratio %.2f, batch %ld, %d reps (+%d warm-up), %d threads, %s, "
+      "CPU allocator %s\n",
+      o.ratio, static_cast<long>(o.batch), o.reps, o.warmup, torch::get_num_threads(),
+      dev.is_cuda() ? (o.bf16 ? "CUDA bf16" : "CUDA fp32") : "CPU scale (relative figures)",
+      collider::harness::cpu_allocator_mode());
   for (const auto& name : o.models) {
     const auto& cfg = collider::models::preset(name);
     auto m = collider::models::build_model(cfg, collider::models::AttentionImpl::kEager, 0);
@@ -283,7 +296,8 @@ int main(int argc, char** argv) try {
         keep_ragged = collider::select_tokens(excess_BT, o.ratio, batch).to(dev);
       }
       const int64_t N = keep.sum(1)[0].item<int64_t>();
-      auto idx_N = idx.narrow(1, 0, N), labels_N = labels.narrow(1, 0, N), keep_N = torch::ones({o.batch, N}, keep.options());
+      auto idx_N = idx.narrow(1, 0, N), labels_N = labels.narrow(1, 0, N),
+           keep_N = torch::ones({o.batch, N}, keep.options());
       std::vector<Kind> kinds = {kRegular, kLossOnly, kKeptOnly, kExactQuery, kFloor};
       if (keep_ragged.defined()) kinds.insert(kinds.end(), {kRaggedKeptOnly, kRaggedExactQuery});
       std::vector<int64_t> ragged_rows;
@@ -328,10 +342,12 @@ int main(int argc, char** argv) try {
         std::string c;
         int64_t total = 0;
         for (int64_t n : ragged_rows) c += (c.empty() ? "" : ", ") + std::to_string(n), total += n;
-        std::printf("  batch_topk on real excess losses keeps %ld tokens, per row [%s] (padded to %ld); per_sequence "
-                    "keeps %ld (%ld per row)\n", static_cast<long>(total), c.c_str(),
-                    static_cast<long>(*std::max_element(ragged_rows.begin(), ragged_rows.end())),
-                    static_cast<long>(N * o.batch), static_cast<long>(N));
+        std::printf(
+            "  batch_topk on real excess losses keeps %ld tokens, per row [%s] (padded to %ld); per_sequence "
+            "keeps %ld (%ld per row)\n",
+            static_cast<long>(total), c.c_str(),
+            static_cast<long>(*std::max_element(ragged_rows.begin(), ragged_rows.end())),
+            static_cast<long>(N * o.batch), static_cast<long>(N));
       }
       std::printf("  %-24s %9s %10s %8s %9s %10s %8s %9s %10s\n", "method", "bwd_ms", "reduction", "ideal", "of ideal",
                   "rewrite%", "rw/reg%", "vs floor", "peak_MiB");
@@ -343,19 +359,34 @@ int main(int argc, char** argv) try {
         std::printf("  %-24s %9.2f %9.1f%% %7.1f%% %9s %9.2f%% %7.2f%% %8.2fx %10.1f\n", k.name, b, 100 * red,
                     100 * ideal, collider_kind ? std::to_string(red / ideal).substr(0, 5).c_str() : "-", 100 * rw / b,
                     100 * rw / reg, (b + rw) / floor_ms, peak(k) / 1048576.0);
-        rows.push_back({{"model", name}, {"seq_len", T}, {"batch_size", o.batch}, {"filter_ratio", o.ratio},
-                        {"kept", N}, {"method", k.name}, {"bwd_ms", b}, {"rewrite_ms", rw},
+        rows.push_back({{"model", name},
+                        {"seq_len", T},
+                        {"batch_size", o.batch},
+                        {"filter_ratio", o.ratio},
+                        {"kept", N},
+                        {"method", k.name},
+                        {"bwd_ms", b},
+                        {"rewrite_ms", rw},
                         {"selection", collider::to_string(k.spec.policy)},
                         {"kept_per_row", k.ragged() ? ragged_rows : std::vector<int64_t>(o.batch, N)},
                         {"gather_ms", med(k, &Sample::gather_ms)},
                         {"gathered_bytes", samples[k.name].front().gathered_bytes},
                         {"tensors_gathered", samples[k.name].front().tensors_gathered},
-                        {"reduction", red}, {"ideal", ideal}, {"floor_ms", floor_ms}, {"peak_mem_bytes", peak(k)},
+                        {"reduction", red},
+                        {"ideal", ideal},
+                        {"floor_ms", floor_ms},
+                        {"peak_mem_bytes", peak(k)},
                         {"attention_linear_ratio", collider::models::attention_linear_ratio(cfg, T)},
-                        {"num_threads", torch::get_num_threads()}, {"torch_version", TORCH_VERSION},
-                        {"device", o.device}, {"dtype", o.bf16 ? "bf16" : "fp32"},
+                        {"num_threads", torch::get_num_threads()},
+                        {"torch_version", TORCH_VERSION},
+                        {"device", o.device},
+                        {"dtype", o.bf16 ? "bf16" : "fp32"},
                         {"cpu_allocator", collider::harness::cpu_allocator_mode()},
-                        {"samples_bwd_ms", [&] { std::vector<double> v; for (auto& s : samples[k.name]) v.push_back(s.bwd_ms); return v; }()}});
+                        {"samples_bwd_ms", [&] {
+                           std::vector<double> v;
+                           for (auto& s : samples[k.name]) v.push_back(s.bwd_ms);
+                           return v;
+                         }()}});
       }
       // Where the rewrite's time goes: copies (bandwidth) vs the graph walk and bookkeeping, and
       // what a plain copy of the same bytes costs here (the floor of a copying rewrite).
@@ -364,10 +395,11 @@ int main(int argc, char** argv) try {
         const double rw = med(k, &Sample::rewrite_ms), g = med(k, &Sample::gather_ms);
         const int64_t bytes = samples[k.name].front().gathered_bytes;
         const double copy_ms = med(k, &Sample::copy_ms), b = med(k, &Sample::bwd_ms);
-        std::printf("  rewrite %-20s %6.2f ms: %ld gathers %6.2f ms (%.1f MB written, %.1f GB/s), rest %5.2f ms; "
-                    "plain copy of those bytes %5.2f ms = %.2f%% of the backward\n",
-                    k.name, rw, static_cast<long>(samples[k.name].front().tensors_gathered), g, bytes / 1e6,
-                    g > 0 ? bytes / 1e6 / g : 0.0, rw - g, copy_ms, 100 * copy_ms / b);
+        std::printf(
+            "  rewrite %-20s %6.2f ms: %ld gathers %6.2f ms (%.1f MB written, %.1f GB/s), rest %5.2f ms; "
+            "plain copy of those bytes %5.2f ms = %.2f%% of the backward\n",
+            k.name, rw, static_cast<long>(samples[k.name].front().tensors_gathered), g, bytes / 1e6,
+            g > 0 ? bytes / 1e6 / g : 0.0, rw - g, copy_ms, 100 * copy_ms / b);
         for (auto& r : rows)
           if (r["model"] == name && r["seq_len"] == T && r["method"] == k.name) r["copy_floor_ms"] = copy_ms;
       }

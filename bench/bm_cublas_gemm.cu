@@ -32,20 +32,20 @@ namespace {
 
 // Failing CUDA / cuBLAS calls throw with the call, file:line and the library's status.
 void throw_status(const char* what, const char* call, const char* file, int line, const std::string& status) {
-  throw std::runtime_error(std::string(what) + " call `" + call + "` failed at " + file + ":" +
-                           std::to_string(line) + ": " + status);
+  throw std::runtime_error(std::string(what) + " call `" + call + "` failed at " + file + ":" + std::to_string(line) +
+                           ": " + status);
 }
-#define COLLIDER_CUDA_CHECK(call)                                                               \
-  do {                                                                                          \
-    const cudaError_t err_ = (call);                                                            \
+#define COLLIDER_CUDA_CHECK(call)                                                                       \
+  do {                                                                                                  \
+    const cudaError_t err_ = (call);                                                                    \
     if (err_ != cudaSuccess) throw_status("CUDA", #call, __FILE__, __LINE__, cudaGetErrorString(err_)); \
   } while (0)
-#define COLLIDER_CUBLAS_CHECK(call)                                                                     \
-  do {                                                                                                  \
-    const cublasStatus_t st_ = (call);                                                                  \
-    if (st_ != CUBLAS_STATUS_SUCCESS)                                                                   \
-      throw_status("cuBLAS", #call, __FILE__, __LINE__,                                                 \
-                   std::string(cublasGetStatusName(st_)) + " (" + cublasGetStatusString(st_) + ")");   \
+#define COLLIDER_CUBLAS_CHECK(call)                                                                  \
+  do {                                                                                               \
+    const cublasStatus_t st_ = (call);                                                               \
+    if (st_ != CUBLAS_STATUS_SUCCESS)                                                                \
+      throw_status("cuBLAS", #call, __FILE__, __LINE__,                                              \
+                   std::string(cublasGetStatusName(st_)) + " (" + cublasGetStatusString(st_) + ")"); \
   } while (0)
 
 // The projections of TinyLlama-1.1B (D=2048, F=5632, 4 KV heads x 64 = 256), as in
@@ -243,12 +243,12 @@ LtPlan make_lt_plan(const Gemm& g) {
   COLLIDER_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref_raw));
   LtPref pref(pref_raw);
   const uint64_t ws = kLtWorkspaceBytes;
-  COLLIDER_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref_raw, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                                             sizeof ws));
+  COLLIDER_CUBLAS_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(pref_raw, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  COLLIDER_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(g_ctx->lt.get(), d, p.a.get(), p.b.get(), p.c.get(),
-                                                       p.c.get(), pref_raw, 1, &result, &found));
+  COLLIDER_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(g_ctx->lt.get(), d, p.a.get(), p.b.get(), p.c.get(), p.c.get(),
+                                                       pref_raw, 1, &result, &found));
   if (found == 0) throw std::runtime_error("cublasLt heuristic found no algorithm for this GEMM");
   p.algo = result.algo;
   return p;
@@ -284,17 +284,17 @@ void check_result(const std::string& op, int64_t rows, int64_t K, int64_t M) {
     }
     const double got = from_bf16(got_bits);
     if (std::fabs(got - ref) > mag / 128.0 + 1e-6) {
-      throw std::runtime_error("result check failed at [" + std::to_string(i) + ", " + std::to_string(j) +
-                               "]: got " + std::to_string(got) + ", host reference " + std::to_string(ref));
+      throw std::runtime_error("result check failed at [" + std::to_string(i) + ", " + std::to_string(j) + "]: got " +
+                               std::to_string(got) + ", host reference " + std::to_string(ref));
     }
   }
 }
 
 struct Case {
   Projection proj;
-  std::string op;      // dX or dW
-  std::string api;     // cublas or cublaslt
-  bool reduced;        // N kept rows instead of T
+  std::string op;   // dX or dW
+  std::string api;  // cublas or cublaslt
+  bool reduced;     // N kept rows instead of T
 };
 
 void bm_cublas_gemm(benchmark::State& state, const Case& c) {
@@ -337,8 +337,8 @@ void bm_cublas_gemm(benchmark::State& state, const Case& c) {
   state.counters["flops"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["rows"] = static_cast<double>(rows);
   state.counters["filter_ratio"] = c.reduced ? filter_ratio : 0.0;
-  state.SetLabel(std::string(c.proj.model) + " " + c.proj.layer + " " + c.op + " " + method + " T=" +
-                 std::to_string(T) + " N=" + std::to_string(rows) + " K=" + std::to_string(K) +
+  state.SetLabel(std::string(c.proj.model) + " " + c.proj.layer + " " + c.op + " " + method +
+                 " T=" + std::to_string(T) + " N=" + std::to_string(rows) + " K=" + std::to_string(K) +
                  " M=" + std::to_string(M));
 }
 
@@ -370,9 +370,10 @@ int main(int argc, char** argv) {
   int num_devices = 0;
   const cudaError_t dev_err = cudaGetDeviceCount(&num_devices);
   if (!list_only && (dev_err != cudaSuccess || num_devices == 0)) {
-    std::printf("bm_cublas_gemm: skipped: no usable CUDA device (cudaGetDeviceCount: %s). It times cuBLAS GEMMs on a GPU; nothing to "
-                "measure here (--benchmark_list_tests lists the benchmarks).\n",
-                dev_err != cudaSuccess ? cudaGetErrorString(dev_err) : "cudaGetDeviceCount found 0 devices");
+    std::printf(
+        "bm_cublas_gemm: skipped: no usable CUDA device (cudaGetDeviceCount: %s). It times cuBLAS GEMMs on a GPU; nothing to "
+        "measure here (--benchmark_list_tests lists the benchmarks).\n",
+        dev_err != cudaSuccess ? cudaGetErrorString(dev_err) : "cudaGetDeviceCount found 0 devices");
     return 0;
   }
   std::vector<char*> args = with_default_warmup(argc, argv);  // 0.2 s burn-in unless the user sets one

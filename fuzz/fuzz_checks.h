@@ -108,16 +108,14 @@ inline void check_manifest(const uint8_t* data, size_t size) {
     for (size_t i = 0; i < m.points.size(); ++i) {
       require(again.points[i].id() == m.points[i].id(), "manifest: the resolved manifest has other points");
     }
-  } catch (const ch::ManifestError&) {
-  }
+  } catch (const ch::ManifestError&) {}
   if (text.find("[train]") != std::string::npos) {
     MemFile f(reinterpret_cast<const uint8_t*>(text.data()), text.size());
     if (!f.ok()) return;
     try {
       const ch::TrainManifest m = ch::load_train_manifest(f.path(), sets);
       require(!m.points.empty(), "training manifest: accepted with no run");
-    } catch (const ch::ManifestError&) {
-    }
+    } catch (const ch::ManifestError&) {}
   }
 }
 
@@ -129,8 +127,7 @@ inline void check_tokens(const uint8_t* data, size_t size) {
   std::shared_ptr<ch::TokenShard> shard;
   try {
     shard = std::make_shared<ch::TokenShard>(f.path());
-  } catch (const std::runtime_error&) {
-  }
+  } catch (const std::runtime_error&) {}
   if (shard) {
     const int64_t n = shard->size();
     require(n >= 0, "token shard: accepted with a token count that does not fit int64");
@@ -148,8 +145,7 @@ inline void check_tokens(const uint8_t* data, size_t size) {
   std::unique_ptr<ch::RefLosses> ref;
   try {
     ref = std::make_unique<ch::RefLosses>(f.path());
-  } catch (const std::runtime_error&) {
-  }
+  } catch (const std::runtime_error&) {}
   if (ref) {
     require(ref->num_windows() >= 0 && ref->seq_len() >= 1, "reference losses: accepted with no window length");
     if (ref->num_windows() > 0) (void)ref->rows({0, ref->num_windows() - 1});
@@ -171,9 +167,7 @@ inline void check_plan(const uint8_t* data, size_t size) {
   collider::Plan again;
   try {
     again = collider::Plan::from_string(printed);
-  } catch (const collider::Error&) {
-    throw Violation{"plan: its own printed form is rejected"};
-  }
+  } catch (const collider::Error&) { throw Violation{"plan: its own printed form is rejected"}; }
   require(again.to_string() == printed, "plan: printing the re-read plan gives other text");
 }
 

@@ -20,8 +20,7 @@ using detail::read_json_file;
 using detail::shape_str;
 
 void save_training_checkpoint(const std::string& dir, const CausalLM& model,
-                              const std::map<std::string, torch::Tensor>& optimizer_state,
-                              const json& trainer_state) {
+                              const std::map<std::string, torch::Tensor>& optimizer_state, const json& trainer_state) {
   // Each file goes through a temporary name and a rename (harness::fsutil::write_file_atomic); a
   // test can kill the process half-way through any of them (COLLIDER_FAULT_AT=checkpoint_write,
   // base/fault.h).
@@ -34,9 +33,10 @@ void save_training_checkpoint(const std::string& dir, const CausalLM& model,
 TrainingState load_training_checkpoint(const std::string& dir, CausalLM& model) {
   const fs::path state_path = fs::path(dir) / "trainer_state.json";
   if (!harness::fsutil::exists(state_path.string()))
-    throw std::runtime_error(fmt::format("training checkpoint '{}' has no trainer_state.json (it is written last: "
-                                         "the checkpoint is incomplete or not a training checkpoint)",
-                                         dir));
+    throw std::runtime_error(
+        fmt::format("training checkpoint '{}' has no trainer_state.json (it is written last: "
+                    "the checkpoint is incomplete or not a training checkpoint)",
+                    dir));
   TrainingState s;
   s.trainer_state = read_json_file(state_path.string(), "trainer state");
   load_hf_weights(model, dir);
@@ -86,8 +86,8 @@ void restore_adamw_state(torch::optim::AdamW& optimizer, const torch::nn::Module
   auto need = [&](const std::string& key) -> const torch::Tensor& {
     auto it = state.find(key);
     if (it == state.end())
-      throw SafetensorsError(fmt::format("optimizer state lacks '{}' (saved from a different optimizer or model?)",
-                                         key));
+      throw SafetensorsError(
+          fmt::format("optimizer state lacks '{}' (saved from a different optimizer or model?)", key));
     return it->second;
   };
   std::set<std::string> used;
@@ -131,9 +131,10 @@ void restore_adamw_state(torch::optim::AdamW& optimizer, const torch::nn::Module
   for (const auto& kv : state)
     if (!used.count(kv.first)) extra.push_back(kv.first);
   if (!extra.empty())
-    throw SafetensorsError(fmt::format("optimizer state has unexpected tensors ({}): {} (saved from a different "
-                                       "optimizer or model?)",
-                                       extra.size(), join_names(extra)));
+    throw SafetensorsError(
+        fmt::format("optimizer state has unexpected tensors ({}): {} (saved from a different "
+                    "optimizer or model?)",
+                    extra.size(), join_names(extra)));
 }
 
 }  // namespace collider::models

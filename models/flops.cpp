@@ -28,7 +28,8 @@ double attention_gemm_flops(const ModelConfig& c, int64_t B, int64_t Tq, int64_t
 
 void check_sizes(int64_t B, int64_t T) {
   if (B <= 0 || T <= 0)
-    throw std::invalid_argument(fmt::format("FLOP count needs positive batch and sequence length, got B={} T={}", B, T));
+    throw std::invalid_argument(
+        fmt::format("FLOP count needs positive batch and sequence length, got B={} T={}", B, T));
 }
 
 }  // namespace
@@ -53,24 +54,23 @@ FlopCount backward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N
     f.lm_head = 2 * fwd.lm_head;
     return f;
   }
-  if (N <= 0 || N > T)
-    throw std::invalid_argument(fmt::format("kept count N must be in [1, T={}], got {}", T, N));
+  if (N <= 0 || N > T) throw std::invalid_argument(fmt::format("kept count N must be in [1, T={}], got {}", T, N));
   const FlopCount kept = forward_flops(cfg, B, N);  // token-wise GEMMs on the kept rows
   f.linear = 2 * kept.linear;
   f.lm_head = 2 * kept.lm_head;
   f.attention = spec.attention_grad == collider::AttentionGrad::kKeptOnly ? 4 * attention_gemm_flops(cfg, B, N, N)
-                                                : 4 * attention_gemm_flops(cfg, B, N, T);
+                                                                          : 4 * attention_gemm_flops(cfg, B, N, T);
   return f;
 }
 
 FlopCount forward_drop_forward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N) {
   check_sizes(B, T);
   if (cfg.num_layers < 3)
-    throw std::invalid_argument(fmt::format("forward_drop needs at least 3 decoder layers, {} has {}", cfg.name,
-                                            cfg.num_layers));
+    throw std::invalid_argument(
+        fmt::format("forward_drop needs at least 3 decoder layers, {} has {}", cfg.name, cfg.num_layers));
   if (N <= 0 || N > T)
-    throw std::invalid_argument(fmt::format("forward_drop's middle-layer token count N must be in [1, T={}], got {}",
-                                            T, N));
+    throw std::invalid_argument(
+        fmt::format("forward_drop's middle-layer token count N must be in [1, T={}], got {}", T, N));
   ModelConfig outer = cfg, middle = cfg;
   outer.num_layers = 2;  // the first and the last layer, every token
   middle.num_layers = cfg.num_layers - 2;

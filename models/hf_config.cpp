@@ -73,11 +73,16 @@ void require_false(const json& j, const char* key, const std::string& source, co
 
 std::string to_hf_dtype(torch::ScalarType t) {
   switch (t) {
-    case torch::kFloat32: return "float32";
-    case torch::kBFloat16: return "bfloat16";
-    case torch::kFloat16: return "float16";
-    case torch::kFloat64: return "float64";
-    default: return c10::toString(t);
+    case torch::kFloat32:
+      return "float32";
+    case torch::kBFloat16:
+      return "bfloat16";
+    case torch::kFloat16:
+      return "float16";
+    case torch::kFloat64:
+      return "float64";
+    default:
+      return c10::toString(t);
   }
 }
 
@@ -115,18 +120,20 @@ ModelConfig config_from_hf_json(const json& j, const std::string& source) {
   c.intermediate_size = get_positive_int(j, "intermediate_size", source);
   c.num_layers = get_positive_int(j, "num_hidden_layers", source);
   c.num_heads = get_positive_int(j, "num_attention_heads", source);
-  c.num_kv_heads = json_field(j, "num_key_value_heads") ? get_positive_int(j, "num_key_value_heads", source) : c.num_heads;
+  c.num_kv_heads =
+      json_field(j, "num_key_value_heads") ? get_positive_int(j, "num_key_value_heads", source) : c.num_heads;
   if (c.hidden_size % c.num_heads != 0)
-    config_fail(source, fmt::format("hidden_size {} is not a multiple of num_attention_heads {}", c.hidden_size,
-                                    c.num_heads));
+    config_fail(source,
+                fmt::format("hidden_size {} is not a multiple of num_attention_heads {}", c.hidden_size, c.num_heads));
   if (c.num_heads % c.num_kv_heads != 0)
-    config_fail(source, fmt::format("num_attention_heads {} is not a multiple of num_key_value_heads {}",
-                                    c.num_heads, c.num_kv_heads));
+    config_fail(source, fmt::format("num_attention_heads {} is not a multiple of num_key_value_heads {}", c.num_heads,
+                                    c.num_kv_heads));
   c.head_dim = c.hidden_size / c.num_heads;
   if (json_field(j, "head_dim") && get_positive_int(j, "head_dim", source) != c.head_dim)
     config_fail(source, fmt::format("head_dim {} differs from hidden_size / num_attention_heads = {} (not supported)",
                                     (*json_field(j, "head_dim")).dump(), c.head_dim));
-  c.max_position = json_field(j, "max_position_embeddings") ? get_positive_int(j, "max_position_embeddings", source) : 2048;
+  c.max_position =
+      json_field(j, "max_position_embeddings") ? get_positive_int(j, "max_position_embeddings", source) : 2048;
 
   // RoPE: transformers < 5 writes rope_theta / partial_rotary_factor / rope_scaling at the top
   // level; transformers 5 writes rope_parameters {rope_type, rope_theta, partial_rotary_factor}.
@@ -159,8 +166,8 @@ ModelConfig config_from_hf_json(const json& j, const std::string& source) {
     case Family::kLlama:
     case Family::kQwen2:
       if (!act.empty() && act != "silu")
-        config_fail(source, fmt::format("hidden_act = '{}' is not supported for {} (allowed: silu)", act,
-                                        to_string(c.family)));
+        config_fail(source,
+                    fmt::format("hidden_act = '{}' is not supported for {} (allowed: silu)", act, to_string(c.family)));
       c.norm_eps = get_number(j, "rms_norm_eps", 1e-6, source);
       if (c.family == Family::kLlama) {
         require_false(j, "attention_bias", source, "our Llama has no attention biases");
@@ -193,9 +200,10 @@ ModelConfig config_from_hf_json(const json& j, const std::string& source) {
 ModelConfig read_hf_config(const std::string& path) {
   std::string file = fsutil::is_directory(path) ? (fs::path(path) / "config.json").string() : path;
   if (!fsutil::exists(file))
-    throw std::runtime_error(fmt::format("checkpoint config '{}' does not exist (a Hugging Face checkpoint "
-                                         "directory holds config.json and model.safetensors)",
-                                         file));
+    throw std::runtime_error(
+        fmt::format("checkpoint config '{}' does not exist (a Hugging Face checkpoint "
+                    "directory holds config.json and model.safetensors)",
+                    file));
   ModelConfig c = config_from_hf_json(read_json_file(file, "checkpoint config"), file);
   if (c.name.rfind("hf-", 0) == 0) {
     fs::path dir = fsutil::is_directory(path) ? fs::path(path) : fs::path(path).parent_path();
@@ -224,9 +232,10 @@ json config_to_hf_json(const ModelConfig& c, torch::ScalarType dtype) {
   switch (c.family) {
     case Family::kLlama:
       if (c.qkv_bias || c.linear_bias || c.lm_head_bias || c.partial_rotary_factor != 1.0)
-        throw std::invalid_argument(fmt::format("model '{}': a Llama config with biases or partial rotary has no "
-                                                "Hugging Face LlamaForCausalLM equivalent",
-                                                c.name));
+        throw std::invalid_argument(
+            fmt::format("model '{}': a Llama config with biases or partial rotary has no "
+                        "Hugging Face LlamaForCausalLM equivalent",
+                        c.name));
       j["architectures"] = {"LlamaForCausalLM"};
       j["model_type"] = "llama";
       j["hidden_act"] = "silu";
@@ -236,9 +245,10 @@ json config_to_hf_json(const ModelConfig& c, torch::ScalarType dtype) {
       break;
     case Family::kQwen2:
       if (!c.qkv_bias || c.linear_bias || c.lm_head_bias || c.partial_rotary_factor != 1.0)
-        throw std::invalid_argument(fmt::format("model '{}': a Qwen2 config must have q/k/v biases only and full "
-                                                "rotary to match Qwen2ForCausalLM",
-                                                c.name));
+        throw std::invalid_argument(
+            fmt::format("model '{}': a Qwen2 config must have q/k/v biases only and full "
+                        "rotary to match Qwen2ForCausalLM",
+                        c.name));
       j["architectures"] = {"Qwen2ForCausalLM"};
       j["model_type"] = "qwen2";
       j["hidden_act"] = "silu";
@@ -247,9 +257,10 @@ json config_to_hf_json(const ModelConfig& c, torch::ScalarType dtype) {
       break;
     case Family::kPhi:
       if (!c.linear_bias || !c.lm_head_bias || c.tie_embeddings)
-        throw std::invalid_argument(fmt::format("model '{}': a Phi config must have biases on every linear layer "
-                                                "and an untied LM head to match PhiForCausalLM",
-                                                c.name));
+        throw std::invalid_argument(
+            fmt::format("model '{}': a Phi config must have biases on every linear layer "
+                        "and an untied LM head to match PhiForCausalLM",
+                        c.name));
       j["architectures"] = {"PhiForCausalLM"};
       j["model_type"] = "phi";
       j["hidden_act"] = "gelu_new";

@@ -36,14 +36,15 @@ HfCheckpoint::HfCheckpoint(const std::string& dir) : dir_(dir) {
     std::map<std::string, std::string> expected;  // tensor -> shard file name
     for (auto it = wm->begin(); it != wm->end(); ++it) {
       if (!it.value().is_string())
-        throw SafetensorsError(fmt::format("checkpoint index '{}': weight_map['{}'] is not a file name",
-                                           index_path.string(), it.key()));
+        throw SafetensorsError(
+            fmt::format("checkpoint index '{}': weight_map['{}'] is not a file name", index_path.string(), it.key()));
       std::string shard = it.value().get<std::string>();
       if (shard.empty() || shard.find('/') != std::string::npos || shard.find('\\') != std::string::npos ||
           shard == "." || shard == "..")
-        throw SafetensorsError(fmt::format("checkpoint index '{}': shard name '{}' must be a file in the same "
-                                           "directory",
-                                           index_path.string(), shard));
+        throw SafetensorsError(
+            fmt::format("checkpoint index '{}': shard name '{}' must be a file in the same "
+                        "directory",
+                        index_path.string(), shard));
       expected[it.key()] = shard;
       if (!file_ids.count(shard)) {
         file_ids[shard] = files_.size();
@@ -60,17 +61,19 @@ HfCheckpoint::HfCheckpoint(const std::string& dir) : dir_(dir) {
     for (const auto& f : files_)
       for (const auto& e : f.entries())
         if (!expected.count(e.name) || files_[where_.at(e.name)].source() != f.source())
-          throw SafetensorsError(fmt::format("shard '{}' holds tensor '{}' that checkpoint index '{}' does not "
-                                             "place there",
-                                             f.source(), e.name, index_path.string()));
+          throw SafetensorsError(
+              fmt::format("shard '{}' holds tensor '{}' that checkpoint index '{}' does not "
+                          "place there",
+                          f.source(), e.name, index_path.string()));
   } else if (fsutil::exists(single_path.string())) {
     files_.push_back(SafetensorsFile::open(single_path.string()));
     for (const auto& e : files_[0].entries()) where_[e.name] = 0;
   } else {
-    throw SafetensorsError(fmt::format("checkpoint directory '{}' has neither model.safetensors nor "
-                                       "model.safetensors.index.json (pytorch_model.bin is not read: convert it "
-                                       "to safetensors)",
-                                       dir));
+    throw SafetensorsError(
+        fmt::format("checkpoint directory '{}' has neither model.safetensors nor "
+                    "model.safetensors.index.json (pytorch_model.bin is not read: convert it "
+                    "to safetensors)",
+                    dir));
   }
 }
 
@@ -82,15 +85,13 @@ std::vector<std::string> HfCheckpoint::names() const {
 
 const SafetensorsEntry& HfCheckpoint::entry(const std::string& name) const {
   auto it = where_.find(name);
-  if (it == where_.end())
-    throw SafetensorsError(fmt::format("checkpoint '{}' has no tensor named '{}'", dir_, name));
+  if (it == where_.end()) throw SafetensorsError(fmt::format("checkpoint '{}' has no tensor named '{}'", dir_, name));
   return files_[it->second].entry(name);
 }
 
 torch::Tensor HfCheckpoint::tensor(const std::string& name) const {
   auto it = where_.find(name);
-  if (it == where_.end())
-    throw SafetensorsError(fmt::format("checkpoint '{}' has no tensor named '{}'", dir_, name));
+  if (it == where_.end()) throw SafetensorsError(fmt::format("checkpoint '{}' has no tensor named '{}'", dir_, name));
   return files_[it->second].tensor(name);
 }
 
@@ -147,8 +148,8 @@ void load_parameters(torch::nn::Module& module, const std::vector<std::string>& 
     if (tied != options.tied.end() && file_names.count(tied->second)) {
       torch::Tensor a = read_tensor(n), b = read_tensor(tied->second);
       if (a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && torch::equal(a, b)) continue;
-      problems.push_back(fmt::format("'{}' differs from '{}', but the model ties them (tie_word_embeddings)", n,
-                                     tied->second));
+      problems.push_back(
+          fmt::format("'{}' differs from '{}', but the model ties them (tie_word_embeddings)", n, tied->second));
       continue;
     }
     unexpected.push_back(n);
@@ -163,8 +164,8 @@ void load_parameters(torch::nn::Module& module, const std::vector<std::string>& 
         problems.push_back(fmt::format("'{}' has shape {} in the checkpoint but {} in the model", p.name,
                                        shape_str(t.sizes()), shape_str(p.param.sizes())));
       } else if (p.param.is_floating_point() && !t.is_floating_point()) {
-        problems.push_back(fmt::format("'{}' has dtype {} in the checkpoint; a floating-point dtype is needed",
-                                       p.name, c10::toString(t.scalar_type())));
+        problems.push_back(fmt::format("'{}' has dtype {} in the checkpoint; a floating-point dtype is needed", p.name,
+                                       c10::toString(t.scalar_type())));
       } else {
         copies.emplace_back(p.param, std::move(t));
       }
@@ -208,10 +209,11 @@ void check_same_shapes(const ModelConfig& a, const ModelConfig& b, const std::st
               (a.qkv_bias || a.linear_bias) == (b.qkv_bias || b.linear_bias) && a.linear_bias == b.linear_bias &&
               a.tie_embeddings == b.tie_embeddings && a.lm_head_bias == b.lm_head_bias;
   if (!same)
-    throw std::invalid_argument(fmt::format("checkpoint '{}' ({}: {} layers, hidden {}, vocab {}) does not have the "
-                                            "shapes of model '{}' ({}: {} layers, hidden {}, vocab {})",
-                                            source, to_string(b.family), b.num_layers, b.hidden_size, b.vocab_size,
-                                            a.name, to_string(a.family), a.num_layers, a.hidden_size, a.vocab_size));
+    throw std::invalid_argument(
+        fmt::format("checkpoint '{}' ({}: {} layers, hidden {}, vocab {}) does not have the "
+                    "shapes of model '{}' ({}: {} layers, hidden {}, vocab {})",
+                    source, to_string(b.family), b.num_layers, b.hidden_size, b.vocab_size, a.name, to_string(a.family),
+                    a.num_layers, a.hidden_size, a.vocab_size));
 }
 
 void load_weights_from(CausalLM& model, const HfCheckpoint& ckpt) {

@@ -57,8 +57,8 @@ struct LoadOptions {
 // tensors, shape mismatches and non-floating tensors for floating parameters. A parameter that
 // aliases an earlier one (same tensor registered twice) is loaded once.
 void load_parameters(torch::nn::Module& module, const std::vector<std::string>& checkpoint_names,
-                     const std::function<torch::Tensor(const std::string&)>& read_tensor,
-                     const std::string& source, const LoadOptions& options = {});
+                     const std::function<torch::Tensor(const std::string&)>& read_tensor, const std::string& source,
+                     const LoadOptions& options = {});
 // The same from an in-memory map (tests, optimizer state).
 void load_parameters(torch::nn::Module& module, const std::map<std::string, torch::Tensor>& tensors,
                      const std::string& source, const LoadOptions& options = {});

@@ -28,7 +28,12 @@ ModelConfig llama(std::string name, int64_t layers, int64_t hidden, int64_t ffn,
 
 const Architecture& llama_architecture() {
   static const Architecture arch{
-      Family::kLlama, NormKind::kRMSNorm, MlpKind::kSwiGLU, BlockKind::kSequential, "o_proj", "norm",
+      Family::kLlama,
+      NormKind::kRMSNorm,
+      MlpKind::kSwiGLU,
+      BlockKind::kSequential,
+      "o_proj",
+      "norm",
       {
           // TinyLlama/TinyLlama-1.1B: 1,100,048,384 parameters.
           llama("tinyllama-1.1b", 22, 2048, 5632, 32, 4, 32000),

@@ -16,9 +16,12 @@ namespace collider::models {
 
 const char* to_string(Family f) {
   switch (f) {
-    case Family::kLlama: return "llama";
-    case Family::kQwen2: return "qwen2";
-    case Family::kPhi: return "phi";
+    case Family::kLlama:
+      return "llama";
+    case Family::kQwen2:
+      return "qwen2";
+    case Family::kPhi:
+      return "phi";
   }
   return "unknown";
 }
@@ -52,8 +55,8 @@ CausalLMImpl::CausalLMImpl(const ModelConfig& cfg, AttentionImpl attn) : cfg_(cf
   }
   model_->final_norm = model_->register_module(arch.final_norm_name, detail::build_norm(cfg_));
   if (!cfg_.tie_embeddings)
-    lm_head_ = register_module("lm_head",
-                               std::make_shared<detail::LinearImpl>(cfg_.hidden_size, cfg_.vocab_size, cfg_.lm_head_bias));
+    lm_head_ = register_module(
+        "lm_head", std::make_shared<detail::LinearImpl>(cfg_.hidden_size, cfg_.vocab_size, cfg_.lm_head_bias));
   reset_parameters(0);
 }
 
@@ -85,8 +88,10 @@ torch::Tensor causal_mask(int64_t T, torch::Device device) {
 
 // The forward_drop token subset: int64 [B, N], 0 < N <= T, each row strictly increasing in [0, T).
 void check_middle_tokens(const torch::Tensor& middle_BN, int64_t B, int64_t T, int64_t num_layers) {
-  TORCH_CHECK(num_layers >= 3, "forward token dropping needs at least 3 decoder layers (the first and the last see "
-              "every token), this model has ", num_layers, "; use a preset with more layers");
+  TORCH_CHECK(num_layers >= 3,
+              "forward token dropping needs at least 3 decoder layers (the first and the last see "
+              "every token), this model has ",
+              num_layers, "; use a preset with more layers");
   TORCH_CHECK(middle_BN.scalar_type() == torch::kLong && middle_BN.dim() == 2 && middle_BN.size(0) == B,
               "middle_BN must be an int64 [B, N] tensor with B = ", B, ", got ", middle_BN.scalar_type(), " ",
               middle_BN.sizes());
@@ -150,8 +155,8 @@ torch::Tensor CausalLMImpl::forward(const torch::Tensor& input_ids_BT, const tor
 }
 
 torch::Tensor random_middle_tokens(int64_t B, int64_t T, int64_t N, torch::Generator& gen, torch::Device device) {
-  TORCH_CHECK(B > 0 && T > 0 && N > 0 && N <= T, "random_middle_tokens needs B > 0 and 0 < N <= T, got B ", B,
-              ", T ", T, ", N ", N);
+  TORCH_CHECK(B > 0 && T > 0 && N > 0 && N <= T, "random_middle_tokens needs B > 0 and 0 < N <= T, got B ", B, ", T ",
+              T, ", N ", N);
   torch::NoGradGuard no_grad;
   // One uniform key per position, the N smallest per row: a uniform N-subset of each row.
   auto keys_BT = torch::rand({B, T}, gen, torch::TensorOptions().dtype(torch::kFloat));
@@ -167,8 +172,9 @@ CausalLM build_model(const ModelConfig& cfg, AttentionImpl attn, uint64_t seed) 
 
 torch::Tensor token_losses(const torch::Tensor& logits_BTV, const torch::Tensor& labels_BT) {
   TORCH_CHECK(logits_BTV.dim() == 3, "logits must be [B, T, V], got shape ", logits_BTV.sizes());
-  TORCH_CHECK(labels_BT.dim() == 2 && labels_BT.size(0) == logits_BTV.size(0) && labels_BT.size(1) == logits_BTV.size(1),
-              "labels must be [B, T] matching logits ", logits_BTV.sizes(), ", got ", labels_BT.sizes());
+  TORCH_CHECK(
+      labels_BT.dim() == 2 && labels_BT.size(0) == logits_BTV.size(0) && labels_BT.size(1) == logits_BTV.size(1),
+      "labels must be [B, T] matching logits ", logits_BTV.sizes(), ", got ", labels_BT.sizes());
   TORCH_CHECK(labels_BT.scalar_type() == torch::kLong, "labels must be int64, got ", labels_BT.scalar_type());
   const int64_t B = logits_BTV.size(0), T = logits_BTV.size(1), V = logits_BTV.size(2);
   auto logp_BTV = torch::log_softmax(logits_BTV, -1, detail::compute_dtype(logits_BTV.scalar_type()));

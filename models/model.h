@@ -27,25 +27,25 @@ enum class AttentionImpl {
 };
 
 struct ModelConfig {
-  std::string name;               // preset name, e.g. "tinyllama-1.1b", "qwen2.5-mini"
+  std::string name;  // preset name, e.g. "tinyllama-1.1b", "qwen2.5-mini"
   Family family = Family::kLlama;
   int64_t vocab_size = 0;         // V
   int64_t hidden_size = 0;        // D
   int64_t intermediate_size = 0;  // F
   int64_t num_layers = 0;
-  int64_t num_heads = 0;          // H
-  int64_t num_kv_heads = 0;       // G (GQA: H % G == 0)
-  int64_t head_dim = 0;           // E = D / H
+  int64_t num_heads = 0;     // H
+  int64_t num_kv_heads = 0;  // G (GQA: H % G == 0)
+  int64_t head_dim = 0;      // E = D / H
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
   double partial_rotary_factor = 1.0;  // Phi: 0.5 (32 of 64 head dims rotated)
   int64_t max_position = 4096;
-  bool qkv_bias = false;          // Qwen2: bias on q/k/v projections
-  bool linear_bias = false;       // Phi: bias on every linear layer
-  bool tie_embeddings = false;    // Qwen2: LM head shares the embedding matrix
-  bool lm_head_bias = false;      // Phi
+  bool qkv_bias = false;        // Qwen2: bias on q/k/v projections
+  bool linear_bias = false;     // Phi: bias on every linear layer
+  bool tie_embeddings = false;  // Qwen2: LM head shares the embedding matrix
+  bool lm_head_bias = false;    // Phi
 
-  int64_t num_params() const;     // analytic, counted from the fields (tied head counted once)
+  int64_t num_params() const;  // analytic, counted from the fields (tied head counted once)
 };
 
 // Every preset: the three paper models, their CPU-scale `-mini` versions and `-debug` sizes.

@@ -31,7 +31,12 @@ ModelConfig phi(std::string name, int64_t layers, int64_t hidden, int64_t ffn, i
 
 const Architecture& phi_architecture() {
   static const Architecture arch{
-      Family::kPhi, NormKind::kLayerNorm, MlpKind::kGeluTanh, BlockKind::kParallel, "dense", "final_layernorm",
+      Family::kPhi,
+      NormKind::kLayerNorm,
+      MlpKind::kGeluTanh,
+      BlockKind::kParallel,
+      "dense",
+      "final_layernorm",
       {
           // microsoft/phi-1_5: 1,418,270,720 parameters.
           phi("phi-1.5", 24, 2048, 8192, 32, 51200),

@@ -30,7 +30,12 @@ ModelConfig qwen2(std::string name, int64_t layers, int64_t hidden, int64_t ffn,
 
 const Architecture& qwen2_architecture() {
   static const Architecture arch{
-      Family::kQwen2, NormKind::kRMSNorm, MlpKind::kSwiGLU, BlockKind::kSequential, "o_proj", "norm",
+      Family::kQwen2,
+      NormKind::kRMSNorm,
+      MlpKind::kSwiGLU,
+      BlockKind::kSequential,
+      "o_proj",
+      "norm",
       {
           // Qwen/Qwen2.5-1.5B: 1,543,714,304 parameters (head dim 128, GQA ratio 6).
           qwen2("qwen2.5-1.5b", 28, 1536, 8960, 12, 2, 128, 151936),

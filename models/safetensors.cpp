@@ -41,13 +41,20 @@ struct DtypeInfo {
 
 const std::vector<DtypeInfo>& dtype_table() {
   static const std::vector<DtypeInfo> table = {
-      {"F64", torch::kFloat64, 8},        {"F32", torch::kFloat32, 4},
-      {"F16", torch::kFloat16, 2},        {"BF16", torch::kBFloat16, 2},
-      {"F8_E4M3", torch::kFloat8_e4m3fn, 1}, {"F8_E5M2", torch::kFloat8_e5m2, 1},
-      {"I64", torch::kInt64, 8},          {"I32", torch::kInt32, 4},
-      {"I16", torch::kInt16, 2},          {"I8", torch::kInt8, 1},
-      {"U64", torch::kUInt64, 8},         {"U32", torch::kUInt32, 4},
-      {"U16", torch::kUInt16, 2},         {"U8", torch::kUInt8, 1},
+      {"F64", torch::kFloat64, 8},
+      {"F32", torch::kFloat32, 4},
+      {"F16", torch::kFloat16, 2},
+      {"BF16", torch::kBFloat16, 2},
+      {"F8_E4M3", torch::kFloat8_e4m3fn, 1},
+      {"F8_E5M2", torch::kFloat8_e5m2, 1},
+      {"I64", torch::kInt64, 8},
+      {"I32", torch::kInt32, 4},
+      {"I16", torch::kInt16, 2},
+      {"I8", torch::kInt8, 1},
+      {"U64", torch::kUInt64, 8},
+      {"U32", torch::kUInt32, 4},
+      {"U16", torch::kUInt16, 2},
+      {"U8", torch::kUInt8, 1},
       {"BOOL", torch::kBool, 1},
   };
   return table;
@@ -105,8 +112,7 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   SafetensorsFile f;
   f.source_ = path;
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    throw SafetensorsError(fmt::format("safetensors file '{}': cannot open: {}", path, std::strerror(errno)));
+  if (fd < 0) throw SafetensorsError(fmt::format("safetensors file '{}': cannot open: {}", path, std::strerror(errno)));
   struct stat st {};
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
@@ -159,8 +165,8 @@ void SafetensorsFile::parse() {
   json::parser_callback_t cb = [&](int depth, json::parse_event_t event, json& parsed) {
     if ((event == json::parse_event_t::object_start || event == json::parse_event_t::array_start) &&
         depth >= kMaxJsonDepth)
-      fail(src, fmt::format("header is not a valid safetensors header: JSON nested deeper than {} levels",
-                            kMaxJsonDepth));
+      fail(src,
+           fmt::format("header is not a valid safetensors header: JSON nested deeper than {} levels", kMaxJsonDepth));
     if (event == json::parse_event_t::key && depth == 1) {
       const std::string& key = parsed.get_ref<const std::string&>();
       if (!seen.insert(key).second) fail(src, fmt::format("duplicate tensor name '{}' in the header", key));
@@ -171,9 +177,7 @@ void SafetensorsFile::parse() {
   try {
     const char* begin = reinterpret_cast<const char*>(data_ + 8);
     header = json::parse(begin, begin + header_len, cb);
-  } catch (const json::exception& e) {
-    fail(src, fmt::format("header is not valid JSON ({})", e.what()));
-  }
+  } catch (const json::exception& e) { fail(src, fmt::format("header is not valid JSON ({})", e.what())); }
   if (!header.is_object()) fail(src, "header is not valid JSON for safetensors: expected an object at the top level");
 
   entries_.clear();
@@ -185,8 +189,7 @@ void SafetensorsFile::parse() {
     if (name == "__metadata__") {
       if (!v.is_object()) fail(src, "__metadata__ must be an object of string values");
       for (auto m = v.begin(); m != v.end(); ++m) {
-        if (!m.value().is_string())
-          fail(src, fmt::format("__metadata__ value of '{}' is not a string", m.key()));
+        if (!m.value().is_string()) fail(src, fmt::format("__metadata__ value of '{}' is not a string", m.key()));
         metadata_[m.key()] = m.value().get<std::string>();
       }
       continue;
@@ -206,8 +209,8 @@ void SafetensorsFile::parse() {
     if (!sh->is_array()) fail(src, fmt::format("tensor '{}' has an invalid shape: not an array", name));
     for (const json& d : *sh) {
       if (!d.is_number_unsigned() && !(d.is_number_integer() && d.get<int64_t>() >= 0))
-        fail(src, fmt::format("tensor '{}' has an invalid shape {}: dimensions must be non-negative integers",
-                              name, sh->dump()));
+        fail(src, fmt::format("tensor '{}' has an invalid shape {}: dimensions must be non-negative integers", name,
+                              sh->dump()));
       uint64_t u = d.get<uint64_t>();
       if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
         fail(src, fmt::format("tensor '{}' has an invalid shape {}: dimension too large", name, sh->dump()));
@@ -218,8 +221,7 @@ void SafetensorsFile::parse() {
                             name, off->dump()));
     e.begin = (*off)[0].get<uint64_t>();
     e.end = (*off)[1].get<uint64_t>();
-    if (e.begin > e.end)
-      fail(src, fmt::format("tensor '{}' has reversed data_offsets [{}, {})", name, e.begin, e.end));
+    if (e.begin > e.end) fail(src, fmt::format("tensor '{}' has reversed data_offsets [{}, {})", name, e.begin, e.end));
     // Byte size implied by shape and dtype, with overflow checks. Dimensions of 0 give 0 bytes,
     // but the product of the non-zero dimensions must still fit (torch computes strides from it).
     uint64_t numel_nonzero = 1;
@@ -263,12 +265,12 @@ void SafetensorsFile::parse() {
   }
   if (max_end > data_size) {
     if (contiguous)
-      fail(src, fmt::format("file is truncated: the header describes {} data bytes but only {} are present",
-                            max_end, data_size));
+      fail(src, fmt::format("file is truncated: the header describes {} data bytes but only {} are present", max_end,
+                            data_size));
     for (const auto& e : entries_)
       if (e.end > data_size)
-        fail(src, fmt::format("data_offsets [{}, {}) of tensor '{}' point outside the data region of {} bytes",
-                              e.begin, e.end, e.name, data_size));
+        fail(src, fmt::format("data_offsets [{}, {}) of tensor '{}' point outside the data region of {} bytes", e.begin,
+                              e.end, e.name, data_size));
   }
   // The format forbids holes and trailing bytes (no polyglot files).
   uint64_t pos = 0;
@@ -306,8 +308,8 @@ torch::Tensor SafetensorsFile::tensor(const std::string& name) const {
   if (info->type == torch::kBool) {
     for (uint64_t i = 0; i < nbytes; ++i)
       if (src[i] > 1)
-        fail(source_, fmt::format("BOOL tensor '{}' holds byte value {} at element {} (only 0 and 1 are valid)",
-                                  name, static_cast<int>(src[i]), i));
+        fail(source_, fmt::format("BOOL tensor '{}' holds byte value {} at element {} (only 0 and 1 are valid)", name,
+                                  static_cast<int>(src[i]), i));
   }
   if (nbytes > 0) std::memcpy(t.data_ptr(), src, nbytes);
   return t;
@@ -322,8 +324,8 @@ std::map<std::string, torch::Tensor> SafetensorsFile::tensors() const {
 std::string safetensors_dtype_name(torch::ScalarType t) {
   for (const auto& d : dtype_table())
     if (d.type == t) return d.name;
-  throw SafetensorsError(fmt::format("dtype {} cannot be stored in safetensors (supported: {})",
-                                     c10::toString(t), known_dtypes()));
+  throw SafetensorsError(
+      fmt::format("dtype {} cannot be stored in safetensors (supported: {})", c10::toString(t), known_dtypes()));
 }
 
 torch::ScalarType safetensors_dtype(const std::string& name, const std::string& source) {

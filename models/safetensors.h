@@ -33,8 +33,8 @@ constexpr uint64_t kSafetensorsMaxHeaderBytes = 100'000'000;
 // One tensor's entry in the header. begin/end are byte offsets into the data region.
 struct SafetensorsEntry {
   std::string name;
-  std::string dtype;            // "F32", "BF16", ... as written in the file
-  std::vector<int64_t> shape;   // [] for a scalar
+  std::string dtype;           // "F32", "BF16", ... as written in the file
+  std::vector<int64_t> shape;  // [] for a scalar
   uint64_t begin = 0;
   uint64_t end = 0;
 };
@@ -72,7 +72,7 @@ class SafetensorsFile {
   std::unique_ptr<Mapping> mapping_;
   const uint8_t* data_ = nullptr;  // whole file
   size_t size_ = 0;
-  uint64_t data_begin_ = 0;        // 8 + header length
+  uint64_t data_begin_ = 0;  // 8 + header length
   std::string source_;
   std::vector<SafetensorsEntry> entries_;
   std::map<std::string, size_t> index_;  // name -> position in entries_

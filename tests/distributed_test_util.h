@@ -16,7 +16,7 @@
 
 namespace collider::testing {
 
-constexpr int64_t kDistT = 32;          // sequence length (a multiple of the selection's align)
+constexpr int64_t kDistT = 32;  // sequence length (a multiple of the selection's align)
 constexpr uint64_t kDistSeed = 3;
 constexpr const char* kDistPreset = "tinyllama-debug";
 
@@ -24,9 +24,9 @@ inline harness::StepConfig dist_step_config(const std::string& method) {
   harness::StepConfig c;
   c.spec.method = harness::method_from_string(method);
   c.filter_ratio = c.spec.method == harness::Method::kRegular ? 0.0 : 0.5;
-  c.spec.score = harness::Score::kSelf;                 // each rank selects on its own slice's losses
-  c.grad_clip = 0.05;               // active at every step: clipping must see the reduced gradients
-  c.lr = 1e-3;                      // 5 AdamW steps move parameters by ~5e-3
+  c.spec.score = harness::Score::kSelf;  // each rank selects on its own slice's losses
+  c.grad_clip = 0.05;                    // active at every step: clipping must see the reduced gradients
+  c.lr = 1e-3;                           // 5 AdamW steps move parameters by ~5e-3
   return c;
 }
 

@@ -30,19 +30,24 @@ int main(int argc, char** argv) {
   ch::ReducerOptions reducer_options;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--method") method = v;
-    else if (k == "--steps") steps = std::stoi(v);
-    else if (k == "--bucket-kib") reducer_options.bucket_bytes = std::stoll(v) * 1024;
+    if (k == "--method")
+      method = v;
+    else if (k == "--steps")
+      steps = std::stoi(v);
+    else if (k == "--bucket-kib")
+      reducer_options.bucket_bytes = std::stoll(v) * 1024;
     else if (k == "--rows") {  // e.g. 1,2: rank 0 trains on 1 row of each global batch, rank 1 on the next 2
       for (size_t p = 0; p < v.size();) {
         const size_t q = std::min(v.find(',', p), v.size());
         rows.push_back(std::stoll(v.substr(p, q - p)));
         p = q + 1;
       }
-    }
-    else if (k == "--out") out = v;
-    else if (k == "--exit-after") exit_after = std::stoi(v);
-    else if (k == "--hang-after") hang_after = std::stoi(v);
+    } else if (k == "--out")
+      out = v;
+    else if (k == "--exit-after")
+      exit_after = std::stoi(v);
+    else if (k == "--hang-after")
+      hang_after = std::stoi(v);
     else {
       std::cerr << "distributed_worker: unknown option " << k << "\n";
       return 2;

@@ -16,8 +16,8 @@ namespace collider::testing {
 // kept_only oracle: ordinary attention forward; backward by the section-3 formulas on full-size
 // tensors with dropped rows and columns zeroed. q,k,v: [B, H, T, E]; keep: float [B, 1, T, 1].
 struct KeptOnlyAttention : public torch::autograd::Function<KeptOnlyAttention> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor q, torch::Tensor k,
-                               torch::Tensor v, torch::Tensor keep_B1T1) {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                               torch::Tensor keep_B1T1) {
     const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
     const int64_t T = q.size(2);
     auto causal = torch::ones({T, T}, q.options().dtype(torch::kBool)).triu(1);
@@ -31,8 +31,8 @@ struct KeptOnlyAttention : public torch::autograd::Function<KeptOnlyAttention> {
     auto s = ctx->get_saved_variables();
     auto q = s[0], k = s[1], v = s[2], p = s[3], keep = s[4];
     const double scale = ctx->saved_data["scale"].toDouble();
-    auto keep_cols = keep.transpose(-2, -1);         // [B, 1, 1, T]
-    auto pm = p * keep * keep_cols;                  // P restricted to kept rows and columns
+    auto keep_cols = keep.transpose(-2, -1);  // [B, 1, 1, T]
+    auto pm = p * keep * keep_cols;           // P restricted to kept rows and columns
     auto dO = grads[0] * keep;
     auto dV = pm.transpose(-2, -1).matmul(dO);
     auto dP = dO.matmul(v.transpose(-2, -1));

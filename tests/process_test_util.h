@@ -39,7 +39,8 @@ class Child {
     for (char** e = environ; *e != nullptr; ++e) {
       const std::string kv = *e;
       bool overridden = false;
-      for (const auto& x : o.env) overridden = overridden || kv.substr(0, kv.find('=') + 1) == x.substr(0, x.find('=') + 1);
+      for (const auto& x : o.env)
+        overridden = overridden || kv.substr(0, kv.find('=') + 1) == x.substr(0, x.find('=') + 1);
       if (!overridden) env_s.push_back(kv);
     }
     env_s.insert(env_s.end(), o.env.begin(), o.env.end());
@@ -60,7 +61,9 @@ class Child {
       }
       if (o.file_size_limit >= 0) {
         ::signal(SIGXFSZ, SIG_IGN);
-        struct rlimit rl{static_cast<rlim_t>(o.file_size_limit), static_cast<rlim_t>(o.file_size_limit)};
+        struct rlimit rl {
+          static_cast<rlim_t>(o.file_size_limit), static_cast<rlim_t>(o.file_size_limit)
+        };
         ::setrlimit(RLIMIT_FSIZE, &rl);
       }
       ::execve(av[0], av.data(), ev.data());
@@ -81,8 +84,7 @@ class Child {
   int wait() {
     if (reaped_) return status_;
     int st = 0;
-    while (::waitpid(pid_, &st, 0) < 0 && errno == EINTR) {
-    }
+    while (::waitpid(pid_, &st, 0) < 0 && errno == EINTR) {}
     reaped_ = true;
     status_ = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
     return status_;

@@ -21,7 +21,9 @@ struct TempDir {
     harness::fsutil::remove_tree(path);
     harness::fsutil::make_dirs(path);
   }
-  ~TempDir() { if (!std::getenv("COLLIDER_KEEP_TEST_DIRS")) harness::fsutil::remove_tree(path); }
+  ~TempDir() {
+    if (!std::getenv("COLLIDER_KEEP_TEST_DIRS")) harness::fsutil::remove_tree(path);
+  }
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;
   std::string operator/(const std::string& name) const { return harness::fsutil::join(path, name); }

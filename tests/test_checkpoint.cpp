@@ -81,9 +81,7 @@ int64_t expect_same_parameters(const torch::nn::Module& a, const torch::nn::Modu
 std::string error_of(const std::function<void()>& fn) {
   try {
     fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
+  } catch (const std::exception& e) { return e.what(); }
   return "";
 }
 
@@ -166,7 +164,7 @@ TEST(Checkpoint, ShardedCheckpointLoadsAndIndexErrorsAreCaught) {
   cm::save_safetensors((dir.path / "model-00002-of-00002.safetensors").string(), b);
   auto write_index = [&](const json& wm) {
     fsu::write_file_atomic((dir.path / "model.safetensors.index.json").string(),
-                          json{{"metadata", {{"total_size", 0}}}, {"weight_map", wm}}.dump());
+                           json{{"metadata", {{"total_size", 0}}}, {"weight_map", wm}}.dump());
   };
   write_index(weight_map);
   cm::CausalLM loaded = cm::load_hf_model(dir.str());
@@ -237,7 +235,8 @@ TEST(Checkpoint, LoadWeightsIntoAModelOfOtherShapesIsAnError) {
 TEST(Checkpoint, MissingDirectoryOrFilesAreNamed) {
   EXPECT_NE(error_of([] { cm::load_hf_model("/nonexistent/ckpt"); }).find("/nonexistent/ckpt"), std::string::npos);
   TempDir dir("nofiles");
-  fsu::write_file_atomic((dir.path / "config.json").string(), cm::config_to_hf_json(cm::preset("tinyllama-debug")).dump());
+  fsu::write_file_atomic((dir.path / "config.json").string(),
+                         cm::config_to_hf_json(cm::preset("tinyllama-debug")).dump());
   EXPECT_NE(error_of([&] { cm::load_hf_model(dir.str()); }).find("neither model.safetensors nor"), std::string::npos);
 }
 
@@ -306,8 +305,14 @@ TEST(HfConfig, RejectsWhatOurModelsCannotRun) {
   };
   const std::vector<Case> cases = {
       {[](json& j) { j["architectures"] = {"GPT2LMHeadModel"}; }, "'GPT2LMHeadModel'"},
-      {[](json& j) { j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}}; }, "only the default RoPE"},
-      {[](json& j) { j["rope_parameters"] = {{"rope_type", "yarn"}}; }, "only the default RoPE"},
+      {[](json& j) {
+         j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}};
+       },
+       "only the default RoPE"},
+      {[](json& j) {
+         j["rope_parameters"] = {{"rope_type", "yarn"}};
+       },
+       "only the default RoPE"},
       {[](json& j) { j["attention_bias"] = true; }, "'attention_bias' = true is not supported"},
       {[](json& j) { j["hidden_act"] = "gelu"; }, "hidden_act = 'gelu' is not supported"},
       {[](json& j) { j.erase("hidden_size"); }, "key 'hidden_size' is missing"},
@@ -389,9 +394,7 @@ TEST(TrainingCheckpoint, ResumeIsBitIdenticalToUninterruptedTraining) {
     auto saved = cm::adamw_state_tensors(a_opt, *a), restored = cm::adamw_state_tensors(b_opt, *b);
     ASSERT_EQ(saved.size(), restored.size());
     for (const auto& [k, t] : saved)
-      if (k.find("lr") == std::string::npos) {
-        EXPECT_TRUE(bit_equal(t, restored.at(k))) << k;
-      }
+      if (k.find("lr") == std::string::npos) { EXPECT_TRUE(bit_equal(t, restored.at(k))) << k; }
 
     train_steps(b, b_opt, 3, 2);
     EXPECT_GT(expect_same_parameters(*ref, *b), 0);
@@ -411,10 +414,12 @@ TEST(TrainingCheckpoint, IncompleteOrMismatchedStateIsAnError) {
   auto state = cm::adamw_state_tensors(opt, *m);
   auto extra = state;
   extra["state.model.bogus.exp_avg"] = torch::zeros({1});
-  EXPECT_NE(error_of([&] { cm::restore_adamw_state(opt, *m, extra); }).find("unexpected tensors (1): state.model.bogus"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { cm::restore_adamw_state(opt, *m, extra); }).find("unexpected tensors (1): state.model.bogus"),
+      std::string::npos);
   auto lacking = state;
   lacking.erase("state.model.norm.weight.exp_avg_sq");
-  EXPECT_NE(error_of([&] { cm::restore_adamw_state(opt, *m, lacking); }).find("lacks 'state.model.norm.weight.exp_avg_sq'"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { cm::restore_adamw_state(opt, *m, lacking); }).find("lacks 'state.model.norm.weight.exp_avg_sq'"),
+      std::string::npos);
 }

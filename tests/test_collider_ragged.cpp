@@ -52,7 +52,7 @@ std::string name_of(const ::testing::TestParamInfo<Case>& info) {
 
 // One model behind the three gradients the test compares: Collider, mask_backward, the oracle.
 struct Subject {
-  std::function<torch::Tensor(const torch::Tensor&)> logits;  // idx [B, T] -> [B, T, V]
+  std::function<torch::Tensor(const torch::Tensor&)> logits;       // idx [B, T] -> [B, T, V]
   std::function<void(std::optional<torch::Tensor>, bool)> oracle;  // set / clear the oracle attention
   torch::nn::Module* module;
   int64_t vocab;
@@ -72,13 +72,16 @@ TEST_P(RaggedGrad, MatchesOracle) {
     gpt2->use_sdpa = c.sdpa;
     s.logits = [&](const torch::Tensor& idx) { return gpt2->forward(idx); };
     s.oracle = [&](std::optional<torch::Tensor> keep, bool exact) {
-      if (keep) gpt2->oracle = AttentionOracle{*keep, exact};
-      else gpt2->oracle.reset();
+      if (keep)
+        gpt2->oracle = AttentionOracle{*keep, exact};
+      else
+        gpt2->oracle.reset();
     };
     s.module = gpt2.get();
     s.vocab = 97;
   } else {
-    lm = models::build_model(models::preset(c.preset), c.sdpa ? models::AttentionImpl::kSdpa : models::AttentionImpl::kEager, 0);
+    lm = models::build_model(models::preset(c.preset),
+                             c.sdpa ? models::AttentionImpl::kSdpa : models::AttentionImpl::kEager, 0);
     s.logits = [&](const torch::Tensor& idx) { return lm->forward(idx); };
     s.oracle = [&](std::optional<torch::Tensor> keep, bool exact) {
       if (keep) {
@@ -164,7 +167,8 @@ TEST(RaggedCollider, UnmaskedLossGivesPaddingNoGradient) {
   for (auto a : {AttentionGrad::kKeptOnly, AttentionGrad::kExactQuery}) {
     // The same graph shape (a mean over every position), scaled to the kept positions' mean.
     zero_grads(*m);
-    auto loss = masked_ce(m->forward(idx), labels, all) * (static_cast<double>(keep.numel()) / keep.sum().item<double>());
+    auto loss =
+        masked_ce(m->forward(idx), labels, all) * (static_cast<double>(keep.numel()) / keep.sum().item<double>());
     filter_backward(loss, keep, plan, {a});
     loss.backward();
     auto g_unmasked = grads_of(*m);
@@ -183,7 +187,8 @@ TEST(RaggedCollider, EqualCountsArePerSequence) {
   torch::manual_seed(0);
   Gpt2 m(97, 32, 4, 2, 128);
   Plan plan = trace_plan([&](int64_t B, int64_t T) {
-    return masked_ce(m->forward(torch::randint(97, {B, T})), torch::randint(97, {B, T}), torch::ones({B, T}, torch::kBool));
+    return masked_ce(m->forward(torch::randint(97, {B, T})), torch::randint(97, {B, T}),
+                     torch::ones({B, T}, torch::kBool));
   });
   auto idx = torch::randint(97, {3, kT});
   auto labels = torch::randint(97, {3, kT});

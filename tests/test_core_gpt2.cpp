@@ -208,9 +208,7 @@ TEST(Gpt2Collider, RefusalDeepInTheGraphLeavesItUnchanged) {
     try {
       filter_backward(loss, keep, plan, {a});
       FAIL() << "filter_backward accepted a fused attention with an explicit mask";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("explicit mask"), std::string::npos) << e.what();
-    }
+    } catch (const Error& e) { EXPECT_NE(std::string(e.what()).find("explicit mask"), std::string::npos) << e.what(); }
     loss.backward();
     EXPECT_LE(max_rel_diff(grads_of(*m), g_loss_only), 1e-6) << to_string(a);
   }

@@ -30,9 +30,7 @@ template <typename F>
 std::string error_of(F&& f) {
   try {
     f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
+  } catch (const std::exception& e) { return e.what(); }
   return "(no error)";
 }
 
@@ -93,8 +91,7 @@ TEST(Plan, BadInputsGiveClearErrors) {
   auto keep = random_keep(2, 32, 0.5, 3);
   // A mask that keeps nothing (unequal kept counts per row are accepted: test_collider_ragged).
   auto none = torch::zeros_like(keep);
-  EXPECT_NE(error_of([&] { filter_backward(fresh_loss(keep), none, plan); }).find("keeps no token"),
-            std::string::npos);
+  EXPECT_NE(error_of([&] { filter_backward(fresh_loss(keep), none, plan); }).find("keeps no token"), std::string::npos);
   // A mask whose T does not fit the graph.
   auto wrong_T = random_keep(2, 40, 0.5, 3);
   EXPECT_NE(error_of([&] { filter_backward(fresh_loss(keep), wrong_T, plan); }).find("does not match the plan"),

@@ -83,8 +83,8 @@ TEST(TokenIndexCut, SequenceFirstTensorsAndRows) {
   // Zeroing (the masked method) along the same layouts.
   auto keep_TB1 = keep.t().unsqueeze(2).to(torch::kFloat);
   EXPECT_TRUE(torch::equal(ix.zero_dropped(x_TBD, spec(3, {token_at(0), batch_at(1)}), true), x_TBD * keep_TB1));
-  EXPECT_TRUE(torch::equal(ix.zero_dropped(x_TBD.reshape({T * B, D}), flat, true),
-                           (x_TBD * keep_TB1).reshape({T * B, D})));
+  EXPECT_TRUE(
+      torch::equal(ix.zero_dropped(x_TBD.reshape({T * B, D}), flat, true), (x_TBD * keep_TB1).reshape({T * B, D})));
 }
 
 TEST(TokenIndexCut, UnalignedSourceRows) {

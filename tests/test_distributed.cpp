@@ -157,11 +157,10 @@ TEST_P(DataParallel, TwoRanksEqualOneProcessOnTheConcatenatedBatch) {
   const int port = free_port();
   std::vector<Rank> ranks;
   for (int r = 0; r < 2; ++r) {
-    ranks.push_back(
-        spawn_rank(r, 2, port,
-                   {"--method", method, "--steps", std::to_string(kSteps), "--rows", rows_arg, "--out", ckpt,
-                    "--bucket-kib", std::to_string(GetParam().bucket_kib)},
-                   dir / ("rank" + std::to_string(r) + ".log")));
+    ranks.push_back(spawn_rank(r, 2, port,
+                               {"--method", method, "--steps", std::to_string(kSteps), "--rows", rows_arg, "--out",
+                                ckpt, "--bucket-kib", std::to_string(GetParam().bucket_kib)},
+                               dir / ("rank" + std::to_string(r) + ".log")));
     ASSERT_GT(ranks.back().pid, 0) << "could not start " << COLLIDER_DIST_WORKER;
   }
 
@@ -171,9 +170,7 @@ TEST_P(DataParallel, TwoRanksEqualOneProcessOnTheConcatenatedBatch) {
   const nlohmann::json ref_log = ct::run_dist_steps(single, kSteps, {rows[0] + rows[1]}, /*rank=*/0);
 
   wait_ranks(ranks, 120);
-  for (int r = 0; r < 2; ++r) {
-    ASSERT_EQ(ranks[r].status, 0) << "rank " << r << ":\n" << read_log(ranks[r]);
-  }
+  for (int r = 0; r < 2; ++r) { ASSERT_EQ(ranks[r].status, 0) << "rank " << r << ":\n" << read_log(ranks[r]); }
 
   // Rank 0's checkpoint, loaded by a process of another world size (this one, world 1).
   auto loaded = collider::models::build_model(collider::models::preset(ct::kDistPreset),
@@ -186,16 +183,15 @@ TEST_P(DataParallel, TwoRanksEqualOneProcessOnTheConcatenatedBatch) {
   const auto got = collider::models::parameter_tensors(*loaded);
   ASSERT_EQ(ref.size(), got.size());
   double max_diff = 0.0, max_moved = 0.0;
-  const auto init = collider::models::parameter_tensors(
-      *collider::models::build_model(collider::models::preset(ct::kDistPreset), collider::models::AttentionImpl::kEager,
-                                     ct::kDistSeed));
+  const auto init = collider::models::parameter_tensors(*collider::models::build_model(
+      collider::models::preset(ct::kDistPreset), collider::models::AttentionImpl::kEager, ct::kDistSeed));
   for (const auto& [name, p] : ref) {
     ASSERT_TRUE(got.count(name)) << name;
     max_diff = std::max(max_diff, (p - got.at(name)).abs().max().item<double>());
     max_moved = std::max(max_moved, (p - init.at(name)).abs().max().item<double>());
   }
-  std::cout << method << " rows " << rows_arg << ": max |2 ranks - 1 process| = " << max_diff << " over parameters that moved up to "
-            << max_moved << " in " << kSteps << " steps\n";
+  std::cout << method << " rows " << rows_arg << ": max |2 ranks - 1 process| = " << max_diff
+            << " over parameters that moved up to " << max_moved << " in " << kSteps << " steps\n";
   EXPECT_GT(max_moved, 1e-3) << "the 5 steps should move the parameters";
   // fp32 tolerance after 5 AdamW steps: 1% of the largest parameter change (AdamW normalises every
   // element's step, so rounding in a near-zero gradient element moves it by up to lr; measured
@@ -252,9 +248,7 @@ void expect_peer_failure(const std::string& mode, int timeout_s, double limit_s)
   EXPECT_LT(waited, limit_s);
   EXPECT_NE(log0.find("rank 0 of 2"), std::string::npos) << log0;
   EXPECT_NE(log0.find("distributed run failed"), std::string::npos) << log0;
-  if (mode == "--exit-after") {
-    EXPECT_EQ(second[0].status, 0) << read_log(second[0]);
-  }
+  if (mode == "--exit-after") { EXPECT_EQ(second[0].status, 0) << read_log(second[0]); }
 }
 
 TEST(DataParallelFailure, PeerExitsEarly) {
@@ -276,8 +270,8 @@ struct LaunchResult {
 
 LaunchResult launch_smoke(const ct::TempDir& dir, const std::string& extra) {
   const std::string src = COLLIDER_SOURCE_DIR, out = dir / "run", log = dir / "launch.log";
-  const std::string cmd = "COLLIDER_BIN=" COLLIDER_BINARY_DIR "/collider COLLIDER_DIST_TIMEOUT_S=20 timeout 120 " + src +
-                          "/scripts/launch.sh 2 " + src + "/experiments/smoke.toml --out " + out +
+  const std::string cmd = "COLLIDER_BIN=" COLLIDER_BINARY_DIR "/collider COLLIDER_DIST_TIMEOUT_S=20 timeout 120 " +
+                          src + "/scripts/launch.sh 2 " + src + "/experiments/smoke.toml --out " + out +
                           " --set run.measure_steps=1 --set run.warmup_steps=0 --set axes.filter_ratio=0.5"
                           " --set 'axes.method=[\"loss_only\",\"collider\"]' --set axes.attention_grad=kept_only " +
                           extra + " > " + log + " 2>&1";

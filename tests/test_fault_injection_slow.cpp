@@ -39,10 +39,10 @@ namespace fsu = collider::harness::fsutil;
 using Clock = std::chrono::steady_clock;
 
 struct Counts {
-  int kills = 0;          // runs that died of SIGKILL
-  int resumes = 0;        // runs started with --resume
-  int completed = 0;      // runs that reached the end before their kill
-  int torn_cut = 0;       // torn last lines cut by a resume
+  int kills = 0;      // runs that died of SIGKILL
+  int resumes = 0;    // runs started with --resume
+  int completed = 0;  // runs that reached the end before their kill
+  int torn_cut = 0;   // torn last lines cut by a resume
   int rows_checked = 0;
   int duplicates = 0;
 };
@@ -251,7 +251,8 @@ TEST(FaultInjection, ATrainingRunKilledTenTimesResumesToTheUninterruptedLosses) 
   fsu::write_file(t / "whole.toml", train_manifest(ct::byte_level_data(ct::shared_sample_dir(), t / "data_whole")));
   fsu::write_file(t / "killed.toml", train_manifest(ct::byte_level_data(ct::shared_sample_dir(), t / "data_killed")));
   const auto t0 = Clock::now();
-  ASSERT_EQ(ct::run_child({ct::collider_bin(), "run", t / "whole.toml", "--out", t / "whole"}, {{}, t / "whole.log"}), 0)
+  ASSERT_EQ(ct::run_child({ct::collider_bin(), "run", t / "whole.toml", "--out", t / "whole"}, {{}, t / "whole.log"}),
+            0)
       << fsu::read_file(t / "whole.log");
   const int whole_ms = static_cast<int>(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
   // Steps 2, 4, ..., 38 checkpoint (4 files each; the reference stage's too); rows come every 3rd
@@ -261,8 +262,8 @@ TEST(FaultInjection, ATrainingRunKilledTenTimesResumesToTheUninterruptedLosses) 
   std::mt19937 rng(7);
   std::uniform_int_distribution<int> rows_ahead(0, 2), after_ms(0, std::max(200, whole_ms / 8)), nth(1, 6);
   std::vector<Fault> faults;
-  const char* points[] = {"", "checkpoint_write", "", "checkpoint_swap", "", "checkpoint_write", "row_append", "",
-                          "checkpoint_write", ""};
+  const char* points[] = {"", "checkpoint_write", "", "checkpoint_swap", "", "checkpoint_write", "row_append",
+                          "", "checkpoint_write", ""};
   for (const char* p : points) {
     if (*p) {
       faults.push_back({p, nth(rng), 0, 0});
@@ -296,9 +297,7 @@ TEST(FaultInjection, ATrainingRunKilledTenTimesResumesToTheUninterruptedLosses) 
     ASSERT_TRUE(got.count(key)) << "missing row " << key;
     const auto& g = got[key];
     for (const char* k : {"train_loss", "train_loss_kept", "val_loss", "tokens_backprop"}) {
-      if (w.contains(k)) {
-        EXPECT_EQ(g[k].get<double>(), w[k].get<double>()) << key << " " << k;
-      }
+      if (w.contains(k)) { EXPECT_EQ(g[k].get<double>(), w[k].get<double>()) << key << " " << k; }
     }
     EXPECT_EQ(g["final"], w["final"]) << key;
     finals += w["final"].get<bool>();

@@ -55,8 +55,8 @@ torch::Tensor reference_logits(CausalLM& m, const torch::Tensor& ids_BT, const t
   ctx.attn = AttentionImpl::kEager;
   auto causal_TT = torch::ones({T, T}, torch::kBool).triu(1);
   ctx.causal_mask_TT = causal_TT;
-  std::tie(ctx.cos_TR, ctx.sin_TR) = md::rotary_tables(T, md::rotary_dim(m->config()), m->config().rope_theta,
-                                                           x_BTD.scalar_type(), x_BTD.device());
+  std::tie(ctx.cos_TR, ctx.sin_TR) =
+      md::rotary_tables(T, md::rotary_dim(m->config()), m->config().rope_theta, x_BTD.scalar_type(), x_BTD.device());
   auto in_BT = torch::zeros({B, T}, torch::kBool).scatter(1, middle_BN, true);
   // A query of the subset sees only the subset's earlier keys. A query outside it keeps its own
   // key too (its row would otherwise be all masked: NaN); its output is discarded below.
@@ -132,9 +132,10 @@ INSTANTIATE_TEST_SUITE_P(AllFamilies, ForwardDrop,
                                             ::testing::Values(AttentionImpl::kEager, AttentionImpl::kSdpa),
                                             ::testing::Values(0.25, 0.5)),
                          [](const auto& info) {
-                           return fmt::format("{}_{}_{}", std::get<0>(info.param) == "tinyllama-debug" ? "llama"
-                                                          : std::get<0>(info.param) == "qwen2.5-debug" ? "qwen2"
-                                                                                                        : "phi",
+                           return fmt::format("{}_{}_{}",
+                                              std::get<0>(info.param) == "tinyllama-debug" ? "llama"
+                                              : std::get<0>(info.param) == "qwen2.5-debug" ? "qwen2"
+                                                                                           : "phi",
                                               std::get<1>(info.param) == AttentionImpl::kEager ? "eager" : "sdpa",
                                               static_cast<int>(std::get<2>(info.param) * 100));
                          });
@@ -174,9 +175,7 @@ TEST(ForwardDropEdges, BadSubsetsAndTooFewLayersAreRefusedWithWhatToDo) {
     try {
       m->forward(in.ids_BT, middle_BN);
       ADD_FAILURE() << "accepted: " << words;
-    } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
-    }
+    } catch (const c10::Error& e) { EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what(); }
   };
   auto ok = torch::tensor({{0, 2, 5}, {1, 3, 8}}, torch::kLong);
   expect_refusal(ok.to(torch::kInt), "int64 [B, N]");

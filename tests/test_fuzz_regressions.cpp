@@ -47,9 +47,7 @@ size_t replay(const std::string& target, const Check& check) {
       const std::string bytes = fsu::read_file(path);
       try {
         check(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
-      } catch (const cf::Violation& v) {
-        ADD_FAILURE() << v.what;
-      } catch (const std::exception& e) {
+      } catch (const cf::Violation& v) { ADD_FAILURE() << v.what; } catch (const std::exception& e) {
         ADD_FAILURE() << "escaped the parser's own error type: " << e.what();
       }
       ++n;
@@ -75,9 +73,7 @@ template <typename E, typename F>
 std::string error_of(F&& f) {
   try {
     f();
-  } catch (const E& e) {
-    return e.what();
-  }
+  } catch (const E& e) { return e.what(); }
   return "(no error)";
 }
 
@@ -87,7 +83,8 @@ TEST(FuzzFindings, ASetIntoAKeyThatIsNotATableIsAManifestError) {
   const std::string text = fsu::read_file(regression("manifest", "set_into_a_key_that_is_not_a_table.toml"));
   collider::testing::TempDir d("fuzz_regressions");
   fsu::write_file(d / "m.toml", "axes = \"x\"\n[train]\nmodel = \"tinyllama-debug\"\n");
-  const std::string msg = error_of<ch::ManifestError>([&] { ch::load_train_manifest(d / "m.toml", {"axes.method=x"}); });
+  const std::string msg =
+      error_of<ch::ManifestError>([&] { ch::load_train_manifest(d / "m.toml", {"axes.method=x"}); });
   EXPECT_NE(msg.find("'axes' is not a table"), std::string::npos) << msg;
   EXPECT_NE(msg.find("--set 'axes.method=x'"), std::string::npos) << msg;
   EXPECT_NO_THROW(cf::check_manifest(reinterpret_cast<const uint8_t*>(text.data()), text.size()));

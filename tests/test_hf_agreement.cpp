@@ -77,7 +77,8 @@ TEST_P(HfAgreement, LogitsAndLossesMatchTransformers) {
     EXPECT_GT(ex.logits_BTV.std().item<double>(), 0.3);
 
     const int64_t T = ex.input_ids_BT.size(1);
-    torch::Tensor loss_BT1 = cm::token_losses(logits_BTV.slice(1, 0, T - 1), ex.input_ids_BT.slice(1, 1, T).contiguous());
+    torch::Tensor loss_BT1 =
+        cm::token_losses(logits_BTV.slice(1, 0, T - 1), ex.input_ids_BT.slice(1, 1, T).contiguous());
     const double loss_diff = (loss_BT1 - ex.losses_BT1).abs().max().item<double>();
     EXPECT_LE(loss_diff, kLossTol) << family << ": max |loss - transformers' loss| = " << loss_diff;
   }
@@ -136,7 +137,8 @@ TEST_P(HfAgreement, ScoreCommandPrintsTransformersLosses) {
     ASSERT_EQ(g["losses"].size(), 15u);
     ASSERT_EQ(g["losses"].size(), w["losses"].size());
     for (size_t t = 0; t < w["losses"].size(); ++t)
-      EXPECT_NEAR(g["losses"][t].get<double>(), w["losses"][t].get<double>(), kLossTol) << "seq " << lines << " t " << t;
+      EXPECT_NEAR(g["losses"][t].get<double>(), w["losses"][t].get<double>(), kLossTol)
+          << "seq " << lines << " t " << t;
     ++lines;
   }
   EXPECT_EQ(lines, 2);
@@ -154,7 +156,7 @@ TEST(Score, VariableLengthSequencesAndBatchingGiveTheSameLosses) {
     auto row = ex.input_ids_BT[b].contiguous();
     seqs.emplace_back(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + row.numel());
   }
-  seqs.push_back({5});                                        // one token: no loss
+  seqs.push_back({5});                                                         // one token: no loss
   seqs.push_back(std::vector<int64_t>(seqs[0].begin(), seqs[0].begin() + 7));  // a prefix
   auto batched = ch::score_sequences(model, seqs, 8);
   auto single = ch::score_sequences(model, seqs, 1);

@@ -40,9 +40,7 @@ attention_grad = ["kept_only", "exact_query"]
 std::string error_of(const std::string& text, const std::vector<std::string>& sets = {}) {
   try {
     ch::load_manifest_text(text, "bad.toml", sets);
-  } catch (const ch::ManifestError& e) {
-    return e.what();
-  }
+  } catch (const ch::ManifestError& e) { return e.what(); }
   return "";
 }
 
@@ -116,16 +114,16 @@ batch_size = 7
 }
 
 TEST(Manifest, DefaultsThenFileThenSet) {
-  auto m = ch::load_manifest_text(kBase, "base.toml",
-                                  {"run.measure_steps=7", "axes.seq_len=[16, 24]", "axes.method=loss_only",
-                                   "run.score=random", "name=renamed"});
-  EXPECT_EQ(m.run.measure_steps, 7);    // --set over the file's 1
-  EXPECT_EQ(m.run.warmup_steps, 0);     // the file over the default 2
-  EXPECT_EQ(m.run.repetitions, 1);      // default
-  EXPECT_DOUBLE_EQ(m.run.lr, 3e-4);     // default
-  EXPECT_EQ(m.run.score, "random");     // bare word taken as a string
+  auto m = ch::load_manifest_text(
+      kBase, "base.toml",
+      {"run.measure_steps=7", "axes.seq_len=[16, 24]", "axes.method=loss_only", "run.score=random", "name=renamed"});
+  EXPECT_EQ(m.run.measure_steps, 7);  // --set over the file's 1
+  EXPECT_EQ(m.run.warmup_steps, 0);   // the file over the default 2
+  EXPECT_EQ(m.run.repetitions, 1);    // default
+  EXPECT_DOUBLE_EQ(m.run.lr, 3e-4);   // default
+  EXPECT_EQ(m.run.score, "random");   // bare word taken as a string
   EXPECT_EQ(m.name, "renamed");
-  ASSERT_EQ(m.points.size(), 4u);       // 2 seq x 2 ratios x loss_only
+  ASSERT_EQ(m.points.size(), 4u);  // 2 seq x 2 ratios x loss_only
   EXPECT_EQ(m.points[0].seq_len, 16);
   ASSERT_EQ(m.overrides.size(), 5u);
   EXPECT_NE(m.overrides[0].find("run.measure_steps = 7 (was 1"), std::string::npos) << m.overrides[0];

@@ -322,23 +322,23 @@ TEST(Models, OraclesAtKeepAllTrueGiveOrdinaryGradients) {
     SCOPED_TRACE(name);
     const auto& c = preset(name);
     for (auto dtype : {torch::kDouble, torch::kFloat}) {
-    auto m = build_model(c, AttentionImpl::kEager, 21);
-    m->to(dtype);
-    auto ids = random_ids(c, 2, 11, 22);
-    m->zero_grad();
-    auto plain_loss = lm_loss(m, ids);
-    plain_loss.backward();
-    auto plain = grads_of(m);
-    for (bool exact_query : {false, true}) {
-      set_attention_oracle(*m, AttentionOracle{torch::ones({2, 11}, torch::kBool), exact_query});
+      auto m = build_model(c, AttentionImpl::kEager, 21);
+      m->to(dtype);
+      auto ids = random_ids(c, 2, 11, 22);
       m->zero_grad();
-      auto loss = lm_loss(m, ids);
-      EXPECT_EQ(loss.item<double>(), plain_loss.item<double>());
-      loss.backward();
-      auto g = grads_of(m);
-      for (size_t i = 0; i < g.size(); ++i)
-        EXPECT_TRUE(torch::equal(g[i], plain[i])) << (exact_query ? "exact_query " : "kept_only ") << i;
-    }
+      auto plain_loss = lm_loss(m, ids);
+      plain_loss.backward();
+      auto plain = grads_of(m);
+      for (bool exact_query : {false, true}) {
+        set_attention_oracle(*m, AttentionOracle{torch::ones({2, 11}, torch::kBool), exact_query});
+        m->zero_grad();
+        auto loss = lm_loss(m, ids);
+        EXPECT_EQ(loss.item<double>(), plain_loss.item<double>());
+        loss.backward();
+        auto g = grads_of(m);
+        for (size_t i = 0; i < g.size(); ++i)
+          EXPECT_TRUE(torch::equal(g[i], plain[i])) << (exact_query ? "exact_query " : "kept_only ") << i;
+      }
     }
   }
 }
@@ -440,9 +440,7 @@ TEST(Models, BadConfigIsRejectedWithItsField) {
   try {
     build_model(c);
     FAIL() << "expected std::invalid_argument";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("num_kv_heads"), std::string::npos);
-  }
+  } catch (const std::invalid_argument& e) { EXPECT_NE(std::string(e.what()).find("num_kv_heads"), std::string::npos); }
 }
 
 // Not a unit test (timings are noisy): prints the -mini fwd+bwd time at B=1, T=512 (fp32, median
@@ -470,10 +468,11 @@ TEST(Models, DISABLED_MiniPresetTiming) {
     std::sort(cpu_ms.begin(), cpu_ms.end());
     const auto f = forward_flops(c, 1, 512);
     const auto b = backward_flops(c, 1, 512, 512, MethodSpec{});
-    fmt::print("{:16s} params {:>10d}  fwd+bwd_ms(T=512) median {:7.1f} [min {:7.1f} max {:7.1f}] cpu_ms {:7.1f}  "
-               "GFLOP {:5.1f}  attn/linear T=512 {:.4f} T=1024 {:.4f}  threads {}\n",
-               name, c.num_params(), ms[2], ms[0], ms[4], cpu_ms[2], (f.total() + b.total()) / 1e9,
-               attention_linear_ratio(c, 512), attention_linear_ratio(c, 1024), torch::get_num_threads());
+    fmt::print(
+        "{:16s} params {:>10d}  fwd+bwd_ms(T=512) median {:7.1f} [min {:7.1f} max {:7.1f}] cpu_ms {:7.1f}  "
+        "GFLOP {:5.1f}  attn/linear T=512 {:.4f} T=1024 {:.4f}  threads {}\n",
+        name, c.num_params(), ms[2], ms[0], ms[4], cpu_ms[2], (f.total() + b.total()) / 1e9,
+        attention_linear_ratio(c, 512), attention_linear_ratio(c, 1024), torch::get_num_threads());
   }
 }
 

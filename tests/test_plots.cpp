@@ -67,8 +67,8 @@ RunResult run_script(const std::string& script, const std::vector<fs::path>& inp
                      const std::string& extra = "") {
   fs::create_directories(out_dir);
   const fs::path log = out_dir / "log.txt";
-  std::string cmd = "MPLBACKEND=Agg " + quote(find_python()) + " " + quote((kSource / "plots" / script).string()) +
-                    " --results";
+  std::string cmd =
+      "MPLBACKEND=Agg " + quote(find_python()) + " " + quote((kSource / "plots" / script).string()) + " --results";
   for (const auto& in : inputs) cmd += " " + quote(in.string());
   cmd += " --out " + quote(out_dir.string()) + " " + extra + " > " + quote(log.string()) + " 2>&1";
   const int status = std::system(cmd.c_str());
@@ -86,21 +86,23 @@ fs::path fresh_dir(const std::string& name) {
 }
 
 struct PlotCase {
-  std::string script;               // file in plots/
-  std::vector<std::string> inputs;  // files in tests/fixtures/results/
-  std::vector<std::string> outputs; // files the script must write
+  std::string script;                // file in plots/
+  std::vector<std::string> inputs;   // files in tests/fixtures/results/
+  std::vector<std::string> outputs;  // files the script must write
 };
 
 std::ostream& operator<<(std::ostream& os, const PlotCase& c) { return os << c.script; }
 
 const std::vector<PlotCase> kCases = {
-    {"fig_sparse_gemm.py", {"bm_backward_gemm.json"},
+    {"fig_sparse_gemm.py",
+     {"bm_backward_gemm.json"},
      {"fig_sparse_gemm.png", "fig_sparse_gemm.pdf", "fig_sparse_gemm.md", "fig_sparse_gemm.tex"}},
     {"tab_backward_time.py", {"tab_backward_time.jsonl"}, {"tab_backward_time.md", "tab_backward_time.tex"}},
     {"tab_end_to_end.py", {"tab_backward_time.jsonl"}, {"tab_end_to_end.md", "tab_end_to_end.tex"}},
     {"fig_filter_ratio.py", {"fig_filter_ratio.jsonl"}, {"fig_filter_ratio.png", "fig_filter_ratio.pdf"}},
     {"fig_context_length.py", {"fig_context_length.jsonl"}, {"fig_context_length.png", "fig_context_length.pdf"}},
-    {"fig_layer_breakdown.py", {"tab_backward_time.jsonl"},
+    {"fig_layer_breakdown.py",
+     {"tab_backward_time.jsonl"},
      {"fig_layer_breakdown.png", "fig_layer_breakdown.pdf", "fig_layer_breakdown.md", "fig_layer_breakdown.tex"}},
     {"tab_utility.py", {"tab_utility.jsonl"}, {"tab_utility.md", "tab_utility.tex"}},
     {"fig_utility_curves.py", {"tab_utility.jsonl"}, {"fig_utility_curves.png", "fig_utility_curves.pdf"}},
@@ -114,8 +116,8 @@ TEST_P(PlotScript, WritesEveryFileFromFixtures) {
   std::vector<fs::path> inputs;
   for (const auto& in : c.inputs) {
     inputs.push_back(kFixtures / in);
-    ASSERT_TRUE(fs::exists(inputs.back())) << "fixture missing: " << inputs.back()
-                                           << " (run tests/fixtures/results/make_fixtures.py)";
+    ASSERT_TRUE(fs::exists(inputs.back()))
+        << "fixture missing: " << inputs.back() << " (run tests/fixtures/results/make_fixtures.py)";
   }
   const RunResult r = run_script(c.script, inputs, out);
   ASSERT_EQ(r.exit_code, 0) << c.script << " failed; its output:\n" << r.log;
@@ -169,7 +171,8 @@ TEST(PlotTables, ResultsWithoutOkRowsAreAnError) {
   const fs::path out = fresh_dir("no_ok_rows");
   const fs::path bad = out / "bad.jsonl";
   std::ofstream(bad) << R"({"experiment":"x","point_id":"x-0","status":"error","error":"boom","model":"m",)"
-                     << R"("method":"regular","seq_len":8,"batch_size":1,"filter_ratio":0})" << "\n";
+                     << R"("method":"regular","seq_len":8,"batch_size":1,"filter_ratio":0})"
+                     << "\n";
   const fs::path out_dir = out / "out";
   const RunResult r = run_script("tab_backward_time.py", {bad}, out_dir);
   EXPECT_NE(r.exit_code, 0) << "a results file with no ok rows must fail; output:\n" << r.log;

@@ -46,9 +46,9 @@ std::vector<std::string> prepare_argv(const std::string& out) {
 
 // Files a finished preparation leaves (the lock file aside): no temporary names.
 const std::vector<std::string> kOutputs = {
-    "curated_eval.bin",       "curated_eval.txt.sample", "curated_train.bin", "curated_train.txt.sample",
-    "meta.json",              "mix_eval.bin",            "mix_eval.txt.sample", "mix_train.bin",
-    "mix_train.txt.sample",   "tokenizer.model",         "tokenizer.vocab"};
+    "curated_eval.bin", "curated_eval.txt.sample", "curated_train.bin", "curated_train.txt.sample", "meta.json",
+    "mix_eval.bin",     "mix_eval.txt.sample",     "mix_train.bin",     "mix_train.txt.sample",     "tokenizer.model",
+    "tokenizer.vocab"};
 
 // Every file under a final name is whole: shards parse with their token count, meta.json parses.
 void expect_whole_files(const std::string& dir) {
@@ -72,7 +72,8 @@ TEST(PrepareData, ThreePreparationsAtOnceIntoAnEmptyCacheAllSucceedWithIdentical
   const std::vector<std::pair<std::string, std::string>> runs = {
       {t / "same", t / "a.log"}, {t / "same", t / "b.log"}, {t / "other", t / "c.log"}};
   std::vector<std::unique_ptr<ct::Child>> kids;
-  for (const auto& [out, log] : runs) kids.push_back(std::make_unique<ct::Child>(prepare_argv(out), ct::ChildOptions{env, log}));
+  for (const auto& [out, log] : runs)
+    kids.push_back(std::make_unique<ct::Child>(prepare_argv(out), ct::ChildOptions{env, log}));
   std::vector<int> status;
   for (auto& k : kids) status.push_back(k->wait());
   // Exit status 3 means "cannot download the .deb files": skip only when a preparation alone

@@ -164,8 +164,8 @@ TEST(Results, Provenance) {
   EXPECT_FALSE(p.device_name.empty());
   EXPECT_GT(p.num_threads, 0);
   const auto env = ch::environment_record(p);
-  for (const char* k : {"git_sha", "git_dirty", "torch_version", "cuda_version", "device_name", "num_threads",
-                        "hostname", "time"}) {
+  for (const char* k :
+       {"git_sha", "git_dirty", "torch_version", "cuda_version", "device_name", "num_threads", "hostname", "time"}) {
     EXPECT_TRUE(env.contains(k)) << k;
   }
   EXPECT_TRUE(std::regex_match(ch::utc_timestamp(), std::regex(R"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)")));

@@ -106,7 +106,8 @@ std::string expect_one_runs_and_one_is_refused(const ct::TempDir& t, std::vector
   const int sa = a.wait(), sb = b.wait();
   const std::string la = fsu::read_file(t / "a.log"), lb = fsu::read_file(t / "b.log");
   EXPECT_TRUE((sa == 0) != (sb == 0)) << "exactly one run must succeed; status " << sa << " and " << sb << "\na:\n"
-                                      << la << "\nb:\n" << lb;
+                                      << la << "\nb:\n"
+                                      << lb;
   const bool a_won = sa == 0;
   const std::string& loser = a_won ? lb : la;
   const pid_t winner = a_won ? a.pid() : b.pid();
@@ -149,7 +150,8 @@ TEST(RunLock, AStaleLockLeftByKill9NeverBlocksAndResumeCompletesTheRows) {
   const std::string again = fsu::read_file(t / "again.log");
   EXPECT_TRUE(contains(again, "--resume")) << again;
   EXPECT_FALSE(contains(again, "in use by another run")) << "a dead holder's lock blocked a run:\n" << again;
-  ASSERT_EQ(ct::run_child({ct::collider_bin(), "run", t / "m.toml", "--out", out, "--resume"}, {{}, t / "resume.log"}), 0)
+  ASSERT_EQ(ct::run_child({ct::collider_bin(), "run", t / "m.toml", "--out", out, "--resume"}, {{}, t / "resume.log"}),
+            0)
       << fsu::read_file(t / "resume.log");
   const auto rows = rows_of(out);
   EXPECT_EQ(rows.size(), kSweepPoints);

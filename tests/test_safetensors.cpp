@@ -34,7 +34,8 @@ std::string raw_file(const std::string& header, const std::string& data) {
 }
 
 cm::SafetensorsFile parse(const std::string& bytes) {
-  return cm::SafetensorsFile::from_buffer(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), "t.safetensors");
+  return cm::SafetensorsFile::from_buffer(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(),
+                                          "t.safetensors");
 }
 
 // The message of the SafetensorsError that `fn` throws ("" when none is thrown).
@@ -42,9 +43,7 @@ template <typename Fn>
 std::string error_of(Fn&& fn) {
   try {
     fn();
-  } catch (const cm::SafetensorsError& e) {
-    return e.what();
-  }
+  } catch (const cm::SafetensorsError& e) { return e.what(); }
   return "";
 }
 
@@ -56,8 +55,8 @@ std::string parse_error(const std::string& bytes) {
 }
 
 std::string valid_file() {
-  return cm::serialize_safetensors({{"a", torch::arange(6, torch::kFloat32).view({2, 3})},
-                                    {"b", torch::arange(4, torch::kInt64)}});
+  return cm::serialize_safetensors(
+      {{"a", torch::arange(6, torch::kFloat32).view({2, 3})}, {"b", torch::arange(4, torch::kInt64)}});
 }
 
 // A Linear(3 -> 2) module: parameters "weight" [2, 3] and "bias" [2].
@@ -81,7 +80,8 @@ std::vector<CorruptCase> corrupt_cases() {
       {"bad_json", "not valid JSON", [] { return parse_error(raw_file("{\"a\": [1, 2", "")); }},
       {"offsets_out_of_range", "outside the data region",
        [] {
-         return parse_error(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", std::string(8, '\0')));
+         return parse_error(
+             raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", std::string(8, '\0')));
        }},
       {"overlap", "overlap",
        [] {
@@ -90,9 +90,15 @@ std::vector<CorruptCase> corrupt_cases() {
                                      std::string(12, '\0')));
        }},
       {"unknown_dtype", "unknown dtype",
-       [] { return parse_error(raw_file(R"({"a":{"dtype":"F31","shape":[2],"data_offsets":[0,8]}})", std::string(8, '\0'))); }},
+       [] {
+         return parse_error(
+             raw_file(R"({"a":{"dtype":"F31","shape":[2],"data_offsets":[0,8]}})", std::string(8, '\0')));
+       }},
       {"shape_mismatch", "size mismatch",
-       [] { return parse_error(raw_file(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", std::string(8, '\0'))); }},
+       [] {
+         return parse_error(
+             raw_file(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", std::string(8, '\0')));
+       }},
       {"missing_tensor", "missing tensors",
        [] {
          auto m = small_module();
@@ -102,8 +108,9 @@ std::vector<CorruptCase> corrupt_cases() {
        [] {
          auto m = small_module();
          return error_of([&] {
-           cm::load_parameters(*m, {{"weight", torch::zeros({2, 3})}, {"bias", torch::zeros({2})}, {"extra", torch::zeros({1})}},
-                               "ckpt");
+           cm::load_parameters(
+               *m, {{"weight", torch::zeros({2, 3})}, {"bias", torch::zeros({2})}, {"extra", torch::zeros({1})}},
+               "ckpt");
          });
        }},
   };
@@ -157,7 +164,9 @@ TEST(Safetensors, MoreCorruptInputsAreRejected) {
       {raw_file(R"({"a":{"dtype":"F32","shape":[2]}})", z8), "lacks one of the fields"},
       {raw_file(R"({"a":{"dtype":7,"shape":[2],"data_offsets":[0,8]}})", z8), "not a string"},
       {raw_file(R"({"a":3})", z8), "is not an object"},
-      {raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", z8),
+      {raw_file(
+           R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
+           z8),
        "duplicate tensor name"},
       {raw_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", z8), "gap"},
       {raw_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", z8), "trailing bytes"},
@@ -175,7 +184,8 @@ TEST(Safetensors, MoreCorruptInputsAreRejected) {
 }
 
 TEST(Safetensors, BoolBytesOtherThanZeroOrOneAreRejectedOnRead) {
-  const std::string f = raw_file(R"({"m":{"dtype":"BOOL","shape":[3],"data_offsets":[0,3]}})", std::string("\x01\x00\x02", 3));
+  const std::string f =
+      raw_file(R"({"m":{"dtype":"BOOL","shape":[3],"data_offsets":[0,3]}})", std::string("\x01\x00\x02", 3));
   const auto file = parse(f);  // the header is fine
   const std::string msg = error_of([&] { file.tensor("m"); });
   EXPECT_NE(msg.find("byte value 2"), std::string::npos) << msg;
@@ -199,9 +209,9 @@ TEST(Safetensors, RoundTripIsBitExactForEveryDtype) {
   torch::manual_seed(0);
   std::map<std::string, torch::Tensor> in;
   const std::vector<torch::ScalarType> dtypes = {
-      torch::kFloat64, torch::kFloat32, torch::kFloat16, torch::kBFloat16, torch::kFloat8_e4m3fn, torch::kFloat8_e5m2,
-      torch::kInt64,   torch::kInt32,   torch::kInt16,   torch::kInt8,     torch::kUInt8,         torch::kBool,
-      torch::kUInt16,  torch::kUInt32,  torch::kUInt64};
+      torch::kFloat64,     torch::kFloat32, torch::kFloat16, torch::kBFloat16, torch::kFloat8_e4m3fn,
+      torch::kFloat8_e5m2, torch::kInt64,   torch::kInt32,   torch::kInt16,    torch::kInt8,
+      torch::kUInt8,       torch::kBool,    torch::kUInt16,  torch::kUInt32,   torch::kUInt64};
   for (auto dt : dtypes) {
     // Random bytes reinterpreted as the dtype: every bit pattern (NaNs, denormals) must survive.
     const int64_t elem = c10::elementSize(dt);
@@ -244,7 +254,8 @@ TEST(Safetensors, FileRoundTripThroughMmap) {
   std::map<std::string, torch::Tensor> in = {{"w", torch::randn({5, 3}).to(torch::kBFloat16)},
                                              {"i", torch::arange(10, torch::kInt64)}};
   cm::save_safetensors(path, in);
-  EXPECT_NE(::access((path + ".tmp." + std::to_string(::getpid())).c_str(), F_OK), 0) << "the temporary file was left behind";
+  EXPECT_NE(::access((path + ".tmp." + std::to_string(::getpid())).c_str(), F_OK), 0)
+      << "the temporary file was left behind";
   auto out = cm::load_safetensors(path);
   ASSERT_EQ(out.size(), 2u);
   EXPECT_TRUE(torch::equal(out["w"], in["w"]));
@@ -280,11 +291,13 @@ TEST(Safetensors, LoadParametersConvertsDtypeAndChecksShapes) {
   EXPECT_TRUE(torch::equal(m->weight, w.to(torch::kFloat32)));
   EXPECT_TRUE(torch::equal(m->bias, b.to(torch::kFloat32)));
 
-  const std::string msg =
-      error_of([&] { cm::load_parameters(*m, {{"weight", torch::zeros({3, 2})}, {"bias", torch::zeros({2})}}, "ckpt"); });
+  const std::string msg = error_of([&] {
+    cm::load_parameters(*m, {{"weight", torch::zeros({3, 2})}, {"bias", torch::zeros({2})}}, "ckpt");
+  });
   EXPECT_NE(msg.find("'weight' has shape [3, 2] in the checkpoint but [2, 3] in the model"), std::string::npos) << msg;
-  const std::string msg2 =
-      error_of([&] { cm::load_parameters(*m, {{"weight", torch::zeros({2, 3}, torch::kInt64)}, {"bias", torch::zeros({2})}}, "ckpt"); });
+  const std::string msg2 = error_of([&] {
+    cm::load_parameters(*m, {{"weight", torch::zeros({2, 3}, torch::kInt64)}, {"bias", torch::zeros({2})}}, "ckpt");
+  });
   EXPECT_NE(msg2.find("floating-point dtype is needed"), std::string::npos) << msg2;
   // Nothing was copied by the failing calls.
   EXPECT_TRUE(torch::equal(m->weight, w.to(torch::kFloat32)));

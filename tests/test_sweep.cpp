@@ -200,9 +200,7 @@ method = "regular"
   const auto before = ch::read_results(path, false);
   EXPECT_EQ(before.bad_lines, 0);
   EXPECT_GE(before.rows.size(), 2u);
-  if (WIFSIGNALED(status)) {
-    EXPECT_LT(before.rows.size(), 30u) << "killed before the end";
-  }
+  if (WIFSIGNALED(status)) { EXPECT_LT(before.rows.size(), 30u) << "killed before the end"; }
 
   const auto r = run({tmp / "m.toml", "--out", out, "--resume"});
   ASSERT_EQ(r.rc, 0) << r.err;
@@ -278,10 +276,10 @@ TEST(Sweep, SmokeManifestRunsEveryMethod) {
 TEST(Sweep, BatchTopKRunsColliderAndRecordsTheRowCounts) {
   TempDir tmp;
   fsu::write_file(tmp / "m.toml", kManifest);
-  const auto r = run({tmp / "m.toml", "--out", tmp / "out", "--set", "run.policy=batch_topk", "--set",
-                      "axes.method=[\"loss_only\", \"collider\"]", "--set", "axes.batch_size=3", "--set",
-                      "axes.filter_ratio=0.5", "--set", "axes.seq_len=32", "--set",
-                      "axes.attention_grad=[\"kept_only\", \"exact_query\"]"});
+  const auto r =
+      run({tmp / "m.toml", "--out", tmp / "out", "--set", "run.policy=batch_topk", "--set",
+           "axes.method=[\"loss_only\", \"collider\"]", "--set", "axes.batch_size=3", "--set", "axes.filter_ratio=0.5",
+           "--set", "axes.seq_len=32", "--set", "axes.attention_grad=[\"kept_only\", \"exact_query\"]"});
   ASSERT_EQ(r.rc, 0) << r.err;
   const auto rows = rows_of(tmp / "out");
   ASSERT_GE(rows.size(), 3u);  // loss_only + collider x {kept_only, exact_query}

@@ -50,9 +50,8 @@ std::vector<Ev> load_events(const std::string& path) {
 // Empty when every pair of ranges is either nested or disjoint; else the first violation.
 std::string nesting_violation(std::vector<Ev> ev) {
   const double eps = 1e-3;  // microseconds; timestamps have nanosecond resolution
-  std::sort(ev.begin(), ev.end(), [](const Ev& a, const Ev& b) {
-    return a.begin != b.begin ? a.begin < b.begin : a.end > b.end;
-  });
+  std::sort(ev.begin(), ev.end(),
+            [](const Ev& a, const Ev& b) { return a.begin != b.begin ? a.begin < b.begin : a.end > b.end; });
   std::vector<Ev> stack;
   for (const auto& e : ev) {
     while (!stack.empty() && stack.back().end <= e.begin + eps) stack.pop_back();
@@ -136,15 +135,9 @@ TEST(Trace, TrainingStepsGiveTheTimingNamesProperlyNested) {
       const bool layer_fwd = n > 4 && e.name.compare(n - 4, 4, ".fwd") == 0;
       const bool layer_bwd = n > 4 && e.name.compare(n - 4, 4, ".bwd") == 0;
       const bool phase = e.name == "fwd" || e.name == "bwd" || e.name == "optimizer" || e.name == "filter";
-      if (layer_fwd) {
-        EXPECT_TRUE(inside_one_of(e, ev, "fwd")) << e.name;
-      }
-      if (layer_bwd) {
-        EXPECT_TRUE(inside_one_of(e, ev, "bwd")) << e.name;
-      }
-      if (phase) {
-        EXPECT_TRUE(inside_one_of(e, ev, "step")) << e.name;
-      }
+      if (layer_fwd) { EXPECT_TRUE(inside_one_of(e, ev, "fwd")) << e.name; }
+      if (layer_bwd) { EXPECT_TRUE(inside_one_of(e, ev, "bwd")) << e.name; }
+      if (phase) { EXPECT_TRUE(inside_one_of(e, ev, "step")) << e.name; }
     }
     ::unlink(path.c_str());
   }

@@ -46,8 +46,8 @@ ch::StepConfig config(ch::Method m, double ratio) {
 }
 
 ch::Trainer make_trainer(const std::string& preset, ch::StepConfig c, uint64_t seed = 0) {
-  return ch::Trainer(cm::build_model(cm::preset(preset), cm::AttentionImpl::kEager, seed), std::move(c),
-                     torch::kCPU, seed);
+  return ch::Trainer(cm::build_model(cm::preset(preset), cm::AttentionImpl::kEager, seed), std::move(c), torch::kCPU,
+                     seed);
 }
 
 std::vector<torch::Tensor> params(ch::Trainer& t) {
@@ -66,9 +66,7 @@ void expect_all_equal(const std::vector<torch::Tensor>& a, const std::vector<tor
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) {
     ASSERT_EQ(a[i].defined(), b[i].defined()) << what << " #" << i;
-    if (a[i].defined()) {
-      EXPECT_TRUE(torch::equal(a[i], b[i])) << what << " #" << i << " differs";
-    }
+    if (a[i].defined()) { EXPECT_TRUE(torch::equal(a[i], b[i])) << what << " #" << i << " differs"; }
   }
 }
 

@@ -102,7 +102,8 @@ TEST_F(Utility, TokenizerRoundTripsAnyTextAndDecodesThePythonShards) {
   // is the start of its text sample.
   harness::TokenShard shard(join(data(), "curated_eval.bin"));
   std::vector<int32_t> first;
-  for (int64_t i = 0; i < shard.size() && shard.at(i) != tok.eos_id(); ++i) first.push_back(static_cast<int32_t>(shard.at(i)));
+  for (int64_t i = 0; i < shard.size() && shard.at(i) != tok.eos_id(); ++i)
+    first.push_back(static_cast<int32_t>(shard.at(i)));
   const std::string doc = tok.decode(first), sample = read_file(join(data(), "curated_eval.txt.sample"));
   const size_t n = std::min<size_t>(doc.size(), sample.size());
   ASSERT_GT(n, 100u);
@@ -213,8 +214,8 @@ filter_ratio = [0.4]
   std::map<std::string, double> backprop;
   for (const auto& [pid, rs] : by_point) {
     SCOPED_TRACE(pid);
-    ASSERT_EQ(rs.size(), 4u);                  // 2 evaluations x 2 eval sets
-    ASSERT_EQ(train_rows[pid].size(), 4u);     // training loss every 5 steps
+    ASSERT_EQ(rs.size(), 4u);               // 2 evaluations x 2 eval sets
+    ASSERT_EQ(train_rows[pid].size(), 4u);  // training loss every 5 steps
     EXPECT_TRUE(std::isfinite(train_rows[pid].back()["train_loss"].get<double>()));
     const auto& last = rs.back();
     EXPECT_EQ(last["status"], "ok");
@@ -302,9 +303,7 @@ attention_grad = ["exact_query"]
     EXPECT_EQ(a[i]["step"], b[i]["step"]);
     EXPECT_EQ(a[i]["eval_set"], b[i]["eval_set"]);
     for (const char* k : {"val_loss", "train_loss"}) {
-      if (a[i].contains(k)) {
-        EXPECT_NEAR(a[i][k].get<double>(), b[i][k].get<double>(), 1e-6);
-      }
+      if (a[i].contains(k)) { EXPECT_NEAR(a[i][k].get<double>(), b[i][k].get<double>(), 1e-6); }
     }
   }
 }

@@ -36,7 +36,7 @@ namespace fsu = collider::harness::fsutil;
 bool contains(const std::string& s, const std::string& what) { return s.find(what) != std::string::npos; }
 
 int64_t file_size(const std::string& p) {
-  struct stat st{};
+  struct stat st {};
   return ::stat(p.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
 }
 
@@ -45,14 +45,16 @@ struct FileSizeLimit {
   explicit FileSizeLimit(rlim_t bytes) {
     ::getrlimit(RLIMIT_FSIZE, &saved_);
     old_handler_ = ::signal(SIGXFSZ, SIG_IGN);
-    struct rlimit rl{bytes, saved_.rlim_max};
+    struct rlimit rl {
+      bytes, saved_.rlim_max
+    };
     ::setrlimit(RLIMIT_FSIZE, &rl);
   }
   ~FileSizeLimit() {
     ::setrlimit(RLIMIT_FSIZE, &saved_);
     ::signal(SIGXFSZ, old_handler_);
   }
-  struct rlimit saved_{};
+  struct rlimit saved_ {};
   sighandler_t old_handler_;
 };
 
@@ -197,8 +199,8 @@ filter_ratio = 0.5
       << fsu::read_file(t / "warm.log");
   // The model file of a -debug checkpoint is far above 64 KB, the rows below it.
   const std::string out = t / "out";
-  const int st = ct::run_child({ct::collider_bin(), "run", t / "train.toml", "--out", out},
-                               {{}, t / "limited.log", 64 * 1024});
+  const int st =
+      ct::run_child({ct::collider_bin(), "run", t / "train.toml", "--out", out}, {{}, t / "limited.log", 64 * 1024});
   const std::string log = fsu::read_file(t / "limited.log");
   EXPECT_NE(st, 0) << log;
   EXPECT_LT(st, 128) << log;
@@ -209,9 +211,8 @@ filter_ratio = 0.5
   // No half checkpoint under the final name; the temporary one is dropped at resume.
   const std::string ckpt = out + "/checkpoints/tinyllama-debug_T32_B2_f0.5_loss_only_none";
   EXPECT_FALSE(fsu::exists(ckpt + "/trainer_state.json"));
-  ASSERT_EQ(ct::run_child({ct::collider_bin(), "run", t / "train.toml", "--out", out, "--resume"},
-                          {{}, t / "resume.log"}),
-            0)
+  ASSERT_EQ(
+      ct::run_child({ct::collider_bin(), "run", t / "train.toml", "--out", out, "--resume"}, {{}, t / "resume.log"}), 0)
       << fsu::read_file(t / "resume.log");
   const auto rows = whole_rows(out);
   const auto ref = whole_rows(t / "warm");
@@ -224,9 +225,7 @@ filter_ratio = 0.5
   // Same losses as the run that had space all along.
   for (size_t i = 0; i < rows.size(); ++i) {
     for (const char* k : {"train_loss", "val_loss"}) {
-      if (ref[i].contains(k)) {
-        EXPECT_EQ(rows[i].value(k, -1.0), ref[i][k].get<double>()) << k << " at row " << i;
-      }
+      if (ref[i].contains(k)) { EXPECT_EQ(rows[i].value(k, -1.0), ref[i][k].get<double>()) << k << " at row " << i; }
     }
   }
   EXPECT_FALSE(fsu::exists(out + "/checkpoints")) << "every run finished: no checkpoint left";

@@ -18,9 +18,10 @@ bool is_softmax(const std::string& t) { return t == "SoftmaxBackward0"; }
 bool is_bmm(const std::string& t) { return t == "BmmBackward0"; }
 bool is_shape_or_scale(const std::string& t) {
   static const std::set<std::string> k = {
-      "ToCopyBackward0", "ExpandBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
-      "CloneBackward0", "MaskedFillBackward0", "AddBackward0", "AddBackward1", "MulBackward0", "MulBackward1",
-      "DivBackward0", "DivBackward1", "WhereBackward0", "SubBackward0", "SubBackward1"};
+      "ToCopyBackward0",       "ExpandBackward0", "ViewBackward0",       "UnsafeViewBackward0",
+      "ReshapeAliasBackward0", "CloneBackward0",  "MaskedFillBackward0", "AddBackward0",
+      "AddBackward1",          "MulBackward0",    "MulBackward1",        "DivBackward0",
+      "DivBackward1",          "WhereBackward0",  "SubBackward0",        "SubBackward1"};
   return k.count(t) > 0;
 }
 
@@ -76,8 +77,10 @@ void find_attention_cores(const Graph& g, PlanData& plan) {
       cur = p;
     }
     if (qk < 0 || pv < 0) {
-      problems.push_back(fmt::format("softmax node #{} over a [.., T, T] score tensor is not between two batched "
-                                     "matmuls (QK^T, PV) through shape/scale ops", s));
+      problems.push_back(
+          fmt::format("softmax node #{} over a [.., T, T] score tensor is not between two batched "
+                      "matmuls (QK^T, PV) through shape/scale ops",
+                      s));
       continue;
     }
     core.push_back(qk);
@@ -93,8 +96,10 @@ void find_attention_cores(const Graph& g, PlanData& plan) {
         int seen = 0;
         for (auto& d : f.shape.dims) {
           if (d.kind != DimKind::kToken) continue;
-          if (mat2 && (c == qk || c == pv)) d.role = Role::kKey;
-          else if (toks.size() >= 2 && seen == 1) d.role = Role::kKey;
+          if (mat2 && (c == qk || c == pv))
+            d.role = Role::kKey;
+          else if (toks.size() >= 2 && seen == 1)
+            d.role = Role::kKey;
           ++seen;
         }
       }
@@ -121,8 +126,10 @@ void find_attention_cores(const Graph& g, PlanData& plan) {
     }
     for (const auto& f : plan.nodes[i].fields) {
       if (token_dims(f.shape).size() >= 2) {
-        problems.push_back(fmt::format("node #{} {} field {} has two token dimensions outside a recognised "
-                                       "attention core", i, type(i), f.name));
+        problems.push_back(
+            fmt::format("node #{} {} field {} has two token dimensions outside a recognised "
+                        "attention core",
+                        i, type(i), f.name));
         break;
       }
     }

@@ -39,8 +39,10 @@ bool classify(const Observed& a, const Observed& b, Sizes sa, Sizes sb, ShapeSpe
       ds.kind = DimKind::kBatch;
       ds.mult = x / sa.B;
     } else {
-      why = fmt::format("dimension {} has size {} for (B={}, T={}) and {} for (B={}, T={}), which is neither "
-                        "T, B*T nor a multiple of B", d, x, sa.B, sa.T, y, sb.B, sb.T);
+      why = fmt::format(
+          "dimension {} has size {} for (B={}, T={}) and {} for (B={}, T={}), which is neither "
+          "T, B*T nor a multiple of B",
+          d, x, sa.B, sa.T, y, sb.B, sb.T);
       return false;
     }
     spec.dims.push_back(ds);
@@ -118,18 +120,22 @@ void resolve_flat_order(const Graph& g, PlanData& plan) {
     const int r = find(i);
     const bool bm = batch_major.count(r) > 0, tm = token_major.count(r) > 0;
     if (bm && tm) {
-      throw Error(fmt::format("collider cannot rewrite node {} (#{}): its flattened batch and sequence rows are "
-                              "batch-major according to {} and sequence-major according to {}; reshape from one "
-                              "layout only", plan.nodes[i].type, i, batch_major[r].front(), token_major[r].front()));
+      throw Error(
+          fmt::format("collider cannot rewrite node {} (#{}): its flattened batch and sequence rows are "
+                      "batch-major according to {} and sequence-major according to {}; reshape from one "
+                      "layout only",
+                      plan.nodes[i].type, i, batch_major[r].front(), token_major[r].front()));
     }
     bool flat_here = false;
     for (const auto& f : plan.nodes[i].fields) flat_here = flat_here || has_flat(f.shape);
     if (!flat_here) continue;
     if (!bm && !tm && seq_first_tensor) {
-      throw Error(fmt::format("collider cannot rewrite node {} (#{}): it has a dimension of B*T rows, and no reshape "
-                              "next to it shows whether the batch or the sequence came first (the model has "
-                              "sequence-first [T, B, ..] tensors); flatten with view/reshape from the [B, T, ..] "
-                              "or [T, B, ..] tensor", plan.nodes[i].type, i));
+      throw Error(
+          fmt::format("collider cannot rewrite node {} (#{}): it has a dimension of B*T rows, and no reshape "
+                      "next to it shows whether the batch or the sequence came first (the model has "
+                      "sequence-first [T, B, ..] tensors); flatten with view/reshape from the [B, T, ..] "
+                      "or [T, B, ..] tensor",
+                      plan.nodes[i].type, i));
     }
     if (!tm) continue;
     for (auto& f : plan.nodes[i].fields)
@@ -180,13 +186,33 @@ bool align_broadcast(ShapeSpec& s, const std::vector<int64_t>& values, const Ref
 
 const std::set<std::string>& token_mixing_nodes() {
   // Ops that mix tokens along a dimension; cutting rows would change their meaning.
-  static const std::set<std::string> k = {
-      "CumsumBackward0", "CumprodBackward0", "LogcumsumexpBackward0", "FlipBackward0", "RollBackward0",
-      "SortBackward0", "TopkBackward0", "SliceBackward0", "SelectBackward0", "NarrowBackward0",
-      "IndexSelectBackward0", "GatherBackward0", "UnfoldBackward0", "ConstantPadNdBackward0",
-      "ConvolutionBackward0", "CumulativeTrapezoidBackward0", "DiffBackward0", "MaxBackward0",
-      "MinBackward0", "MaxBackward1", "MinBackward1", "SplitBackward0", "SplitWithSizesBackward0",
-      "UnsafeSplitBackward0", "UnsafeSplitWithSizesBackward0", "CatBackward0", "StackBackward0"};
+  static const std::set<std::string> k = {"CumsumBackward0",
+                                          "CumprodBackward0",
+                                          "LogcumsumexpBackward0",
+                                          "FlipBackward0",
+                                          "RollBackward0",
+                                          "SortBackward0",
+                                          "TopkBackward0",
+                                          "SliceBackward0",
+                                          "SelectBackward0",
+                                          "NarrowBackward0",
+                                          "IndexSelectBackward0",
+                                          "GatherBackward0",
+                                          "UnfoldBackward0",
+                                          "ConstantPadNdBackward0",
+                                          "ConvolutionBackward0",
+                                          "CumulativeTrapezoidBackward0",
+                                          "DiffBackward0",
+                                          "MaxBackward0",
+                                          "MinBackward0",
+                                          "MaxBackward1",
+                                          "MinBackward1",
+                                          "SplitBackward0",
+                                          "SplitWithSizesBackward0",
+                                          "UnsafeSplitBackward0",
+                                          "UnsafeSplitWithSizesBackward0",
+                                          "CatBackward0",
+                                          "StackBackward0"};
   return k;
 }
 

@@ -46,11 +46,20 @@ bool square_cut_portable(const void* x, void* out, size_t element_size, const in
     square_cut_cpu(static_cast<const E*>(x), static_cast<E*>(out), idx_BN, R, rpb, T, N);
   };
   switch (element_size) {
-    case 1: run(uint8_t{}); return true;
-    case 2: run(uint16_t{}); return true;
-    case 4: run(uint32_t{}); return true;
-    case 8: run(uint64_t{}); return true;
-    default: return false;
+    case 1:
+      run(uint8_t{});
+      return true;
+    case 2:
+      run(uint16_t{});
+      return true;
+    case 4:
+      run(uint32_t{});
+      return true;
+    case 8:
+      run(uint64_t{});
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -65,9 +74,9 @@ namespace {
 // stores (0.20 vs 0.27 ms for [8, 512, 512] -> [8, 304, 304] on 2 cores). Loads of the last
 // chunk are masked, so nothing outside a row is read either.
 __attribute__((target("avx512f"))) void pack_rows_avx512(const float* x, float* out, const int64_t* idx_BN,
-                                                          const int32_t* perm_BC16, const int32_t* count_BC,
-                                                          const int64_t* full_B, int64_t begin, int64_t end,
-                                                          int64_t rpb, int64_t T, int64_t N) {
+                                                         const int32_t* perm_BC16, const int32_t* count_BC,
+                                                         const int64_t* full_B, int64_t begin, int64_t end, int64_t rpb,
+                                                         int64_t T, int64_t N) {
   const int64_t C = (T + 15) / 16;
   const __mmask16 tail = static_cast<__mmask16>(T % 16 == 0 ? 0xFFFF : (1u << (T % 16)) - 1);
   for (int64_t row = begin; row < end; ++row) {
@@ -108,7 +117,7 @@ namespace {
 // (~20% on a cold destination: 23 -> 28 GB/s for 6 KB rows on 2 cores). Rows are whole
 // 64-byte lines, source and destination 64-byte aligned (checked by the caller).
 __attribute__((target("avx512f"))) void stream_rows_avx512(const char* src, char* dst, const int64_t* idx,
-                                                            int64_t begin, int64_t end, size_t row_bytes) {
+                                                           int64_t begin, int64_t end, size_t row_bytes) {
   for (int64_t i = begin; i < end; ++i) {
     const char* s = src + idx[i] * row_bytes;
     char* d = dst + i * row_bytes;
@@ -128,7 +137,6 @@ bool have_avx512() {
 }
 #endif
 
-
 // out_NP[i] = x_MP[idx_N[i]] for a contiguous CPU x: one memcpy per row, rows split over the
 // intra-op threads. index_select does the same through TensorIterator at ~1.7x the time
 // (0.33 vs 0.19 ms for a 5 MB gather on 2 cores); other devices keep index_select.
@@ -147,9 +155,8 @@ torch::Tensor gather_rows(const torch::Tensor& x_MP, const torch::Tensor& idx_N)
 #if defined(__x86_64__) && defined(__GNUC__)
   if (have_avx512() && row_bytes % 64 == 0 && reinterpret_cast<uintptr_t>(src) % 64 == 0 &&
       reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
-    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-      stream_rows_avx512(src, dst, idx, begin, end, row_bytes);
-    });
+    at::parallel_for(0, N, grain,
+                     [&](int64_t begin, int64_t end) { stream_rows_avx512(src, dst, idx, begin, end, row_bytes); });
     return out_NP;
   }
 #endif

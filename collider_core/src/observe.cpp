@@ -54,8 +54,10 @@ class RecordVisitor final : public FieldVisitor {
     try {
       t = v.unpack(node_);
     } catch (const std::exception& e) {
-      throw Error(fmt::format("trace_plan: cannot read saved tensor {} of {} ({}); was backward already run "
-                              "on this loss?", name, out_.type, e.what()));
+      throw Error(
+          fmt::format("trace_plan: cannot read saved tensor {} of {} ({}); was backward already run "
+                      "on this loss?",
+                      name, out_.type, e.what()));
     }
     o.defined = t.defined();
     if (t.defined()) o.values = t.sizes().vec();

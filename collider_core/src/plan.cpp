@@ -146,7 +146,8 @@ Plan Plan::from_string(const std::string& text) {
       d.nodes.back().fields.push_back(std::move(f));
     } else if (tag == "insert") {
       detail::EdgeInsert ins;
-      if (!(in >> ins.node >> ins.edge)) throw Error(fmt::format("Plan::from_string: line {}: malformed insert", line_no));
+      if (!(in >> ins.node >> ins.edge))
+        throw Error(fmt::format("Plan::from_string: line {}: malformed insert", line_no));
       ins.shape = parse_shape(in, line_no);
       d.inserts.push_back(std::move(ins));
     } else if (tag == "blocker") {

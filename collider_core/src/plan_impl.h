@@ -13,9 +13,9 @@
 namespace collider::detail {
 
 enum class DimKind : uint8_t {
-  kToken,      // size T
-  kFlatToken,  // size B*mult*T, batch-major (row = (b*mult + j)*T + t); mult is 1 for [B*T, ..]
-  kBatch,      // size B*mult, batch-major (row = b*mult + j)
+  kToken,         // size T
+  kFlatToken,     // size B*mult*T, batch-major (row = (b*mult + j)*T + t); mult is 1 for [B*T, ..]
+  kBatch,         // size B*mult, batch-major (row = b*mult + j)
   kFlatSeqFirst,  // size T*B*mult, token-major (row = t*B*mult + b*mult + j): a sequence-first
                   // [T, B*mult, ..] flattened (torch::nn's [T, B, D] layers)
 };
@@ -57,11 +57,11 @@ struct ShapeSpec {
 };
 
 enum class FieldKind : uint8_t {
-  kSaved,        // SavedVariable (item: index in a std::vector<SavedVariable>, else 0)
-  kSizes,        // std::vector<c10::SymInt> / std::vector<int64_t> / TypeAndSize / OptionalArray
-  kStrides,      // *_sym_strides: only observed while tracing, never stored; the rewrite
-                 // recomputes them as contiguous strides of the cut sibling sizes
-  kInputMeta,    // the node's expected input shape number `item`
+  kSaved,      // SavedVariable (item: index in a std::vector<SavedVariable>, else 0)
+  kSizes,      // std::vector<c10::SymInt> / std::vector<int64_t> / TypeAndSize / OptionalArray
+  kStrides,    // *_sym_strides: only observed while tracing, never stored; the rewrite
+               // recomputes them as contiguous strides of the cut sibling sizes
+  kInputMeta,  // the node's expected input shape number `item`
 };
 
 struct FieldSpec {
@@ -74,7 +74,7 @@ struct FieldSpec {
 struct NodeSpec {
   std::string type;  // Node::name()
   bool attention_core = false;
-  bool fused_attention = false;  // an SDPA backward node: replaced, not rewritten (sdpa.h)
+  bool fused_attention = false;   // an SDPA backward node: replaced, not rewritten (sdpa.h)
   std::vector<FieldSpec> fields;  // only fields with token dimensions
 };
 

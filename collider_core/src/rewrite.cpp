@@ -66,7 +66,8 @@ class KeyRowsNode final : public Node {
 // carry no gradient even when the loss does not mask them (see token_index.cpp).
 class ZeroPaddingNode final : public Node {
  public:
-  ZeroPaddingNode(std::shared_ptr<TokenIndex> index, ShapeSpec spec) : index_(std::move(index)), spec_(std::move(spec)) {}
+  ZeroPaddingNode(std::shared_ptr<TokenIndex> index, ShapeSpec spec)
+      : index_(std::move(index)), spec_(std::move(spec)) {}
   std::string name() const override { return "collider::ZeroPadding"; }
   variable_list apply(variable_list&& grads) override {
     torch::Tensor g = grads.at(0);
@@ -160,8 +161,9 @@ class Rewriter {
     const double dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - g0).count();
     stats_.gather_ms += dt;
     if (debug_gather()) {  // one line per gather, to find slow copies
-      fmt::print(stderr, "collider gather {:7.2f} ms [{}] strides [{}] contiguous {} {} -> [{}]\n", dt, fmt::join(t.sizes(), ","),
-                 fmt::join(t.strides(), ","), t.is_contiguous(), std::string(c10::toString(t.scalar_type())), fmt::join(out.sizes(), ","));
+      fmt::print(stderr, "collider gather {:7.2f} ms [{}] strides [{}] contiguous {} {} -> [{}]\n", dt,
+                 fmt::join(t.sizes(), ","), fmt::join(t.strides(), ","), t.is_contiguous(),
+                 std::string(c10::toString(t.scalar_type())), fmt::join(out.sizes(), ","));
     }
     ++stats_.tensors_gathered;
     stats_.bytes_before += static_cast<int64_t>(t.numel() * t.element_size());
@@ -215,7 +217,8 @@ class Rewriter::Apply final : public FieldVisitor {
   }
   void sizes_list(const char* name, std::vector<std::vector<c10::SymInt>>& v) override {
     for (size_t i = 0; i < v.size(); ++i)
-      if (auto* f = find(name, static_cast<int32_t>(i), FieldKind::kSizes)) assign(v[i], to_syms(apply_sizes(*f, to_ints(v[i]))));
+      if (auto* f = find(name, static_cast<int32_t>(i), FieldKind::kSizes))
+        assign(v[i], to_syms(apply_sizes(*f, to_ints(v[i]))));
   }
   void symint(const char*, c10::SymInt&) override {}
   void opt_symint(const char*, std::optional<c10::SymInt>&) override {}
@@ -257,7 +260,8 @@ class Rewriter::Apply final : public FieldVisitor {
   }
   static std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes) {
     std::vector<int64_t> st(sizes.size(), 1);
-    for (int64_t d = static_cast<int64_t>(sizes.size()) - 2; d >= 0; --d) st[d] = st[d + 1] * std::max<int64_t>(sizes[d + 1], 1);
+    for (int64_t d = static_cast<int64_t>(sizes.size()) - 2; d >= 0; --d)
+      st[d] = st[d + 1] * std::max<int64_t>(sizes[d + 1], 1);
     return st;
   }
   const FieldSpec* find(const char* name, int32_t item, FieldKind kind) const {
@@ -266,9 +270,10 @@ class Rewriter::Apply final : public FieldVisitor {
     return nullptr;
   }
   [[noreturn]] void mismatch(const FieldSpec& f, const std::string& what) const {
-    throw Error(fmt::format("filter_backward: the graph does not match the plan at node #{} {} field {}: {}. "
-                            "Re-trace the plan for this model (collider::trace_plan).",
-                            index_, spec_.type, f.name, what));
+    throw Error(
+        fmt::format("filter_backward: the graph does not match the plan at node #{} {} field {}: {}. "
+                    "Re-trace the plan for this model (collider::trace_plan).",
+                    index_, spec_.type, f.name, what));
   }
   std::vector<int64_t> apply_sizes(const FieldSpec& f, const std::vector<int64_t>& values) {
     auto bad = rw_.ix_->mismatch(values, f.shape);
@@ -285,9 +290,10 @@ class Rewriter::Apply final : public FieldVisitor {
     try {
       t = v.unpack(node_);
     } catch (const std::exception& e) {
-      throw Error(fmt::format("filter_backward: cannot read saved tensor {} of node #{} {} ({}). Call "
-                              "filter_backward once per loss, before loss.backward().",
-                              name, index_, spec_.type, e.what()));
+      throw Error(
+          fmt::format("filter_backward: cannot read saved tensor {} of node #{} {} ({}). Call "
+                      "filter_backward once per loss, before loss.backward().",
+                      name, index_, spec_.type, e.what()));
     }
     if (!t.defined()) return;
     auto bad = rw_.ix_->mismatch(t.sizes(), f->shape);
@@ -344,14 +350,17 @@ Graph checked_graph(const torch::Tensor& loss, const PlanData& plan, const char*
     if (it == names.end()) it = names.emplace(typeid(node), node.name()).first;
     const std::string& t = it->second;
     if (t != plan.nodes[i].type) {
-      throw Error(fmt::format("{}: node #{} is {} but the plan expects {}: the graph does not match the plan "
-                              "(another model, or a changed forward). Re-trace with collider::trace_plan.",
-                              who, i, t, plan.nodes[i].type));
+      throw Error(
+          fmt::format("{}: node #{} is {} but the plan expects {}: the graph does not match the plan "
+                      "(another model, or a changed forward). Re-trace with collider::trace_plan.",
+                      who, i, t, plan.nodes[i].type));
     }
   }
   if (g.nodes.size() != plan.nodes.size()) {
-    throw Error(fmt::format("{}: the loss graph has {} nodes but the plan has {}: it was traced for another model "
-                            "or loss. Re-trace with collider::trace_plan.", who, g.nodes.size(), plan.nodes.size()));
+    throw Error(
+        fmt::format("{}: the loss graph has {} nodes but the plan has {}: it was traced for another model "
+                    "or loss. Re-trace with collider::trace_plan.",
+                    who, g.nodes.size(), plan.nodes.size()));
   }
   return g;
 }
@@ -367,8 +376,8 @@ FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT,
   const PlanData& data = keep_BT.size(0) == 1 ? plan.impl().single : plan.impl().data;
   const bool exact = opts.attention == AttentionGrad::kExactQuery;
   if (exact && !data.exact_query_blocker.empty()) {
-    throw Error(fmt::format("{}: exact_query needs every attention core recognised: {}", who,
-                            data.exact_query_blocker));
+    throw Error(
+        fmt::format("{}: exact_query needs every attention core recognised: {}", who, data.exact_query_blocker));
   }
   Graph g = checked_graph(loss, data, who);
   const auto t_graph = std::chrono::steady_clock::now();
@@ -408,12 +417,14 @@ FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT,
   if (ix->ragged() && !masked) {
     auto token_input = [&](int node, uint32_t input_nr) -> const FieldSpec* {
       for (const auto& f : data.nodes[node].fields)
-        if (f.kind == FieldKind::kInputMeta && f.item == static_cast<int32_t>(input_nr) && f.shape.has_token()) return &f;
+        if (f.kind == FieldKind::kInputMeta && f.item == static_cast<int32_t>(input_nr) && f.shape.has_token())
+          return &f;
       return nullptr;
     };
     for (size_t i = 0; i < g.nodes.size(); ++i) {
       bool has_token_input = false;
-      for (const auto& f : data.nodes[i].fields) has_token_input = has_token_input || (f.kind == FieldKind::kInputMeta && f.shape.has_token());
+      for (const auto& f : data.nodes[i].fields)
+        has_token_input = has_token_input || (f.kind == FieldKind::kInputMeta && f.shape.has_token());
       if (has_token_input || data.nodes[i].fused_attention) continue;
       const auto& edges = g.nodes[i]->next_edges();
       for (size_t e = 0; e < edges.size(); ++e) {
@@ -486,9 +497,7 @@ static FilterStats rewrite_or_refuse(const torch::Tensor& loss, const torch::Ten
   const char* who = masked ? "mask_backward" : "filter_backward";
   try {
     return detail::run_rewrite(loss, keep_BT, plan, opts, masked);
-  } catch (const Error&) {
-    throw;
-  } catch (const std::exception& e) {
+  } catch (const Error&) { throw; } catch (const std::exception& e) {
     throw Error(fmt::format("{}: refused, the graph is unchanged (a plain backward gives the loss_only gradient): {}",
                             who, first_line(e.what())));
   }

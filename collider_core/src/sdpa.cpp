@@ -55,10 +55,10 @@ Saved read_common(N* n, const std::shared_ptr<Node>& self, const torch::Tensor& 
   s.scale = n->scale ? *n->scale : 1.0 / std::sqrt(static_cast<double>(s.q.size(-1)));
   if (s.q.dim() != 4 || s.k.dim() != 4 || s.v.dim() != 4 || s.k.size(1) == 0 || s.q.size(1) % s.k.size(1) != 0 ||
       s.v.size(1) != s.k.size(1)) {
-    throw Error(fmt::format("collider: {} has query [{}] and key / value [{}] / [{}]: expected [B, H, T, E] "
-                            "with H a multiple of the key/value heads (grouped-query attention)",
-                            n->name(), fmt::join(s.q.sizes(), "x"), fmt::join(s.k.sizes(), "x"),
-                            fmt::join(s.v.sizes(), "x")));
+    throw Error(
+        fmt::format("collider: {} has query [{}] and key / value [{}] / [{}]: expected [B, H, T, E] "
+                    "with H a multiple of the key/value heads (grouped-query attention)",
+                    n->name(), fmt::join(s.q.sizes(), "x"), fmt::join(s.k.sizes(), "x"), fmt::join(s.v.sizes(), "x")));
   }
   if (n->dropout_p != 0.0) {
     throw Error(fmt::format("collider: {} with dropout_p={} cannot be filtered (no dropout in training runs)",
@@ -70,7 +70,8 @@ Saved read_common(N* n, const std::shared_ptr<Node>& self, const torch::Tensor& 
 Saved read_saved(const std::shared_ptr<Node>& node) {
   Node* raw = node.get();
   if (auto* n = dynamic_cast<gen::ScaledDotProductFlashAttentionForCpuBackward0*>(raw)) {
-    if (n->attn_mask_.unpack(node).defined()) throw Error("collider: fused attention with an explicit mask is not supported; use is_causal");
+    if (n->attn_mask_.unpack(node).defined())
+      throw Error("collider: fused attention with an explicit mask is not supported; use is_causal");
     Saved s = read_common(n, node, n->logsumexp_.unpack(node));
     s.cpu_flash = s.q.device().is_cpu();
     return s;
@@ -79,11 +80,13 @@ Saved read_saved(const std::shared_ptr<Node>& node) {
     return read_common(n, node, n->logsumexp_.unpack(node));
   }
   if (auto* n = dynamic_cast<gen::ScaledDotProductEfficientAttentionBackward0*>(raw)) {
-    if (n->attn_bias_.unpack(node).defined()) throw Error("collider: fused attention with an explicit bias is not supported; use is_causal");
+    if (n->attn_bias_.unpack(node).defined())
+      throw Error("collider: fused attention with an explicit bias is not supported; use is_causal");
     return read_common(n, node, n->log_sumexp_.unpack(node));
   }
   if (auto* n = dynamic_cast<gen::ScaledDotProductCudnnAttentionBackward0*>(raw)) {
-    if (n->attn_bias_.unpack(node).defined()) throw Error("collider: fused attention with an explicit bias is not supported; use is_causal");
+    if (n->attn_bias_.unpack(node).defined())
+      throw Error("collider: fused attention with an explicit bias is not supported; use is_causal");
     return read_common(n, node, n->logsumexp_.unpack(node));
   }
   throw Error(fmt::format("collider: no filtered replacement for fused attention node {}", node->name()));
@@ -100,7 +103,9 @@ class FilteredAttentionNode final : public Node {
  public:
   FilteredAttentionNode(Saved saved, std::shared_ptr<TokenIndex> ix, bool exact, bool masked)
       : s_(std::move(saved)), ix_(std::move(ix)), exact_(exact), masked_(masked) {}
-  std::string name() const override { return exact_ ? "collider::FilteredAttentionExactQuery" : "collider::FilteredAttentionKeptOnly"; }
+  std::string name() const override {
+    return exact_ ? "collider::FilteredAttentionExactQuery" : "collider::FilteredAttentionKeptOnly";
+  }
 
   variable_list apply(variable_list&& grads) override {
     torch::NoGradGuard no_grad;
@@ -127,13 +132,13 @@ class FilteredAttentionNode final : public Node {
   variable_list exact_query_fused_cpu(const torch::Tensor& dO_BHNE, int64_t T) const {
     const auto spec4 = bhte_spec(4), spec3 = bhte_spec(3);
     auto dO = dO_BHNE.contiguous();
-    auto q = ix_->cut(s_.q, spec4, true).contiguous();                        // [B, H, N, E]
-    auto lse = ix_->cut(s_.lse.narrow(2, 0, T), spec3, true).contiguous();   // [B, H, N]
+    auto q = ix_->cut(s_.q, spec4, true).contiguous();                      // [B, H, N, E]
+    auto lse = ix_->cut(s_.lse.narrow(2, 0, T), spec3, true).contiguous();  // [B, H, N]
     const std::optional<double> scale = s_.scale;
     auto o = ix_->cut(s_.out, spec4, true).contiguous();
     if (!s_.causal) {
-      auto [dq, dk, dv] =
-          at::_scaled_dot_product_flash_attention_for_cpu_backward(dO, q, s_.k, s_.v, o, lse, 0.0, false, std::nullopt, scale);
+      auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(dO, q, s_.k, s_.v, o, lse, 0.0,
+                                                                                   false, std::nullopt, scale);
       return {dq, kept_keys(dk), kept_keys(dv)};
     }
     // Causal by original positions needs an explicit mask, and with a mask the kernel visits
@@ -150,7 +155,8 @@ class FilteredAttentionNode final : public Node {
       const int64_t r0 = N * c / chunks, r1 = N * (c + 1) / chunks, keys = last_acc[r1 - 1] + 1;
       auto cols = torch::arange(keys, pos.options()).view({1, 1, 1, keys});
       auto mask = torch::zeros({ix_->B(), 1, r1 - r0, keys}, q.options())
-                      .masked_fill_(cols > pos.narrow(2, r0, r1 - r0), -INFINITY);  // additive, in q's dtype (what the kernel takes)
+                      .masked_fill_(cols > pos.narrow(2, r0, r1 - r0),
+                                    -INFINITY);  // additive, in q's dtype (what the kernel takes)
       auto [dq_c, dk_c, dv_c] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
           dO.narrow(2, r0, r1 - r0), q.narrow(2, r0, r1 - r0), s_.k.narrow(2, 0, keys), s_.v.narrow(2, 0, keys),
           o.narrow(2, r0, r1 - r0), lse.narrow(2, r0, r1 - r0), 0.0, false, mask, scale);

@@ -10,9 +10,7 @@
 
 namespace collider {
 
-const char* to_string(SelectPolicy p) {
-  return p == SelectPolicy::kPerSequence ? "per_sequence" : "batch_topk";
-}
+const char* to_string(SelectPolicy p) { return p == SelectPolicy::kPerSequence ? "per_sequence" : "batch_topk"; }
 
 SelectPolicy select_policy_from_string(const std::string& s) {
   if (s == "per_sequence") return SelectPolicy::kPerSequence;
@@ -43,17 +41,19 @@ static int64_t kept_count_impl(int64_t T, double filter_ratio, int64_t align) {
 
 static torch::Tensor excess_loss_impl(const torch::Tensor& model_loss_BT, const torch::Tensor& reference_loss_BT) {
   TORCH_CHECK(model_loss_BT.sizes() == reference_loss_BT.sizes(),
-              "excess_loss: model and reference losses must have the same shape, got ",
-              model_loss_BT.sizes(), " and ", reference_loss_BT.sizes());
+              "excess_loss: model and reference losses must have the same shape, got ", model_loss_BT.sizes(), " and ",
+              reference_loss_BT.sizes());
   return model_loss_BT.detach() - reference_loss_BT.detach().to(model_loss_BT.dtype());
 }
 
-static torch::Tensor select_tokens_impl(const torch::Tensor& scores_BT, double filter_ratio, const SelectOptions& opts) {
+static torch::Tensor select_tokens_impl(const torch::Tensor& scores_BT, double filter_ratio,
+                                        const SelectOptions& opts) {
   check_ratio(filter_ratio);
   TORCH_CHECK(scores_BT.dim() == 2, "select_tokens: scores must be [B, T], got shape ", scores_BT.sizes());
   const int64_t B = scores_BT.size(0), T = scores_BT.size(1);
-  if (B == 0 || T == 0) throw std::invalid_argument("select_tokens: empty batch (shape [" +
-                                                    std::to_string(B) + ", " + std::to_string(T) + "])");
+  if (B == 0 || T == 0)
+    throw std::invalid_argument("select_tokens: empty batch (shape [" + std::to_string(B) + ", " + std::to_string(T) +
+                                "])");
   if (opts.align < 1) throw std::invalid_argument("select_tokens: align must be >= 1");
   torch::NoGradGuard no_grad;
   auto scores = scores_BT.detach().to(torch::kFloat64);
@@ -71,8 +71,8 @@ static torch::Tensor select_tokens_impl(const torch::Tensor& scores_BT, double f
     const int64_t nv0 = n_valid[0].item<int64_t>();
     TORCH_CHECK((n_valid == nv0).all().item<bool>(),
                 "select_tokens(per_sequence): every row needs the same number of labelled positions "
-                "so that every row keeps the same count; got ", n_valid,
-                ". Pack sequences to equal length or use batch_topk with loss_only.");
+                "so that every row keeps the same count; got ",
+                n_valid, ". Pack sequences to equal length or use batch_topk with loss_only.");
     const int64_t N = nv0 - drop_count(nv0, filter_ratio, opts.align);
     if (N <= 0) {
       throw std::invalid_argument("select_tokens: filter_ratio " + std::to_string(filter_ratio) + " with align " +
@@ -96,9 +96,7 @@ template <typename Fn>
 static auto as_collider_error(Fn&& fn) -> decltype(fn()) {
   try {
     return fn();
-  } catch (const Error&) {
-    throw;
-  } catch (const std::exception& e) {
+  } catch (const Error&) { throw; } catch (const std::exception& e) {
     std::string what = e.what();
     throw Error(what.substr(0, what.find('\n')));
   }

@@ -281,8 +281,8 @@ torch::Tensor TokenIndex::cut(const torch::Tensor& x_in, const ShapeSpec& spec, 
     }
   }
   if (cuts.size() == 2 && cuts[0]->kind == DimKind::kToken && cuts[1]->kind == DimKind::kToken &&
-      cuts[0]->dim + off == rank - 2 && cuts[1]->dim + off == rank - 1 && (bdim >= 0 || B_ == 1) &&
-      bdim < rank - 2 && x.size(rank - 1) == T_ && x.size(rank - 2) == T_) {
+      cuts[0]->dim + off == rank - 2 && cuts[1]->dim + off == rank - 1 && (bdim >= 0 || B_ == 1) && bdim < rank - 2 &&
+      x.size(rank - 1) == T_ && x.size(rank - 2) == T_) {
     return cut_last_two(x, bdim);
   }
   if (spec.pad_rank == 0 && !x.is_contiguous()) {
@@ -324,8 +324,8 @@ torch::Tensor TokenIndex::cut_in_memory_order(const torch::Tensor& x, const Shap
     if (d.kind == DimKind::kBatch) bdim = d.dim;
   for (const auto& d : sp.dims) {
     if (!cut_this(d, cut_keys)) continue;
-    if (d.kind == DimKind::kToken && bdim > d.dim) return {};                 // batch inside a token dim
-    if (d.kind == DimKind::kToken && bdim < 0 && B_ != 1) return {};          // no batch dim to index by
+    if (d.kind == DimKind::kToken && bdim > d.dim) return {};         // batch inside a token dim
+    if (d.kind == DimKind::kToken && bdim < 0 && B_ != 1) return {};  // no batch dim to index by
   }
   auto out = cut(xp, sp, cut_keys);
   std::vector<int64_t> inv(r);
@@ -363,8 +363,7 @@ torch::Tensor TokenIndex::zero_dropped(const torch::Tensor& x, const ShapeSpec& 
   return out;
 }
 
-std::vector<int64_t> TokenIndex::cut_sizes(c10::IntArrayRef sizes, const ShapeSpec& spec,
-                                           bool cut_keys) const {
+std::vector<int64_t> TokenIndex::cut_sizes(c10::IntArrayRef sizes, const ShapeSpec& spec, bool cut_keys) const {
   std::vector<int64_t> out;
   int32_t off = 0;
   if (spec.pad_rank > 0) {
@@ -385,9 +384,7 @@ std::string TokenIndex::mismatch(c10::IntArrayRef sizes, const ShapeSpec& spec) 
     return fmt::format("rank {} where the plan has {}", sizes.size(), spec.rank);
   }
   for (const auto& d : spec.dims) {
-    const int64_t want = d.kind == DimKind::kToken       ? T_
-                         : d.flat()                      ? B_ * d.mult * T_
-                                                         : B_ * d.mult;
+    const int64_t want = d.kind == DimKind::kToken ? T_ : d.flat() ? B_ * d.mult * T_ : B_ * d.mult;
     if (sizes[d.dim] != want) {
       return fmt::format("size {} at dimension {} where the plan expects {} (B={}, T={})", sizes[d.dim], d.dim, want,
                          B_, T_);

@@ -43,10 +43,10 @@ class TokenIndex {
  private:
   torch::Tensor cut_dim(const torch::Tensor& x, int64_t batch_dim, int64_t token_dim);
   torch::Tensor cut_in_memory_order(const torch::Tensor& x, const ShapeSpec& spec, bool cut_keys);
-  const torch::Tensor& flat_rows(int64_t rows_per_batch);  // [B*rpb*N] row indices into [B*rpb*T]
-  const torch::Tensor& flat_rows_seq_first(int64_t mult);  // [N*B*mult] row indices into [T*B*mult]
-  const torch::Tensor& idx_rows(int64_t rows_per_batch);   // [B*rpb, N] column indices
-  const torch::Tensor& idx_square(int64_t rows_per_batch); // [B*rpb, N*N] flat (i*T + j) indices
+  const torch::Tensor& flat_rows(int64_t rows_per_batch);   // [B*rpb*N] row indices into [B*rpb*T]
+  const torch::Tensor& flat_rows_seq_first(int64_t mult);   // [N*B*mult] row indices into [T*B*mult]
+  const torch::Tensor& idx_rows(int64_t rows_per_batch);    // [B*rpb, N] column indices
+  const torch::Tensor& idx_square(int64_t rows_per_batch);  // [B*rpb, N*N] flat (i*T + j) indices
   // Both of the last two dims are token dims of one batch row (attention's [.., Tq, Tk]): one pass.
   torch::Tensor cut_last_two(const torch::Tensor& x, int64_t batch_dim);
   // For the AVX-512 cut, per batch row b and 16-column chunk c of its keep mask: the kept
@@ -60,9 +60,9 @@ class TokenIndex {
 
   int64_t B_, T_, N_;
   torch::Tensor keep_BT_;
-  torch::Tensor sel_BT_;  // the cut positions: keep_BT_, plus the padding of ragged rows
-  torch::Tensor idx_BN_;  // int64 [B, N], ascending per row
-  torch::Tensor pad_BN_;  // bool [B, N], ragged only
+  torch::Tensor sel_BT_;         // the cut positions: keep_BT_, plus the padding of ragged rows
+  torch::Tensor idx_BN_;         // int64 [B, N], ascending per row
+  torch::Tensor pad_BN_;         // bool [B, N], ragged only
   std::vector<int64_t> counts_;  // kept per row
   bool ragged_ = false;
   std::map<int64_t, torch::Tensor> flat_cache_, seq_first_cache_, rows_cache_, square_cache_;

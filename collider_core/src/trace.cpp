@@ -58,17 +58,20 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
   plan.seq_b = sb.T;
   const size_t n = ga.nodes.size();
   if (gb.nodes.size() != n) {
-    throw Error(fmt::format("trace_plan: the loss graph has {} nodes for (B={}, T={}) but {} for (B={}, T={}); "
-                            "the model's graph must not depend on the batch or sequence size",
-                            n, sa.B, sa.T, gb.nodes.size(), sb.B, sb.T));
+    throw Error(
+        fmt::format("trace_plan: the loss graph has {} nodes for (B={}, T={}) but {} for (B={}, T={}); "
+                    "the model's graph must not depend on the batch or sequence size",
+                    n, sa.B, sa.T, gb.nodes.size(), sb.B, sb.T));
   }
   std::vector<ObservedNode> oa(n), ob(n);
   for (size_t i = 0; i < n; ++i) {
     oa[i] = observe(ga.nodes[i]);
     ob[i] = observe(gb.nodes[i]);
     if (oa[i].type != ob[i].type || oa[i].fields.size() != ob[i].fields.size()) {
-      throw Error(fmt::format("trace_plan: node #{} is {} in one trace and {} in the other; the graph must not "
-                              "depend on the batch or sequence size", i, oa[i].type, ob[i].type));
+      throw Error(
+          fmt::format("trace_plan: node #{} is {} in one trace and {} in the other; the graph must not "
+                      "depend on the batch or sequence size",
+                      i, oa[i].type, ob[i].type));
     }
   }
   plan.nodes.resize(n);
@@ -89,37 +92,46 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
       ShapeSpec spec;
       std::string why;
       if (!classify(a, b, sa, sb, spec, why)) {
-        throw Error(fmt::format("collider cannot rewrite node {} (#{}): field {} {}. Saved fields: {}",
-                                ns.type, i, a.name, why, oa[i].described.empty() ? "(none)" : oa[i].described));
+        throw Error(fmt::format("collider cannot rewrite node {} (#{}): field {} {}. Saved fields: {}", ns.type, i,
+                                a.name, why, oa[i].described.empty() ? "(none)" : oa[i].described));
       }
       if (!spec.has_token()) continue;
       if (a.scalar) {
         if (a.name.find("numel") != std::string::npos) continue;  // a divisor fixed by the forward (mean)
-        throw Error(fmt::format("collider cannot rewrite node {} (#{}): scalar field {} equals the sequence length; "
-                                "the op indexes along the token dimension. Saved fields: {}",
-                                ns.type, i, a.name, oa[i].described));
+        throw Error(
+            fmt::format("collider cannot rewrite node {} (#{}): scalar field {} equals the sequence length; "
+                        "the op indexes along the token dimension. Saved fields: {}",
+                        ns.type, i, a.name, oa[i].described));
       }
       if (a.name.rfind("geometry:", 0) == 0) {
-        throw Error(fmt::format("collider cannot rewrite node {} (#{}): field {} (a TensorGeometry) has token "
-                                "dimensions", ns.type, i, a.name.substr(9)));
+        throw Error(
+            fmt::format("collider cannot rewrite node {} (#{}): field {} (a TensorGeometry) has token "
+                        "dimensions",
+                        ns.type, i, a.name.substr(9)));
       }
-      if (!oa[i].generated && a.kind == FieldKind::kInputMeta && ns.type.find("CompiledFunction") != std::string::npos) {
-        throw Error(fmt::format("collider cannot rewrite node {} (#{}): it is a torch.compile (AOTAutograd) graph, "
-                                "whose saved activations live inside compiled code the rewriter cannot cut. Trace "
-                                "and filter the model without torch.compile.", ns.type, i));
+      if (!oa[i].generated && a.kind == FieldKind::kInputMeta &&
+          ns.type.find("CompiledFunction") != std::string::npos) {
+        throw Error(
+            fmt::format("collider cannot rewrite node {} (#{}): it is a torch.compile (AOTAutograd) graph, "
+                        "whose saved activations live inside compiled code the rewriter cannot cut. Trace "
+                        "and filter the model without torch.compile.",
+                        ns.type, i));
       }
       if (!oa[i].generated && a.kind == FieldKind::kInputMeta && !is_passthrough(ns.type) &&
           ns.type != "torch::autograd::AccumulateGrad") {
-        throw Error(fmt::format("collider cannot rewrite node {} (#{}): it is not an ATen op (no field handler "
-                                "generated from Functions.h) and its input has token dimensions. If it maps "
-                                "gradients row for row and saves nothing token-shaped, declare it with "
-                                "collider::register_passthrough_node(\"{}\").", ns.type, i, ns.type));
+        throw Error(
+            fmt::format("collider cannot rewrite node {} (#{}): it is not an ATen op (no field handler "
+                        "generated from Functions.h) and its input has token dimensions. If it maps "
+                        "gradients row for row and saves nothing token-shaped, declare it with "
+                        "collider::register_passthrough_node(\"{}\").",
+                        ns.type, i, ns.type));
       }
       if (token_mixing_nodes().count(ns.type) && along_token_dim(oa[i], a, spec) &&
           !is_cat_onto_empty(oa[i], ob[i], sa, sb)) {
-        throw Error(fmt::format("collider cannot rewrite node {} (#{}): it mixes or indexes positions along a "
-                                "token dimension (field {}); filtering rows would change its result{}",
-                                ns.type, i, a.name, mixing_hint(ns.type)));
+        throw Error(
+            fmt::format("collider cannot rewrite node {} (#{}): it mixes or indexes positions along a "
+                        "token dimension (field {}); filtering rows would change its result{}",
+                        ns.type, i, a.name, mixing_hint(ns.type)));
       }
       ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
       values[i].push_back(a.values);
@@ -144,9 +156,11 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
       FieldSpec& f = ns.fields[k];
       if (batch_dim(f.shape) || has_flat(f.shape)) continue;
       if (!ref || !align_broadcast(f.shape, values[i][k], *ref)) {
-        throw Error(fmt::format("collider cannot rewrite node {} (#{}): field {} has token dimensions but no "
-                                "batch dimension, and no batch-carrying tensor of the node or its consumers "
-                                "shows how it broadcasts", ns.type, i, f.name));
+        throw Error(
+            fmt::format("collider cannot rewrite node {} (#{}): field {} has token dimensions but no "
+                        "batch dimension, and no batch-carrying tensor of the node or its consumers "
+                        "shows how it broadcasts",
+                        ns.type, i, f.name));
       }
     }
     if (!ref) {
@@ -166,8 +180,9 @@ static Plan trace_plan_impl(const LossOnBatchFn& loss_on_random_batch, const Tra
   auto build = [&](int64_t B, int64_t T) {
     torch::Tensor loss = loss_on_random_batch(B, T);
     if (!loss.defined() || !loss.requires_grad() || !loss.grad_fn()) {
-      throw Error("trace_plan: the loss function must return a loss that requires grad (build it from the "
-                  "model's parameters, outside torch::NoGradGuard)");
+      throw Error(
+          "trace_plan: the loss function must return a loss that requires grad (build it from the "
+          "model's parameters, outside torch::NoGradGuard)");
     }
     if (loss.numel() != 1) throw Error("trace_plan: the loss must be a scalar");
     return loss;
@@ -193,9 +208,7 @@ static Plan trace_plan_impl(const LossOnBatchFn& loss_on_random_batch, const Tra
 Plan trace_plan(const LossOnBatchFn& loss_on_random_batch, const TraceOptions& opts) {
   try {
     return trace_plan_impl(loss_on_random_batch, opts);
-  } catch (const Error&) {
-    throw;
-  } catch (const std::exception& e) {
+  } catch (const Error&) { throw; } catch (const std::exception& e) {
     std::string what = e.what();
     throw Error("trace_plan: building or tracing the loss failed: " + what.substr(0, what.find('\n')));
   }

@@ -26,9 +26,10 @@ int env_int(const char* name, std::optional<int> fallback, int lo, int hi) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') {
     if (fallback) return *fallback;
-    throw std::invalid_argument(fmt::format("{} is not set; a distributed run needs RANK, WORLD_SIZE, MASTER_ADDR and "
-                                            "MASTER_PORT (scripts/launch.sh, torchrun or srun set them)",
-                                            name));
+    throw std::invalid_argument(
+        fmt::format("{} is not set; a distributed run needs RANK, WORLD_SIZE, MASTER_ADDR and "
+                    "MASTER_PORT (scripts/launch.sh, torchrun or srun set them)",
+                    name));
   }
   char* end = nullptr;
   errno = 0;
@@ -107,9 +108,7 @@ void ProcessGroup::all_reduce_sum(std::vector<torch::Tensor>& tensors, const cha
       works.push_back(impl_->backend->allreduce(one));
     }
     for (auto& w : works) w->wait(env_.timeout);
-  } catch (const std::exception& e) {
-    rethrow_collective(env_, backend_, "all-reduce", what, e);
-  }
+  } catch (const std::exception& e) { rethrow_collective(env_, backend_, "all-reduce", what, e); }
 }
 
 struct ProcessGroup::Pending {
@@ -130,9 +129,7 @@ std::shared_ptr<ProcessGroup::Pending> ProcessGroup::start_all_reduce_sum(torch:
 void ProcessGroup::wait(Pending& pending, const char* what) {
   try {
     pending.work->wait(env_.timeout);
-  } catch (const std::exception& e) {
-    rethrow_collective(env_, backend_, "all-reduce", what, e);
-  }
+  } catch (const std::exception& e) { rethrow_collective(env_, backend_, "all-reduce", what, e); }
 }
 
 void ProcessGroup::broadcast(std::vector<torch::Tensor>& tensors, int root, const char* what) {
@@ -145,9 +142,7 @@ void ProcessGroup::broadcast(std::vector<torch::Tensor>& tensors, int root, cons
       works.push_back(impl_->backend->broadcast(one, o));
     }
     for (auto& w : works) w->wait(env_.timeout);
-  } catch (const std::exception& e) {
-    rethrow_collective(env_, backend_, "broadcast", what, e);
-  }
+  } catch (const std::exception& e) { rethrow_collective(env_, backend_, "broadcast", what, e); }
 }
 
 void ProcessGroup::barrier(const char* what) {
@@ -155,9 +150,7 @@ void ProcessGroup::barrier(const char* what) {
     c10d::BarrierOptions o;
     o.timeout = env_.timeout;
     impl_->backend->barrier(o)->wait(env_.timeout);
-  } catch (const std::exception& e) {
-    rethrow_collective(env_, backend_, "barrier", what, e);
-  }
+  } catch (const std::exception& e) { rethrow_collective(env_, backend_, "barrier", what, e); }
 }
 
 std::shared_ptr<ProcessGroup> init_process_group(const DistEnv& env, const torch::Device& device) {
@@ -342,9 +335,8 @@ void GradientReducer::begin(double local_loss, int64_t local_tokens_kept, int64_
   std::lock_guard<std::mutex> lock(mutex_);
   stats_ = std::move(st);
   // This rank's share of the global mean; with no kept token anywhere, a plain average.
-  scale_ = stats_.tokens_kept > 0
-               ? static_cast<double>(local_tokens_kept) / static_cast<double>(stats_.tokens_kept)
-               : 1.0 / W;
+  scale_ = stats_.tokens_kept > 0 ? static_cast<double>(local_tokens_kept) / static_cast<double>(stats_.tokens_kept)
+                                  : 1.0 / W;
   param_ready_.assign(params_.size(), 0);
   bucket_ready_count_.assign(buckets_.size(), 0);
   next_bucket_ = 0;

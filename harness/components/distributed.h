@@ -91,17 +91,17 @@ std::shared_ptr<ProcessGroup> init_process_group(const DistEnv& env, const torch
 
 // What one reduction did: the per-rank numbers every rank now knows, and the time it took.
 struct ReduceStats {
-  double allreduce_ms = 0.0;           // wall time of begin() + finish() (host clock): wait_ms + bucket_ms
-  double wait_ms = 0.0;                // the first, tiny all-reduce: mostly waiting for the slowest rank
-  double bucket_ms = 0.0;              // after backward: start the rest, wait for all buckets, copy back
-  int64_t buckets_overlapped = 0;      // buckets whose all-reduce started during backward
+  double allreduce_ms = 0.0;       // wall time of begin() + finish() (host clock): wait_ms + bucket_ms
+  double wait_ms = 0.0;            // the first, tiny all-reduce: mostly waiting for the slowest rank
+  double bucket_ms = 0.0;          // after backward: start the rest, wait for all buckets, copy back
+  int64_t buckets_overlapped = 0;  // buckets whose all-reduce started during backward
   int64_t num_buckets = 0;
-  int64_t bytes = 0;                   // gradient bytes all-reduced per rank
-  std::vector<double> rank_loss;       // per rank: its loss (mean over its kept tokens)
+  int64_t bytes = 0;                      // gradient bytes all-reduced per rank
+  std::vector<double> rank_loss;          // per rank: its loss (mean over its kept tokens)
   std::vector<int64_t> rank_tokens_kept;  // per rank: kept positions
   std::vector<int64_t> rank_tokens;       // per rank: positions in its batch slice
-  double loss = 0.0;                   // mean over every kept token of every rank
-  int64_t tokens_kept = 0, tokens = 0;  // sums over ranks
+  double loss = 0.0;                      // mean over every kept token of every rank
+  int64_t tokens_kept = 0, tokens = 0;    // sums over ranks
 };
 
 struct ReducerOptions {
@@ -148,21 +148,21 @@ class GradientReducer {
   void mark_ready(size_t param_index);  // from the gradient-accumulator hooks
   void start_ready_buckets(bool all);   // in bucket order; all = also the incomplete ones
   std::shared_ptr<ProcessGroup> pg_;
-  std::vector<torch::Tensor> params_;           // unique, in reduction order
-  std::vector<std::vector<size_t>> buckets_;    // indices into params_
-  std::vector<size_t> bucket_of_;               // param index -> bucket
+  std::vector<torch::Tensor> params_;         // unique, in reduction order
+  std::vector<std::vector<size_t>> buckets_;  // indices into params_
+  std::vector<size_t> bucket_of_;             // param index -> bucket
   ReducerOptions options_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // kept alive so hooks persist
   std::vector<uintptr_t> hook_keys_;
   // State of the step between begin() and finish().
   std::mutex mutex_;
   bool armed_ = false;
-  double scale_ = 1.0;                          // n_r / N
+  double scale_ = 1.0;  // n_r / N
   ReduceStats stats_;
   double t_begin_ms_ = 0.0, begin_ms_ = 0.0;
   std::vector<char> param_ready_;
   std::vector<int64_t> bucket_ready_count_;
-  size_t next_bucket_ = 0;                      // buckets [0, next_bucket_) started
+  size_t next_bucket_ = 0;  // buckets [0, next_bucket_) started
   std::vector<torch::Tensor> flats_;
   std::vector<std::shared_ptr<ProcessGroup::Pending>> pending_;
   int64_t buckets_started_in_backward_ = 0;

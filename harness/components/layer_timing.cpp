@@ -35,7 +35,8 @@ struct BoundaryMarker : public torch::autograd::Function<BoundaryMarker> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    if (LayerTimer* t = lookup(ctx->saved_data["timer"].toInt())) t->on_marker_backward(ctx->saved_data["boundary"].toInt());
+    if (LayerTimer* t = lookup(ctx->saved_data["timer"].toInt()))
+      t->on_marker_backward(ctx->saved_data["boundary"].toInt());
     return {grads[0], torch::Tensor(), torch::Tensor()};
   }
 };
@@ -61,9 +62,7 @@ std::string LayerTimer::marker_node_name() {
   return g_marker_name;
 }
 
-LayerTimer::LayerTimer(Timer* timer, RangeRecorder* ranges) : timer_(timer), ranges_(ranges) {
-  register_marker_once();
-}
+LayerTimer::LayerTimer(Timer* timer, RangeRecorder* ranges) : timer_(timer), ranges_(ranges) { register_marker_once(); }
 
 LayerTimer::~LayerTimer() {
   std::lock_guard<std::mutex> lock(g_registry_mu);
@@ -185,7 +184,8 @@ std::vector<LayerTime> LayerTimer::resolve() const {
   }
   for (int64_t b = 0; b < n; ++b) {
     if (fwd_marks_[b] < 0) {
-      throw std::runtime_error(fmt::format("layer timing: the forward marker at boundary '{}' did not fire", boundaries_[b]));
+      throw std::runtime_error(
+          fmt::format("layer timing: the forward marker at boundary '{}' did not fire", boundaries_[b]));
     }
   }
   const bool have_bwd = bwd_begin_ >= 0 && bwd_end_ >= 0;

@@ -54,9 +54,7 @@ class TrackingCpuAllocator final : public c10::Allocator {
     return {p, p, &TrackingCpuAllocator::free, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &TrackingCpuAllocator::free; }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 
   static void free(void* p) {
     if (!p) return;
@@ -198,7 +196,8 @@ void MemoryProbe::reset_peak() {
 
 int64_t MemoryProbe::peak_bytes() const {
   if (device.is_cuda()) {
-    auto stats = c10::getDeviceAllocator(c10::DeviceType::CUDA)->getDeviceStats(device.has_index() ? device.index() : 0);
+    auto stats =
+        c10::getDeviceAllocator(c10::DeviceType::CUDA)->getDeviceStats(device.has_index() ? device.index() : 0);
     return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
   }
   auto* a = TrackingCpuAllocator::instance();
@@ -207,7 +206,8 @@ int64_t MemoryProbe::peak_bytes() const {
 
 int64_t MemoryProbe::live_bytes() const {
   if (device.is_cuda()) {
-    auto stats = c10::getDeviceAllocator(c10::DeviceType::CUDA)->getDeviceStats(device.has_index() ? device.index() : 0);
+    auto stats =
+        c10::getDeviceAllocator(c10::DeviceType::CUDA)->getDeviceStats(device.has_index() ? device.index() : 0);
     return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
   }
   auto* a = TrackingCpuAllocator::instance();

@@ -24,10 +24,10 @@ const char* cpu_allocator_mode();
 
 struct MemoryProbe {
   explicit MemoryProbe(const torch::Device& device);
-  void reset_peak();             // peak := bytes live now
-  int64_t peak_bytes() const;    // peak since reset_peak()
+  void reset_peak();           // peak := bytes live now
+  int64_t peak_bytes() const;  // peak since reset_peak()
   int64_t live_bytes() const;
-  const char* method() const;    // value of the row's peak_mem_method
+  const char* method() const;  // value of the row's peak_mem_method
   torch::Device device;
 };
 

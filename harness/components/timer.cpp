@@ -15,8 +15,7 @@
 namespace collider::harness {
 
 int64_t host_now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
 
@@ -72,8 +71,8 @@ class CudaEventTimer final : public Timer {
   }
   double elapsed_ms(int64_t a, int64_t b) const override {
     std::lock_guard<std::mutex> lock(mu_);
-    TORCH_CHECK(a >= 0 && b >= 0 && a < used_ && b < used_, "Timer::elapsed_ms: mark index out of range (", a,
-                ", ", b, " of ", used_, ")");
+    TORCH_CHECK(a >= 0 && b >= 0 && a < used_ && b < used_, "Timer::elapsed_ms: mark index out of range (", a, ", ", b,
+                " of ", used_, ")");
     return events_[a]->elapsedTime(*events_[b]);
   }
   void reset() override {

@@ -39,8 +39,8 @@ constexpr size_t kRefHeaderBytes = 32;
 const uint8_t* map_file(const std::string& path, size_t* bytes) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
-    throw std::runtime_error(fmt::format("cannot open '{}': {} (run ./scripts/prepare_data.sh?)", path,
-                                         std::strerror(errno)));
+    throw std::runtime_error(
+        fmt::format("cannot open '{}': {} (run ./scripts/prepare_data.sh?)", path, std::strerror(errno)));
   }
   struct stat st {};
   if (::fstat(fd, &st) != 0 || st.st_size < 0) {
@@ -103,8 +103,8 @@ bool Tokenizer::available() {
 }
 
 #ifdef COLLIDER_HAVE_SENTENCEPIECE
-Tokenizer::Tokenizer(const std::string& model_path) : sp_(std::make_unique<sentencepiece::SentencePieceProcessor>()),
-                                                     path_(model_path) {
+Tokenizer::Tokenizer(const std::string& model_path)
+    : sp_(std::make_unique<sentencepiece::SentencePieceProcessor>()), path_(model_path) {
   const auto status = sp_->Load(model_path);
   if (!status.ok()) {
     throw std::runtime_error(fmt::format("cannot load SentencePiece model '{}': {}", model_path, status.ToString()));
@@ -134,10 +134,10 @@ int32_t Tokenizer::eos_id() const { return sp_->eos_id(); }
 std::string Tokenizer::piece(int32_t id) const { return sp_->IdToPiece(id); }
 #else
 Tokenizer::Tokenizer(const std::string& model_path) : path_(model_path) {
-  throw std::runtime_error(fmt::format(
-      "cannot load '{}': this build has no SentencePiece (install libsentencepiece-dev, e.g. via "
-      "./scripts/bootstrap.sh, and re-run cmake)",
-      model_path));
+  throw std::runtime_error(
+      fmt::format("cannot load '{}': this build has no SentencePiece (install libsentencepiece-dev, e.g. via "
+                  "./scripts/bootstrap.sh, and re-run cmake)",
+                  model_path));
 }
 std::vector<int32_t> Tokenizer::encode(const std::string&) const { return {}; }
 std::string Tokenizer::decode(const std::vector<int32_t>&) const { return {}; }
@@ -150,8 +150,7 @@ Tokenizer::~Tokenizer() = default;
 
 // ---- shards ------------------------------------------------------------------------------------
 
-void write_token_shard(const std::string& path, const std::vector<int64_t>& ids, uint32_t vocab_size,
-                       uint32_t eos_id) {
+void write_token_shard(const std::string& path, const std::vector<int64_t>& ids, uint32_t vocab_size, uint32_t eos_id) {
   const uint32_t token_bytes = vocab_size <= 65536 ? 2 : 4;
   std::vector<uint8_t> h(kShardMagic, kShardMagic + 8);
   put<uint32_t>(h, 1);
@@ -179,7 +178,8 @@ TokenShard::TokenShard(const std::string& path) : path_(path) {
   base_ = map_file(path, &map_bytes_);
   auto fail = [&](const std::string& what) {
     unmap_file(base_, map_bytes_);
-    throw std::runtime_error(fmt::format("token shard '{}': {} (re-create it with ./scripts/prepare_data.sh)", path, what));
+    throw std::runtime_error(
+        fmt::format("token shard '{}': {} (re-create it with ./scripts/prepare_data.sh)", path, what));
   };
   if (map_bytes_ < kShardHeaderBytes || std::memcmp(base_, kShardMagic, 8) != 0) fail("not a CLDRTOK1 shard");
   header_.version = read_le<uint32_t>(base_ + 8);
@@ -188,7 +188,8 @@ TokenShard::TokenShard(const std::string& path) : path_(path) {
   header_.vocab_size = read_le<uint32_t>(base_ + 24);
   header_.eos_id = read_le<uint32_t>(base_ + 28);
   if (header_.version != 1) fail(fmt::format("version {} (this build reads 1)", header_.version));
-  if (header_.token_bytes != 2 && header_.token_bytes != 4) fail(fmt::format("{} bytes per token", header_.token_bytes));
+  if (header_.token_bytes != 2 && header_.token_bytes != 4)
+    fail(fmt::format("{} bytes per token", header_.token_bytes));
   // Compared by division: a corrupt token count must not overflow the product (found by
   // fuzz/fuzz_tokens.cpp; tests/fuzz_regressions/tokens/).
   const uint64_t payload = map_bytes_ - kShardHeaderBytes;
@@ -198,9 +199,7 @@ TokenShard::TokenShard(const std::string& path) : path_(path) {
   }
 }
 
-TokenShard::~TokenShard() {
-  unmap_file(base_, map_bytes_);
-}
+TokenShard::~TokenShard() { unmap_file(base_, map_bytes_); }
 
 int64_t TokenShard::at(int64_t i) const {
   TORCH_CHECK(i >= 0 && i < size(), "TokenShard::at: index ", i, " outside [0, ", size(), ") of ", path_);
@@ -235,8 +234,8 @@ std::vector<int64_t> seeded_permutation(int64_t n, uint64_t seed, int64_t epoch)
   return p;
 }
 
-WindowLoader::WindowLoader(std::shared_ptr<const TokenShard> shard, int64_t seq_len, int64_t batch_size,
-                           uint64_t seed, int64_t pool, int64_t rank, int64_t world_size)
+WindowLoader::WindowLoader(std::shared_ptr<const TokenShard> shard, int64_t seq_len, int64_t batch_size, uint64_t seed,
+                           int64_t pool, int64_t rank, int64_t world_size)
     : shard_(std::move(shard)), T_(seq_len), B_(batch_size), seed_(seed), rank_(rank), world_size_(world_size) {
   if (T_ < 1 || B_ < 1) {
     throw std::invalid_argument(fmt::format("WindowLoader: seq_len {} and batch_size {} must be >= 1", T_, B_));
@@ -251,9 +250,10 @@ WindowLoader::WindowLoader(std::shared_ptr<const TokenShard> shard, int64_t seq_
   }
   num_windows_ = pool > 0 ? pool : all;
   if (num_windows_ < B_ * world_size_) {
-    throw std::invalid_argument(fmt::format("WindowLoader: '{}' has {} windows of T = {}, fewer than one global batch "
-                                            "({} x {} ranks); use a smaller batch or more data",
-                                            shard_->path(), num_windows_, T_, B_, world_size_));
+    throw std::invalid_argument(
+        fmt::format("WindowLoader: '{}' has {} windows of T = {}, fewer than one global batch "
+                    "({} x {} ranks); use a smaller batch or more data",
+                    shard_->path(), num_windows_, T_, B_, world_size_));
   }
 }
 
@@ -273,7 +273,8 @@ std::vector<int64_t> WindowLoader::window_ids(int64_t step) const {
   const int64_t epoch = step / per_epoch, in_epoch = step % per_epoch;
   const auto& p = permutation(epoch);
   std::vector<int64_t> ids(static_cast<size_t>(B_));
-  for (int64_t b = 0; b < B_; ++b) ids[static_cast<size_t>(b)] = p[static_cast<size_t>(in_epoch * global + rank_ * B_ + b)];
+  for (int64_t b = 0; b < B_; ++b)
+    ids[static_cast<size_t>(b)] = p[static_cast<size_t>(in_epoch * global + rank_ * B_ + b)];
   return ids;
 }
 
@@ -310,9 +311,7 @@ RefLosses::RefLosses(const std::string& path) : path_(path) {
   }
 }
 
-RefLosses::~RefLosses() {
-  unmap_file(base_, map_bytes_);
-}
+RefLosses::~RefLosses() { unmap_file(base_, map_bytes_); }
 
 torch::Tensor RefLosses::rows(const std::vector<int64_t>& windows) const {
   auto out = torch::empty({static_cast<int64_t>(windows.size()), T_}, torch::kFloat);

@@ -77,10 +77,8 @@ Trainer::Trainer(models::CausalLM model, StepConfig cfg, torch::Device device, u
     if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
     (p.dim() >= 2 ? decay : no_decay).push_back(p);
   }
-  auto opts = torch::optim::AdamWOptions(cfg_.lr)
-                  .betas({cfg_.beta1, cfg_.beta2})
-                  .eps(cfg_.eps)
-                  .weight_decay(cfg_.weight_decay);
+  auto opts =
+      torch::optim::AdamWOptions(cfg_.lr).betas({cfg_.beta1, cfg_.beta2}).eps(cfg_.eps).weight_decay(cfg_.weight_decay);
   auto opts_nd = opts;
   opts_nd.weight_decay(0.0);
   std::vector<torch::optim::OptimizerParamGroup> groups;
@@ -129,7 +127,9 @@ torch::Tensor Trainer::select(const torch::Tensor& loss_BT, const Batch& batch) 
   if (spec.method == Method::kRegular) return valid_BT;
   torch::Tensor scores_BT;
   switch (spec.score) {
-    case Score::kSelf: scores_BT = loss_BT.detach(); break;
+    case Score::kSelf:
+      scores_BT = loss_BT.detach();
+      break;
     case Score::kExcessLoss:
     case Score::kReferenceLoss: {
       TORCH_CHECK(batch.ref_loss_BT.has_value(), "Trainer: score '", to_string(spec.score),
@@ -227,9 +227,7 @@ StepResult Trainer::step(const Batch& batch_in) {
 
   {
     ScopedRange rg(ranges_, "optimizer");
-    if (cfg_.grad_clip > 0) {
-      r.grad_norm = torch::nn::utils::clip_grad_norm_(model_->parameters(), cfg_.grad_clip);
-    }
+    if (cfg_.grad_clip > 0) { r.grad_norm = torch::nn::utils::clip_grad_norm_(model_->parameters(), cfg_.grad_clip); }
     optimizer_->step();
   }
   const int64_t m_opt = timer_->mark();
@@ -252,7 +250,8 @@ StepResult Trainer::step(const Batch& batch_in) {
   r.tokens_kept = r.dist ? r.dist->tokens_kept : keep_BT.sum().item<int64_t>();
   auto per_row = keep_BT.sum(1).cpu();
   r.kept_per_row.assign(per_row.data_ptr<int64_t>(), per_row.data_ptr<int64_t>() + per_row.numel());
-  const bool equal = std::all_of(r.kept_per_row.begin(), r.kept_per_row.end(), [&](int64_t n) { return n == r.kept_per_row[0]; });
+  const bool equal =
+      std::all_of(r.kept_per_row.begin(), r.kept_per_row.end(), [&](int64_t n) { return n == r.kept_per_row[0]; });
   r.kept_per_seq = equal ? r.kept_per_row[0] : -1;
   return r;
 }

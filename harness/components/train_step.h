@@ -42,36 +42,37 @@ struct StepConfig {
   double filter_ratio = 0.0;  // fraction of tokens dropped (ignored by regular)
   int64_t align = 8;          // drop count per row rounded up to a multiple of this
   double lr = 3e-4, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
-  double grad_clip = 1.0;     // max global grad norm; <= 0 disables clipping
+  double grad_clip = 1.0;      // max global grad norm; <= 0 disables clipping
   bool bf16_autocast = false;  // CUDA only: forward under bf16 autocast
   bool layer_timing = false;   // install per-layer markers
 };
 
 struct Batch {
-  torch::Tensor input_ids_BT;               // int64 [B, T]
-  torch::Tensor labels_BT;                  // int64 [B, T], pre-shifted, -100 = no label
+  torch::Tensor input_ids_BT;                // int64 [B, T]
+  torch::Tensor labels_BT;                   // int64 [B, T], pre-shifted, -100 = no label
   std::optional<torch::Tensor> ref_loss_BT;  // float [B, T], reference per-token losses (nats)
 };
 
 struct StepResult {
   // With a reducer, loss / tokens / tokens_kept are over every rank (`dist` has each rank's).
-  double loss = 0.0;           // the loss that was backpropagated (mean over kept tokens)
-  double loss_all = 0.0;       // mean over every labelled token (the regular loss; compares methods)
-  double grad_norm = 0.0;      // global grad norm before clipping (of the reduced gradients)
-  int64_t tokens = 0;          // B * T
-  int64_t tokens_kept = 0;     // kept positions in the batch
-  int64_t kept_per_seq = 0;    // N when every row keeps the same count (per_sequence), else -1 (ragged)
+  double loss = 0.0;                  // the loss that was backpropagated (mean over kept tokens)
+  double loss_all = 0.0;              // mean over every labelled token (the regular loss; compares methods)
+  double grad_norm = 0.0;             // global grad norm before clipping (of the reduced gradients)
+  int64_t tokens = 0;                 // B * T
+  int64_t tokens_kept = 0;            // kept positions in the batch
+  int64_t kept_per_seq = 0;           // N when every row keeps the same count (per_sequence), else -1 (ragged)
   std::vector<int64_t> kept_per_row;  // [B] this rank's kept count of every row
-  double fwd_ms = 0.0;         // model forward + per-token loss
-  double filter_ms = 0.0;      // selection + masked-mean loss + graph rewrite (select_ms + rewrite_ms + rest)
-  double select_ms = 0.0;      // scores + select_tokens
-  double rewrite_ms = 0.0;     // filter_backward / mask_backward (collider, masked)
-  double bwd_ms = 0.0;         // loss.backward()
-  double allreduce_ms = 0.0;   // GradientReducer begin + finish (bucket all-reduces that overlap bwd count in bwd_ms); 0 without one
-  double optim_ms = 0.0;       // grad clipping + AdamW step
-  double step_ms = 0.0;        // all of the above
-  std::vector<LayerTime> layers;  // when StepConfig::layer_timing
-  collider::FilterStats filter;   // collider / masked
+  double fwd_ms = 0.0;                // model forward + per-token loss
+  double filter_ms = 0.0;             // selection + masked-mean loss + graph rewrite (select_ms + rewrite_ms + rest)
+  double select_ms = 0.0;             // scores + select_tokens
+  double rewrite_ms = 0.0;            // filter_backward / mask_backward (collider, masked)
+  double bwd_ms = 0.0;                // loss.backward()
+  double allreduce_ms =
+      0.0;  // GradientReducer begin + finish (bucket all-reduces that overlap bwd count in bwd_ms); 0 without one
+  double optim_ms = 0.0;            // grad clipping + AdamW step
+  double step_ms = 0.0;             // all of the above
+  std::vector<LayerTime> layers;    // when StepConfig::layer_timing
+  collider::FilterStats filter;     // collider / masked
   std::optional<ReduceStats> dist;  // with a reducer: per-rank losses and kept counts
 };
 

@@ -19,8 +19,13 @@ namespace collider::harness {
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 nlohmann::json RunState::to_json() const {
-  return {{"step", step}, {"elapsed_s", elapsed_s}, {"tokens_seen", tokens_seen}, {"tokens_backprop", tokens_backprop},
-          {"log_loss_sum", log_loss_sum}, {"log_kept_sum", log_kept_sum}, {"log_steps", log_steps}};
+  return {{"step", step},
+          {"elapsed_s", elapsed_s},
+          {"tokens_seen", tokens_seen},
+          {"tokens_backprop", tokens_backprop},
+          {"log_loss_sum", log_loss_sum},
+          {"log_kept_sum", log_kept_sum},
+          {"log_steps", log_steps}};
 }
 
 RunState RunState::from_json(const nlohmann::json& j) {
@@ -120,9 +125,9 @@ void train_loop(const TrainSettings& s, RunSpec spec, Trainer& tr,
   // Rank 0 puts the newest complete checkpoint back in place after a kill; every rank then resumes
   // from it when rank 0 sees one.
   if (spec.resume && (spec.dist == nullptr || spec.dist->rank() == 0)) recover_checkpoint(spec.ckpt_dir);
-  const bool have_ckpt = from_rank0(spec.dist,
-                                    spec.resume && fsutil::exists(fsutil::join(spec.ckpt_dir, "trainer_state.json")),
-                                    "whether a checkpoint exists") != 0;
+  const bool have_ckpt =
+      from_rank0(spec.dist, spec.resume && fsutil::exists(fsutil::join(spec.ckpt_dir, "trainer_state.json")),
+                 "whether a checkpoint exists") != 0;
   if (have_ckpt) {
     auto ts = models::load_training_checkpoint(spec.ckpt_dir, tr.model());
     models::restore_adamw_state(tr.optimizer(), *tr.model(), ts.optimizer_state);
@@ -186,9 +191,7 @@ void train_loop(const TrainSettings& s, RunSpec spec, Trainer& tr,
       st.log_kept_sum = kept_sum;
       st.log_steps = loss_n;
       run_on_rank0(spec.dist, [&] { save_checkpoint(spec.ckpt_dir, tr, st); });
-      if (spec.may_stop && st.step == s.stop_after) {
-        throw SimulatedKill();
-      }
+      if (spec.may_stop && st.step == s.stop_after) { throw SimulatedKill(); }
     }
   }
 }

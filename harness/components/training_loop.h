@@ -51,7 +51,7 @@ struct RunSpec {
   double lr = 0, min_lr = 0;
   std::string ckpt_dir;
   bool resume = false;
-  bool may_stop = false;  // honours train.stop_after (training points, not the reference stage)
+  bool may_stop = false;         // honours train.stop_after (training points, not the reference stage)
   ProcessGroup* dist = nullptr;  // data-parallel: the trainer has a GradientReducer on it
 };
 

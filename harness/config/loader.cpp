@@ -20,13 +20,20 @@ std::string join(const std::vector<std::string>& v, const char* sep = ", ") {
 
 std::string toml_type_name(const toml::node& n) {
   switch (n.type()) {
-    case toml::node_type::string: return "a string";
-    case toml::node_type::integer: return "an integer";
-    case toml::node_type::floating_point: return "a float";
-    case toml::node_type::boolean: return "a boolean";
-    case toml::node_type::array: return "an array";
-    case toml::node_type::table: return "a table";
-    default: return "a date/time";
+    case toml::node_type::string:
+      return "a string";
+    case toml::node_type::integer:
+      return "an integer";
+    case toml::node_type::floating_point:
+      return "a float";
+    case toml::node_type::boolean:
+      return "a boolean";
+    case toml::node_type::array:
+      return "an array";
+    case toml::node_type::table:
+      return "a table";
+    default:
+      return "a date/time";
   }
 }
 
@@ -66,8 +73,7 @@ toml::table parse_set_value(const std::string& text) {
   try {
     toml::table parsed = toml::parse("v = " + text);
     if (parsed.contains("v")) return parsed;
-  } catch (const toml::parse_error&) {
-  }
+  } catch (const toml::parse_error&) {}
   return toml::table{{"v", text}};
 }
 
@@ -133,8 +139,8 @@ void Loader::apply_set(const std::string& arg) {
     if (key == name || key.rfind(name + ".", 0) == 0) throw ManifestError(fmt::format("{}: {}", where, c.second));
   }
   if (section_keys_.count(key)) {
-    throw ManifestError(fmt::format("{}: set one key of [{}] at a time (e.g. {}.{}=...)", where, key, key,
-                                    section_example_.at(key)));
+    throw ManifestError(
+        fmt::format("{}: set one key of [{}] at a time (e.g. {}.{}=...)", where, key, key, section_example_.at(key)));
   }
   const toml::table parsed = parse_set_value(text);
   const std::string old = describe_current(key);

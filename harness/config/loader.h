@@ -91,10 +91,14 @@ class Loader {
   }
   template <class T>
   T get(const toml::node& n, const std::string& key, const std::string& where) const {
-    if constexpr (std::is_same_v<T, std::string>) return get_string(n, key, where);
-    else if constexpr (std::is_same_v<T, int64_t>) return get_int(n, key, where);
-    else if constexpr (std::is_same_v<T, double>) return get_float(n, key, where);
-    else return get_bool(n, key, where);
+    if constexpr (std::is_same_v<T, std::string>)
+      return get_string(n, key, where);
+    else if constexpr (std::is_same_v<T, int64_t>)
+      return get_int(n, key, where);
+    else if constexpr (std::is_same_v<T, double>)
+      return get_float(n, key, where);
+    else
+      return get_bool(n, key, where);
   }
 
   // ---- the validator's checks (they name the key's source) --------------------------------
@@ -116,8 +120,8 @@ class Loader {
   }
 
  private:
-  using Field = std::variant<std::string*, int64_t*, double*, bool*, std::vector<std::string>*,
-                             std::vector<int64_t>*, std::vector<double>*>;
+  using Field = std::variant<std::string*, int64_t*, double*, bool*, std::vector<std::string>*, std::vector<int64_t>*,
+                             std::vector<double>*>;
   struct Key {
     Field field;
     bool advertised;
@@ -130,8 +134,8 @@ class Loader {
   std::string describe_current(const std::string& key) const;
 
   std::string path_, set_example_;
-  std::vector<std::string> top_keys_;                       // declaration order: keys, sections, custom keys
-  std::vector<std::string> sections_;                       // in declaration order
+  std::vector<std::string> top_keys_;  // declaration order: keys, sections, custom keys
+  std::vector<std::string> sections_;  // in declaration order
   std::map<std::string, std::string> section_example_;
   std::map<std::string, std::vector<std::string>> section_keys_;  // advertised keys of each section
   std::map<std::string, Key> keys_;

@@ -29,7 +29,8 @@ using models::uses_attention_grad;
 
 std::string fmt_ratio(double r) { return fmt::format("{}", r); }
 
-const std::vector<std::string> kAxisKeys = {"model", "seq_len", "batch_size", "filter_ratio", "method", "attention_grad"};
+const std::vector<std::string> kAxisKeys = {"model",        "seq_len", "batch_size",
+                                            "filter_ratio", "method",  "attention_grad"};
 
 struct Axes {
   std::vector<std::string> model = {"tinyllama-mini"};
@@ -129,8 +130,9 @@ class TimingSchema {
       } else if (key == "filter_ratio") {
         for (double x : L_.get_list<double>(v, key, where)) vals.push_back(fmt_ratio(x));
       } else {
-        L_.fail(where, key, fmt::format("is not an axis; an exclude table matches axis values: {}",
-                                        fmt::format("{}", fmt::join(kAxisKeys, ", "))));
+        L_.fail(where, key,
+                fmt::format("is not an axis; an exclude table matches axis values: {}",
+                            fmt::format("{}", fmt::join(kAxisKeys, ", "))));
       }
     }
     excludes_.push_back(std::move(e));
@@ -142,23 +144,26 @@ class TimingSchema {
       return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.';
     });
     if (!name_ok) {
-      throw ManifestError(fmt::format("{}: key 'name' = \"{}\" must be non-empty letters, digits, '.', '_', '-' "
-                                      "(it names the results directory)",
-                                      L_.source("name"), m_.name));
+      throw ManifestError(
+          fmt::format("{}: key 'name' = \"{}\" must be non-empty letters, digits, '.', '_', '-' "
+                      "(it names the results directory)",
+                      L_.source("name"), m_.name));
     }
     L_.check_in("run.device", r.device, {"cpu", "cuda", "auto"});
     if (r.device == "auto") r.device = torch::cuda::is_available() ? "cuda" : "cpu";
     if (check_device_ && r.device == "cuda" && !torch::cuda::is_available()) {
-      throw ManifestError(fmt::format("{}: key 'run.device' = \"cuda\" but no CUDA device is available on this "
-                                      "machine; allowed here: cpu, auto",
-                                      L_.source("run.device")));
+      throw ManifestError(
+          fmt::format("{}: key 'run.device' = \"cuda\" but no CUDA device is available on this "
+                      "machine; allowed here: cpu, auto",
+                      L_.source("run.device")));
     }
     L_.check_in("run.dtype", r.dtype, {"fp32", "bf16", "auto"});
     if (r.dtype == "auto") r.dtype = r.device == "cuda" ? "bf16" : "fp32";
     if (r.dtype == "bf16" && r.device != "cuda") {
-      throw ManifestError(fmt::format("{}: key 'run.dtype' = \"bf16\" needs run.device = cuda (bf16 autocast); on "
-                                      "cpu the step runs in fp32; allowed: fp32, auto",
-                                      L_.source("run.dtype")));
+      throw ManifestError(
+          fmt::format("{}: key 'run.dtype' = \"bf16\" needs run.device = cuda (bf16 autocast); on "
+                      "cpu the step runs in fp32; allowed: fp32, auto",
+                      L_.source("run.dtype")));
     }
     L_.check(r.warmup_steps >= 0, "run.warmup_steps", std::to_string(r.warmup_steps), "an integer >= 0");
     L_.check(r.measure_steps >= 1, "run.measure_steps", std::to_string(r.measure_steps), "an integer >= 1");
@@ -201,8 +206,8 @@ class TimingSchema {
       methods_.push_back(L_.parse_in("axes.method", m, models::method_names(), &method_from_string));
     }
     for (const auto& a : axes_.attention_grad) {
-      grads_.push_back(L_.parse_in("axes.attention_grad", a, models::attention_grad_names(),
-                                   &collider::attention_grad_from_string));
+      grads_.push_back(
+          L_.parse_in("axes.attention_grad", a, models::attention_grad_names(), &collider::attention_grad_from_string));
     }
     L_.check_unique("axes.model", axes_.model);
     L_.check_unique("axes.seq_len", axes_.seq_len);
@@ -211,15 +216,17 @@ class TimingSchema {
     L_.check_unique("axes.method", axes_.method);
     L_.check_unique("axes.attention_grad", axes_.attention_grad);
 
-    const bool filtering = std::any_of(methods_.begin(), methods_.end(), [](Method m) { return m != Method::kRegular; });
+    const bool filtering =
+        std::any_of(methods_.begin(), methods_.end(), [](Method m) { return m != Method::kRegular; });
     if (filtering) {
       const int64_t align = spec_.policy == collider::SelectPolicy::kPerSequence ? r.align : 1;
       for (int64_t T : axes_.seq_len) {
         for (double f : axes_.filter_ratio) {
           if (collider::kept_count(T, f, align) < 1) {
-            throw ManifestError(fmt::format("{}: key 'axes.filter_ratio' = {} keeps no token of seq_len {} with align "
-                                            "{}; lower the ratio, the alignment (run.align) or raise seq_len",
-                                            L_.source("axes.filter_ratio"), fmt_ratio(f), T, align));
+            throw ManifestError(
+                fmt::format("{}: key 'axes.filter_ratio' = {} keeps no token of seq_len {} with align "
+                            "{}; lower the ratio, the alignment (run.align) or raise seq_len",
+                            L_.source("axes.filter_ratio"), fmt_ratio(f), T, align));
           }
         }
       }
@@ -261,36 +268,52 @@ class TimingSchema {
     // A run with nothing to do is a mistake in the manifest, not a success (found by
     // fuzz/fuzz_manifest.cpp; tests/fuzz_regressions/manifest/).
     if (m_.points.empty()) {
-      throw ManifestError(fmt::format("{}: [[exclude]] removes all {} points of the axes; nothing would run (narrow "
-                                      "an exclusion or widen the axes)",
-                                      path_, m_.num_expanded));
+      throw ManifestError(
+          fmt::format("{}: [[exclude]] removes all {} points of the axes; nothing would run (narrow "
+                      "an exclusion or widen the axes)",
+                      path_, m_.num_expanded));
     }
   }
 
   static bool matches(const Exclude& e, const Point& p) {
     for (const auto& [key, vals] : e.values) {
       std::string v;
-      if (key == "model") v = p.model;
-      else if (key == "seq_len") v = std::to_string(p.seq_len);
-      else if (key == "batch_size") v = std::to_string(p.batch_size);
-      else if (key == "filter_ratio") v = fmt_ratio(p.filter_ratio);
-      else if (key == "method") v = p.method;
-      else v = p.attention_grad;
+      if (key == "model")
+        v = p.model;
+      else if (key == "seq_len")
+        v = std::to_string(p.seq_len);
+      else if (key == "batch_size")
+        v = std::to_string(p.batch_size);
+      else if (key == "filter_ratio")
+        v = fmt_ratio(p.filter_ratio);
+      else if (key == "method")
+        v = p.method;
+      else
+        v = p.attention_grad;
       if (std::find(vals.begin(), vals.end(), v) == vals.end()) return false;
     }
     return true;
   }
   std::string resolved() const {
     const auto& r = m_.run;
-    toml::table run{{"device", r.device},         {"dtype", r.dtype},
-                    {"warmup_steps", r.warmup_steps}, {"measure_steps", r.measure_steps},
-                    {"repetitions", r.repetitions}, {"seed", r.seed},
-                    {"threads", r.threads},         {"lr", r.lr},
-                    {"weight_decay", r.weight_decay}, {"beta1", r.beta1},
-                    {"beta2", r.beta2},             {"eps", r.eps},
-                    {"grad_clip", r.grad_clip},     {"align", r.align},
-                    {"policy", r.policy},           {"score", r.score},
-                    {"attention_impl", r.attention_impl}, {"layer_timing", r.layer_timing}};
+    toml::table run{{"device", r.device},
+                    {"dtype", r.dtype},
+                    {"warmup_steps", r.warmup_steps},
+                    {"measure_steps", r.measure_steps},
+                    {"repetitions", r.repetitions},
+                    {"seed", r.seed},
+                    {"threads", r.threads},
+                    {"lr", r.lr},
+                    {"weight_decay", r.weight_decay},
+                    {"beta1", r.beta1},
+                    {"beta2", r.beta2},
+                    {"eps", r.eps},
+                    {"grad_clip", r.grad_clip},
+                    {"align", r.align},
+                    {"policy", r.policy},
+                    {"score", r.score},
+                    {"attention_impl", r.attention_impl},
+                    {"layer_timing", r.layer_timing}};
     if (!r.fail_point.empty()) run.insert("fail_point", r.fail_point);
     auto arr_s = [](const std::vector<std::string>& v) {
       toml::array a;
@@ -301,9 +324,12 @@ class TimingSchema {
     for (auto x : axes_.seq_len) seq.push_back(x);
     for (auto x : axes_.batch_size) bs.push_back(x);
     for (auto x : axes_.filter_ratio) fr.push_back(x);
-    toml::table axes{{"model", arr_s(axes_.model)},   {"seq_len", seq},
-                     {"batch_size", bs},              {"filter_ratio", fr},
-                     {"method", arr_s(axes_.method)}, {"attention_grad", arr_s(axes_.attention_grad)}};
+    toml::table axes{{"model", arr_s(axes_.model)},
+                     {"seq_len", seq},
+                     {"batch_size", bs},
+                     {"filter_ratio", fr},
+                     {"method", arr_s(axes_.method)},
+                     {"attention_grad", arr_s(axes_.attention_grad)}};
     toml::table root{{"name", m_.name}, {"description", m_.description}, {"run", run}, {"axes", axes}};
     if (!excludes_.empty()) {
       toml::array ex;
@@ -315,8 +341,10 @@ class TimingSchema {
             if (k == "seq_len" || k == "batch_size") a.push_back(std::stoll(v));
             // strtod, not stod: v is fmt_ratio's shortest round-trip form, which for a subnormal
             // ratio (4.1e-321) makes stod throw std::out_of_range; strtod returns the same value.
-            else if (k == "filter_ratio") a.push_back(std::strtod(v.c_str(), nullptr));
-            else a.push_back(v);
+            else if (k == "filter_ratio")
+              a.push_back(std::strtod(v.c_str(), nullptr));
+            else
+              a.push_back(v);
           }
           t.insert(k, a);
         }
@@ -338,9 +366,9 @@ class TimingSchema {
   Manifest m_;
   Axes axes_;
   std::vector<Exclude> excludes_;
-  MethodSpec spec_;                                  // run.policy and run.score, parsed
-  std::vector<Method> methods_;                      // axes.method, parsed
-  std::vector<collider::AttentionGrad> grads_;       // axes.attention_grad, parsed
+  MethodSpec spec_;                             // run.policy and run.score, parsed
+  std::vector<Method> methods_;                 // axes.method, parsed
+  std::vector<collider::AttentionGrad> grads_;  // axes.attention_grad, parsed
 };
 
 std::string stem_of(const std::string& path) {

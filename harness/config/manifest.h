@@ -37,16 +37,16 @@ struct RunSettings {
   std::string dtype = "auto";   // resolved: "fp32" | "bf16"
   int64_t warmup_steps = 2;
   int64_t measure_steps = 5;
-  int64_t repetitions = 1;      // independent repeats of warm-up + measurement (fresh model each)
+  int64_t repetitions = 1;  // independent repeats of warm-up + measurement (fresh model each)
   int64_t seed = 0;
-  int64_t threads = 0;          // torch intra-op threads; 0 = torch's default
+  int64_t threads = 0;  // torch intra-op threads; 0 = torch's default
   double lr = 3e-4, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, grad_clip = 1.0;
   int64_t align = 8;
-  std::string policy = "per_sequence";  // per_sequence | batch_topk (RHO-1: ragged rows, every method)
-  std::string score = "self";           // self | random
-  std::string attention_impl = "eager"; // eager | sdpa
-  bool layer_timing = true;             // per-layer marker timings in every row
-  std::string fail_point;               // tests: points whose point_id contains this fail
+  std::string policy = "per_sequence";   // per_sequence | batch_topk (RHO-1: ragged rows, every method)
+  std::string score = "self";            // self | random
+  std::string attention_impl = "eager";  // eager | sdpa
+  bool layer_timing = true;              // per-layer marker timings in every row
+  std::string fail_point;                // tests: points whose point_id contains this fail
 };
 
 struct Point {
@@ -64,15 +64,15 @@ struct Point {
 };
 
 struct Manifest {
-  std::string path;         // the file (or the name given to load_manifest_text)
+  std::string path;  // the file (or the name given to load_manifest_text)
   std::string name, description;
   RunSettings run;
-  std::vector<Point> points;    // after exclusion, in sweep order
-  int64_t num_expanded = 0;     // before exclusion
+  std::vector<Point> points;  // after exclusion, in sweep order
+  int64_t num_expanded = 0;   // before exclusion
   int64_t num_excluded = 0;
   std::vector<std::string> overrides;  // one echo line per --set
   std::vector<std::string> notes;      // warnings (an exclude that matches nothing)
-  std::string resolved_toml;    // defaults + file + --set, as TOML
+  std::string resolved_toml;           // defaults + file + --set, as TOML
 };
 
 // The built-in defaults, as TOML (what a manifest overrides).

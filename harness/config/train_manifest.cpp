@@ -25,9 +25,7 @@ bool is_training_manifest(const std::string& path) {
   try {
     auto root = toml::parse_file(path);
     return root.contains("train");
-  } catch (...) {
-    return false;
-  }
+  } catch (...) { return false; }
 }
 
 TrainManifest load_train_manifest(const std::string& path, const std::vector<std::string>& sets) {
@@ -82,21 +80,25 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
 
   // ---- validation ------------------------------------------------------------------------------
   // Selection score of loss_only and collider (regular selects nothing).
-  const Score score = L.parse_in("train.score", s.score,
-                                 {to_string(Score::kExcessLoss), to_string(Score::kReferenceLoss)},
-                                 &models::score_from_string);
+  const Score score =
+      L.parse_in("train.score", s.score, {to_string(Score::kExcessLoss), to_string(Score::kReferenceLoss)},
+                 &models::score_from_string);
   int64_t max_position = 0;
   try {
     max_position = models::preset(s.model).max_position;
   } catch (const std::invalid_argument& e) {
     throw ManifestError(fmt::format("{}: key 'train.model' = \"{}\": {}", L.source("train.model"), s.model, e.what()));
   }
-  for (auto [key, v] : std::vector<std::pair<const char*, int64_t>>{
-           {"train.seq_len", s.seq_len}, {"train.batch_size", s.batch_size}, {"train.steps", s.steps},
-           {"train.eval_every", s.eval_every}, {"train.eval_tokens", s.eval_tokens},
-           {"train.eval_batch_size", s.eval_batch_size}, {"train.checkpoint_every", s.checkpoint_every},
-           {"train.log_every", s.log_every}, {"reference.steps", s.ref_steps},
-           {"reference.batch_size", s.ref_batch_size}}) {
+  for (auto [key, v] : std::vector<std::pair<const char*, int64_t>>{{"train.seq_len", s.seq_len},
+                                                                    {"train.batch_size", s.batch_size},
+                                                                    {"train.steps", s.steps},
+                                                                    {"train.eval_every", s.eval_every},
+                                                                    {"train.eval_tokens", s.eval_tokens},
+                                                                    {"train.eval_batch_size", s.eval_batch_size},
+                                                                    {"train.checkpoint_every", s.checkpoint_every},
+                                                                    {"train.log_every", s.log_every},
+                                                                    {"reference.steps", s.ref_steps},
+                                                                    {"reference.batch_size", s.ref_batch_size}}) {
     L.check(v >= 1, key, std::to_string(v), "an integer >= 1");
   }
   if (s.seq_len > max_position) {
@@ -121,10 +123,9 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
             "(0, 1): the fraction of tokens dropped (regular runs once, unfiltered)");
   }
   for (const auto& name : methods) {
-    const Method method = L.parse_in("axes.method", name,
-                                     {to_string(Method::kRegular), to_string(Method::kLossOnly),
-                                      to_string(Method::kCollider)},
-                                     &models::method_from_string);
+    const Method method = L.parse_in(
+        "axes.method", name, {to_string(Method::kRegular), to_string(Method::kLossOnly), to_string(Method::kCollider)},
+        &models::method_from_string);
     if (method == Method::kRegular) {
       m.points.push_back({MethodSpec{Method::kRegular}, 0.0});
     } else if (method == Method::kLossOnly) {
@@ -144,15 +145,27 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
   res.insert("description", m.description);
   toml::array ev;
   for (const auto& e : s.eval_splits) ev.push_back(e);
-  res.insert("data", toml::table{{"dir", s.data_dir}, {"train", s.train_split}, {"reference", s.reference_split},
-                                 {"eval", ev}});
-  res.insert("train", toml::table{{"model", s.model}, {"seq_len", s.seq_len}, {"batch_size", s.batch_size},
-                                  {"steps", s.steps}, {"lr", s.lr}, {"min_lr", s.min_lr},
-                                  {"warmup_steps", s.warmup_steps}, {"weight_decay", s.weight_decay},
-                                  {"grad_clip", s.grad_clip}, {"align", s.align}, {"eval_every", s.eval_every},
-                                  {"eval_tokens", s.eval_tokens}, {"eval_batch_size", s.eval_batch_size},
-                                  {"checkpoint_every", s.checkpoint_every}, {"log_every", s.log_every},
-                                  {"seed", s.seed}, {"threads", s.threads}, {"pool_windows", s.pool_windows},
+  res.insert(
+      "data",
+      toml::table{{"dir", s.data_dir}, {"train", s.train_split}, {"reference", s.reference_split}, {"eval", ev}});
+  res.insert("train", toml::table{{"model", s.model},
+                                  {"seq_len", s.seq_len},
+                                  {"batch_size", s.batch_size},
+                                  {"steps", s.steps},
+                                  {"lr", s.lr},
+                                  {"min_lr", s.min_lr},
+                                  {"warmup_steps", s.warmup_steps},
+                                  {"weight_decay", s.weight_decay},
+                                  {"grad_clip", s.grad_clip},
+                                  {"align", s.align},
+                                  {"eval_every", s.eval_every},
+                                  {"eval_tokens", s.eval_tokens},
+                                  {"eval_batch_size", s.eval_batch_size},
+                                  {"checkpoint_every", s.checkpoint_every},
+                                  {"log_every", s.log_every},
+                                  {"seed", s.seed},
+                                  {"threads", s.threads},
+                                  {"pool_windows", s.pool_windows},
                                   {"score", s.score}});
   res.insert("reference", toml::table{{"steps", s.ref_steps}, {"lr", s.ref_lr}, {"batch_size", s.ref_batch_size}});
   toml::array am, ag, ar;

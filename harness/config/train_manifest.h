@@ -32,7 +32,7 @@ struct TrainSettings {
   std::vector<std::string> eval_splits = {"curated_eval", "mix_eval"};
   std::string model = "tinyllama-mini";
   int64_t seq_len = 256, batch_size = 8, steps = 300;
-  double lr = 1e-3, min_lr = 1e-4;   // linear warm-up to lr, cosine down to min_lr
+  double lr = 1e-3, min_lr = 1e-4;  // linear warm-up to lr, cosine down to min_lr
   int64_t warmup_steps = 20;
   double weight_decay = 0.1, grad_clip = 1.0;
   int64_t align = 8;

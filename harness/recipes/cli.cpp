@@ -108,14 +108,13 @@ int run_models_command(const std::vector<std::string>& args, std::ostream& out) 
   out << fmt::format("{:<18} {:>14} {:>6} | {:>47} | {:>47}\n", "", "", "",
                      "GFLOP/token: fwd, bwd dense, collider kept/exact", "same at T = 2048");
   for (const auto& j : all) {
-    std::string line = fmt::format("{:<18} {:>14} {:>6} |", j["name"].get<std::string>(), j["num_params"].get<int64_t>(),
-                                   j["num_layers"].get<int64_t>());
+    std::string line = fmt::format("{:<18} {:>14} {:>6} |", j["name"].get<std::string>(),
+                                   j["num_params"].get<int64_t>(), j["num_layers"].get<int64_t>());
     for (const auto& f : j["flops"]) {
-      line += fmt::format(" {:>9.4f} {:>9.4f} {:>9.4f} {:>9.4f} {:>7.3f} |", f["fwd_flops_per_token"].get<double>() / 1e9,
-                          f["bwd_flops_per_token_dense"].get<double>() / 1e9,
-                          f["bwd_flops_per_token_kept_only"].get<double>() / 1e9,
-                          f["bwd_flops_per_token_exact_query"].get<double>() / 1e9,
-                          f["attention_linear_ratio"].get<double>());
+      line += fmt::format(
+          " {:>9.4f} {:>9.4f} {:>9.4f} {:>9.4f} {:>7.3f} |", f["fwd_flops_per_token"].get<double>() / 1e9,
+          f["bwd_flops_per_token_dense"].get<double>() / 1e9, f["bwd_flops_per_token_kept_only"].get<double>() / 1e9,
+          f["bwd_flops_per_token_exact_query"].get<double>() / 1e9, f["attention_linear_ratio"].get<double>());
     }
     line.resize(line.size() - 2);  // drop the last " |"
     out << line << "\n";
@@ -133,9 +132,7 @@ bool parse_steps(const std::string& s, int64_t* a, int64_t* b) {
     *a = std::stoll(s.substr(0, c), &i);
     *b = std::stoll(s.substr(c + 1), &j);
     return i == c && j == s.size() - c - 1 && *a >= 0 && *b > *a;
-  } catch (const std::exception&) {
-    return false;
-  }
+  } catch (const std::exception&) { return false; }
 }
 
 }  // namespace
@@ -152,12 +149,18 @@ int run_run_command(const std::vector<std::string>& args, std::ostream& out, std
       return args[++i];
     };
     try {
-      if (a == "--set") sets.push_back(value("--set"));
-      else if (a.rfind("--set=", 0) == 0) sets.push_back(a.substr(6));
-      else if (a == "--out") out_dir = value("--out");
-      else if (a == "--trace") trace_path = value("--trace");
-      else if (a == "--dry-run") dry_run = true;
-      else if (a == "--resume") resume = true;
+      if (a == "--set")
+        sets.push_back(value("--set"));
+      else if (a.rfind("--set=", 0) == 0)
+        sets.push_back(a.substr(6));
+      else if (a == "--out")
+        out_dir = value("--out");
+      else if (a == "--trace")
+        trace_path = value("--trace");
+      else if (a == "--dry-run")
+        dry_run = true;
+      else if (a == "--resume")
+        resume = true;
       else if (a == "--profile-steps") {
         const std::string v = value("--profile-steps");
         if (!parse_steps(v, &prof_a, &prof_b)) {
@@ -224,10 +227,11 @@ int run_run_command(const std::vector<std::string>& args, std::ostream& out, std
   for (const auto& n : m.notes) err << "note: " << n << "\n";
 
   if (dry_run) {
-    out << fmt::format("{}: {} points ({} expanded, {} excluded); device {}, dtype {}, {} warm-up + {} measured "
-                       "steps x {} repetitions\n",
-                       m.name, m.points.size(), m.num_expanded, m.num_excluded, m.run.device, m.run.dtype,
-                       m.run.warmup_steps, m.run.measure_steps, m.run.repetitions);
+    out << fmt::format(
+        "{}: {} points ({} expanded, {} excluded); device {}, dtype {}, {} warm-up + {} measured "
+        "steps x {} repetitions\n",
+        m.name, m.points.size(), m.num_expanded, m.num_excluded, m.run.device, m.run.dtype, m.run.warmup_steps,
+        m.run.measure_steps, m.run.repetitions);
     for (size_t i = 0; i < m.points.size(); ++i) out << fmt::format("{:>4}  {}\n", i + 1, m.points[i].id());
     return 0;
   }
@@ -257,12 +261,10 @@ int run_run_command(const std::vector<std::string>& args, std::ostream& out, std
   SweepSummary s;
   try {
     s = run_sweep(m, so);
-  } catch (...) {
-    return run_failure_status(err, rank_tag, std::current_exception());
-  }
+  } catch (...) { return run_failure_status(err, rank_tag, std::current_exception()); }
   if (distributed && denv.rank != 0) return s.failed > 0 ? 1 : 0;  // rank 0 reports the run
-  err << fmt::format("collider run: {} points: {} ok, {} failed, {} already ok (resumed); rows in {}\n", s.points,
-                     s.ok, s.failed, s.resumed, s.results_path);
+  err << fmt::format("collider run: {} points: {} ok, {} failed, {} already ok (resumed); rows in {}\n", s.points, s.ok,
+                     s.failed, s.resumed, s.results_path);
   if (!trace_path.empty()) err << "collider run: trace written to " << trace_path << "\n";
   return s.failed > 0 ? 1 : 0;
 }

@@ -21,8 +21,8 @@ ReferenceStage run_reference_stage(const TrainSettings& s, const std::string& da
                                    const Evaluate& evaluate, ProcessGroup* dist, std::ostream& log) {
   const models::ModelConfig& cfg = models::preset(s.model);
   const torch::Device device(torch::kCPU);
-  const std::string ref_tag = fmt::format("{}-T{}-B{}-s{}-lr{}-seed{}", s.model, s.seq_len, s.ref_batch_size,
-                                          s.ref_steps, s.ref_lr, s.seed);
+  const std::string ref_tag =
+      fmt::format("{}-T{}-B{}-s{}-lr{}-seed{}", s.model, s.seq_len, s.ref_batch_size, s.ref_steps, s.ref_lr, s.seed);
   const std::string ref_dir = fsutil::join(fsutil::join(data_dir, "reference"), ref_tag);
   const std::string ref_losses_path =
       fsutil::join(ref_dir, fmt::format("{}.T{}.W{}.reflosses.f32", s.train_split, s.seq_len, pool));
@@ -58,17 +58,18 @@ ReferenceStage run_reference_stage(const TrainSettings& s, const std::string& da
         spec.resume = true;  // the reference stage always continues an interrupted reference run
         nlohmann::json ref_record = {
             {"tag", ref_tag}, {"split", s.reference_split}, {"evals", nlohmann::json::array()}};
-        train_loop(s, spec, tr, [](const RunState&, double, double, double) {},
-                   [&](const RunState& st, double) {
-                     nlohmann::json e = {{"step", st.step}, {"elapsed_s", st.elapsed_s}};
-                     for (const auto& [name, loss] : evaluate(tr.model())) {
-                       e[name] = loss;
-                       log << fmt::format("{} step {} eval {} loss {:.4f} ppl {:.2f}\n", spec.label, st.step, name,
-                                          loss, std::exp(loss));
-                     }
-                     ref_record["evals"].push_back(e);
-                   },
-                   log);
+        train_loop(
+            s, spec, tr, [](const RunState&, double, double, double) {},
+            [&](const RunState& st, double) {
+              nlohmann::json e = {{"step", st.step}, {"elapsed_s", st.elapsed_s}};
+              for (const auto& [name, loss] : evaluate(tr.model())) {
+                e[name] = loss;
+                log << fmt::format("{} step {} eval {} loss {:.4f} ppl {:.2f}\n", spec.label, st.step, name, loss,
+                                   std::exp(loss));
+              }
+              ref_record["evals"].push_back(e);
+            },
+            log);
         // Written whole under a temporary name and renamed: its config.json marks it as usable.
         const std::string ref_model_tmp = ref_model_dir + ".tmp";
         fsutil::remove_tree(ref_model_tmp);

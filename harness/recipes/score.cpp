@@ -106,18 +106,20 @@ std::vector<std::vector<int64_t>> read_token_file(const std::string& path, int64
       int64_t id = 0;
       auto r = std::from_chars(w.data(), w.data() + w.size(), id);
       if (r.ec != std::errc() || r.ptr != w.data() + w.size())
-        throw std::runtime_error(fmt::format("tokens file '{}' line {}: '{}' is not an integer token id", path,
-                                             line_no, w));
+        throw std::runtime_error(
+            fmt::format("tokens file '{}' line {}: '{}' is not an integer token id", path, line_no, w));
       if (id < 0 || id >= vocab_size)
-        throw std::runtime_error(fmt::format("tokens file '{}' line {}: token id {} is outside the vocabulary "
-                                             "[0, {}) of the checkpoint",
-                                             path, line_no, id, vocab_size));
+        throw std::runtime_error(
+            fmt::format("tokens file '{}' line {}: token id {} is outside the vocabulary "
+                        "[0, {}) of the checkpoint",
+                        path, line_no, id, vocab_size));
       seq.push_back(id);
     }
     if (seq.empty())
-      throw std::runtime_error(fmt::format("tokens file '{}' line {} is empty (each line is one sequence of at "
-                                           "least one token id)",
-                                           path, line_no));
+      throw std::runtime_error(
+          fmt::format("tokens file '{}' line {} is empty (each line is one sequence of at "
+                      "least one token id)",
+                      path, line_no));
     seqs.push_back(std::move(seq));
   }
   if (f.bad()) throw std::runtime_error(fmt::format("tokens file '{}': read error", path));
@@ -141,9 +143,10 @@ std::vector<std::vector<float>> score_sequences(models::CausalLM& model,
   while (i < sequences.size()) {
     const int64_t T = static_cast<int64_t>(sequences[i].size());
     if (T > cfg.max_position)
-      throw std::runtime_error(fmt::format("sequence {} has {} tokens, more than the model's max_position_embeddings "
-                                           "{}",
-                                           i, T, cfg.max_position));
+      throw std::runtime_error(
+          fmt::format("sequence {} has {} tokens, more than the model's max_position_embeddings "
+                      "{}",
+                      i, T, cfg.max_position));
     size_t j = i;
     while (j < sequences.size() && static_cast<int64_t>(sequences[j].size()) == T &&
            static_cast<int64_t>(j - i) < batch_size)
@@ -158,16 +161,17 @@ std::vector<std::vector<float>> score_sequences(models::CausalLM& model,
       std::copy(sequences[i + b].begin(), sequences[i + b].end(), ids_BT[b].data_ptr<int64_t>());
     ids_BT = ids_BT.to(device);
     torch::Tensor logits_BTV = model->forward(ids_BT).to(torch::kFloat32);
-    torch::Tensor loss_BT = models::token_losses(logits_BTV.slice(1, 0, T - 1),
-                                                 ids_BT.slice(1, 1, T).contiguous());  // [B, T-1]
+    torch::Tensor loss_BT =
+        models::token_losses(logits_BTV.slice(1, 0, T - 1), ids_BT.slice(1, 1, T).contiguous());  // [B, T-1]
     loss_BT = loss_BT.to(torch::kCPU, torch::kFloat32).contiguous();
     for (int64_t b = 0; b < B; ++b) {
       const float* row = loss_BT[b].data_ptr<float>();
       for (int64_t t = 0; t < T - 1; ++t)
         if (!std::isfinite(row[t]))
-          throw std::runtime_error(fmt::format("sequence {} position {}: the loss is not finite ({}); the "
-                                               "checkpoint's weights or the dtype overflow",
-                                               i + b, t, row[t]));
+          throw std::runtime_error(
+              fmt::format("sequence {} position {}: the loss is not finite ({}); the "
+                          "checkpoint's weights or the dtype overflow",
+                          i + b, t, row[t]));
       out[i + b].assign(row, row + (T - 1));
     }
     i = j;

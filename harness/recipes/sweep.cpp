@@ -299,8 +299,9 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
   const int world = dist ? dist->world_size() : 1, rank = dist ? dist->rank() : 0;
   // One device per rank on a machine: cuda:LOCAL_RANK.
   const torch::Device device = m.run.device != "cuda" ? torch::Device(torch::kCPU)
-                               : dist ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(dist->env().local_rank))
-                                      : torch::Device(torch::kCUDA);
+                               : dist
+                                   ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(dist->env().local_rank))
+                                   : torch::Device(torch::kCUDA);
   row["world_size"] = world;
   row["global_batch_size"] = p.batch_size * world;
   ScopedRange point_range(ranges, "point " + p.id());
@@ -380,9 +381,7 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
   if (row["status"] != "ok") {
     // A failed point leaves no partial timings behind.
     clear_measurements(row);
-    if (device.is_cuda() && row["status"] == "oom") {
-      c10::getDeviceAllocator(c10::DeviceType::CUDA)->emptyCache();
-    }
+    if (device.is_cuda() && row["status"] == "oom") { c10::getDeviceAllocator(c10::DeviceType::CUDA)->emptyCache(); }
   }
   row["point_wall_s"] = static_cast<double>(host_now_ns() - t_begin_ns) * 1e-9;
   row["timestamp"] = utc_timestamp();
@@ -402,7 +401,8 @@ SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
   const ExistingResults& existing = run_dir.existing();
   // Which points to skip (--resume) is rank 0's decision: every rank must run the same points.
   std::vector<bool> skip(m.points.size(), false);
-  for (size_t k = 0; k < m.points.size(); ++k) skip[k] = opts.resume && existing.ok_point_ids.count(m.points[k].id()) > 0;
+  for (size_t k = 0; k < m.points.size(); ++k)
+    skip[k] = opts.resume && existing.ok_point_ids.count(m.points[k].id()) > 0;
   if (dist != nullptr && !m.points.empty()) {
     auto skip_P = torch::zeros({static_cast<int64_t>(m.points.size())}, torch::kInt);
     for (size_t k = 0; k < skip.size(); ++k) skip_P[static_cast<int64_t>(k)].fill_(skip[k] ? 1 : 0);
@@ -447,20 +447,20 @@ SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
     if (!ok && dist != nullptr) {
       // The other ranks may be inside a collective of this point: stop here (exiting closes this
       // rank's connections, so they fail fast instead of running mismatched collectives).
-      throw DistributedError(fmt::format("rank {} of {}: point {} failed ({}: {}); a data-parallel run stops at the "
-                                         "first failing point{}",
-                                         dist->rank(), dist->world_size(), id, row["status"].get<std::string>(),
-                                         row["error"].get<std::string>(),
-                                         writer ? fmt::format(" (its row is in {})", results_path) : ""));
+      throw DistributedError(
+          fmt::format("rank {} of {}: point {} failed ({}: {}); a data-parallel run stops at the "
+                      "first failing point{}",
+                      dist->rank(), dist->world_size(), id, row["status"].get<std::string>(),
+                      row["error"].get<std::string>(), writer ? fmt::format(" (its row is in {})", results_path) : ""));
     }
     if (!writer) continue;
     const double elapsed = static_cast<double>(host_now_ns() - t0) * 1e-9;
     const double eta = sum.ran > 0 ? elapsed / static_cast<double>(sum.ran) * static_cast<double>(to_run - sum.ran) : 0;
-    std::string what = ok ? fmt::format("ok  step {:.2f} ms (fwd {:.2f}, filter {:.2f}, bwd {:.2f}, optim {:.2f})",
-                                        row["step_ms"].get<double>(), row["fwd_ms"].get<double>(),
-                                        row["filter_ms"].get<double>(), row["bwd_ms"].get<double>(),
-                                        row["optim_ms"].get<double>())
-                          : fmt::format("{}: {}", row["status"].get<std::string>(), row["error"].get<std::string>());
+    std::string what =
+        ok ? fmt::format("ok  step {:.2f} ms (fwd {:.2f}, filter {:.2f}, bwd {:.2f}, optim {:.2f})",
+                         row["step_ms"].get<double>(), row["fwd_ms"].get<double>(), row["filter_ms"].get<double>(),
+                         row["bwd_ms"].get<double>(), row["optim_ms"].get<double>())
+           : fmt::format("{}: {}", row["status"].get<std::string>(), row["error"].get<std::string>());
     log << fmt::format("[{}/{}] {}: {} | elapsed {} ETA {}\n", i, sum.points, id, what, hms(elapsed), hms(eta));
     log.flush();
   }

@@ -24,21 +24,21 @@
 namespace collider::harness {
 
 struct SweepOptions {
-  std::string out_dir;           // required: where results.jsonl, manifest.resolved.toml, env.json go
-  bool resume = false;           // skip points already ok in out_dir/results.jsonl
-  std::string trace_path;        // Chrome/Perfetto trace of every range; empty = none
-  int64_t profile_begin = -1;    // steps [begin, end) of every point bracketed by cudaProfilerStart/Stop
+  std::string out_dir;         // required: where results.jsonl, manifest.resolved.toml, env.json go
+  bool resume = false;         // skip points already ok in out_dir/results.jsonl
+  std::string trace_path;      // Chrome/Perfetto trace of every range; empty = none
+  int64_t profile_begin = -1;  // steps [begin, end) of every point bracketed by cudaProfilerStart/Stop
   int64_t profile_end = -1;
-  std::ostream* log = nullptr;   // progress lines (default std::cerr)
+  std::ostream* log = nullptr;         // progress lines (default std::cerr)
   std::shared_ptr<ProcessGroup> dist;  // data-parallel run (null: one process)
 };
 
 struct SweepSummary {
-  int64_t points = 0;    // in the manifest after exclusion
-  int64_t ran = 0;       // measured in this invocation
-  int64_t resumed = 0;   // skipped: already ok in results.jsonl
+  int64_t points = 0;   // in the manifest after exclusion
+  int64_t ran = 0;      // measured in this invocation
+  int64_t resumed = 0;  // skipped: already ok in results.jsonl
   int64_t ok = 0;
-  int64_t failed = 0;    // rows with status oom / error written in this invocation
+  int64_t failed = 0;  // rows with status oom / error written in this invocation
   std::string results_path;
 };
 

@@ -80,10 +80,11 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
   // One pass over the scored pool: every step takes world_size x batch_size windows.
   const int64_t pool = s.pool_windows > 0 ? s.pool_windows : s.steps * s.batch_size * world;
   if (dry_run) {
-    out << fmt::format("{}: training manifest, {} runs of {} steps x {} x {} tokens ({} tokens each), seed {}; "
-                       "reference {} steps on {}; data {}\n",
-                       m.name, m.points.size(), s.steps, s.batch_size, s.seq_len, s.steps * s.batch_size * s.seq_len,
-                       s.seed, s.ref_steps, s.reference_split, data_dir);
+    out << fmt::format(
+        "{}: training manifest, {} runs of {} steps x {} x {} tokens ({} tokens each), seed {}; "
+        "reference {} steps on {}; data {}\n",
+        m.name, m.points.size(), s.steps, s.batch_size, s.seq_len, s.steps * s.batch_size * s.seq_len, s.seed,
+        s.ref_steps, s.reference_split, data_dir);
     for (size_t i = 0; i < m.points.size(); ++i) out << fmt::format("{:>4}  {}\n", i + 1, m.points[i].id(s));
     return 0;
   }
@@ -104,8 +105,8 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
     const std::string& results_path = run_dir.results_path();
     const ExistingResults& existing = run_dir.existing();
     run_dir.write_records(m.resolved_toml, prov, dist, log);
-    log << fmt::format("collider run: {} ({} training runs, {} steps each{}) -> {}\n", m.name, m.points.size(),
-                       s.steps, dist ? fmt::format(", {} ranks x batch {}", world, s.batch_size) : "", out_dir);
+    log << fmt::format("collider run: {} ({} training runs, {} steps each{}) -> {}\n", m.name, m.points.size(), s.steps,
+                       dist ? fmt::format(", {} ranks x batch {}", world, s.batch_size) : "", out_dir);
 
     // Data.
     auto shard = [&](const std::string& split) {
@@ -140,8 +141,8 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
     RefLosses ref_losses(ref_losses_path);
     if (ref_losses.shard_tokens() != train_shard->size() || ref_losses.seq_len() != s.seq_len ||
         ref_losses.num_windows() < pool) {
-      throw std::runtime_error(fmt::format("{} does not match the shard {} (delete it to recompute)", ref_losses_path,
-                                           train_shard->path()));
+      throw std::runtime_error(
+          fmt::format("{} does not match the shard {} (delete it to recompute)", ref_losses_path, train_shard->path()));
     }
     if (writer && fsutil::exists(fsutil::join(ref_dir, "reference.json"))) {
       fsutil::write_file_atomic(fsutil::join(out_dir, "reference.json"),
@@ -164,7 +165,8 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
     for (const auto& row : existing.rows) {
       if (row.value("status", "") != "ok" || !row.contains("step") || !row["step"].is_number_integer()) continue;
       const std::string pid = row.value("point_id", "");
-      const std::string set = row.contains("eval_set") && row["eval_set"].is_string() ? row["eval_set"].get<std::string>() : "";
+      const std::string set =
+          row.contains("eval_set") && row["eval_set"].is_string() ? row["eval_set"].get<std::string>() : "";
       written.insert(row_key(pid, row["step"].get<int64_t>(), set));
       if (row.value("final", false) && !set.empty()) final_sets[pid].insert(set);
     }
@@ -187,16 +189,28 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
         if (writer) remove_checkpoint(ckpt_dir);  // left by a kill after its last rows
         continue;
       }
-      nlohmann::json base = {{"experiment", m.name}, {"point_id", pid}, {"status", "ok"}, {"error", nullptr},
-                             {"model", s.model}, {"seq_len", s.seq_len}, {"batch_size", s.batch_size},
-                             {"filter_ratio", p.filter_ratio}, {"method", to_string(p.spec.method)},
-                             {"attention_grad", models::attention_grad_name(p.spec)}, {"dtype", "fp32"},
-                             {"device", "cpu"}, {"seed", s.seed}, {"steps_total", s.steps},
+      nlohmann::json base = {{"experiment", m.name},
+                             {"point_id", pid},
+                             {"status", "ok"},
+                             {"error", nullptr},
+                             {"model", s.model},
+                             {"seq_len", s.seq_len},
+                             {"batch_size", s.batch_size},
+                             {"filter_ratio", p.filter_ratio},
+                             {"method", to_string(p.spec.method)},
+                             {"attention_grad", models::attention_grad_name(p.spec)},
+                             {"dtype", "fp32"},
+                             {"device", "cpu"},
+                             {"seed", s.seed},
+                             {"steps_total", s.steps},
                              {"num_params", cfg.num_params()},
                              {"score", p.spec.method == Method::kRegular ? "none" : to_string(p.spec.score)},
                              {"reference", ref_tag},
-                             {"data_dir", data_dir}, {"train_split", s.train_split}, {"scale", "cpu"},
-                             {"world_size", world}, {"global_batch_size", world * s.batch_size}};
+                             {"data_dir", data_dir},
+                             {"train_split", s.train_split},
+                             {"scale", "cpu"},
+                             {"world_size", world},
+                             {"global_batch_size", world * s.batch_size}};
       const nlohmann::json pj = to_json(prov);
       for (auto it = pj.begin(); it != pj.end(); ++it) base[it.key()] = it.value();
       try {
@@ -232,42 +246,41 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
           row["final"] = st.step == s.steps;
           row["timestamp"] = utc_timestamp();
         };
-        train_loop(s, spec, tr,
-                   [&](const RunState& st, double train_loss, double train_loss_kept, double lr) {
-                     if (!rows || written.count(row_key(pid, st.step, ""))) return;
-                     nlohmann::json row = base;  // a training-loss row (no eval_set)
-                     progress(row, st, lr);
-                     row["final"] = false;  // the eval rows of the last step mark the run finished
-                     row["train_loss"] = train_loss;
-                     row["train_loss_kept"] = train_loss_kept;
-                     row["eval_set"] = nullptr;
-                     rows->append(row);
-                   },
-                   [&](const RunState& st, double lr) {
-                     const auto te = Clock::now();
-                     const auto ev = evaluate(tr.model());
-                     const double eval_s = seconds_since(te);
-                     for (const auto& [name, loss] : ev) {
-                       if (written.count(row_key(pid, st.step, name))) continue;  // written before a kill
-                       nlohmann::json row = base;
-                       progress(row, st, lr);
-                       row["eval_set"] = name;
-                       row["val_loss"] = loss;
-                       row["val_ppl"] = std::exp(loss);
-                       row["eval_tokens"] = evals.front().windows * s.seq_len;
-                       row["eval_s"] = eval_s;
-                       rows->append(row);  // on_eval runs on rank 0 only
-                       log << fmt::format("{} step {} eval {} loss {:.4f} ppl {:.2f}\n", spec.label, st.step, name,
-                                          loss, std::exp(loss));
-                     }
-                   },
-                   log);
+        train_loop(
+            s, spec, tr,
+            [&](const RunState& st, double train_loss, double train_loss_kept, double lr) {
+              if (!rows || written.count(row_key(pid, st.step, ""))) return;
+              nlohmann::json row = base;  // a training-loss row (no eval_set)
+              progress(row, st, lr);
+              row["final"] = false;  // the eval rows of the last step mark the run finished
+              row["train_loss"] = train_loss;
+              row["train_loss_kept"] = train_loss_kept;
+              row["eval_set"] = nullptr;
+              rows->append(row);
+            },
+            [&](const RunState& st, double lr) {
+              const auto te = Clock::now();
+              const auto ev = evaluate(tr.model());
+              const double eval_s = seconds_since(te);
+              for (const auto& [name, loss] : ev) {
+                if (written.count(row_key(pid, st.step, name))) continue;  // written before a kill
+                nlohmann::json row = base;
+                progress(row, st, lr);
+                row["eval_set"] = name;
+                row["val_loss"] = loss;
+                row["val_ppl"] = std::exp(loss);
+                row["eval_tokens"] = evals.front().windows * s.seq_len;
+                row["eval_s"] = eval_s;
+                rows->append(row);  // on_eval runs on rank 0 only
+                log << fmt::format("{} step {} eval {} loss {:.4f} ppl {:.2f}\n", spec.label, st.step, name, loss,
+                                   std::exp(loss));
+              }
+            },
+            log);
         if (writer) remove_checkpoint(spec.ckpt_dir);  // finished: the rows hold the result
         log << fmt::format("[{}/{}] {} done; all runs so far {}\n", i + 1, m.points.size(), pid,
                            hms(seconds_since(t_all)));
-      } catch (const SimulatedKill&) {
-        throw;
-      } catch (const DistributedError&) {
+      } catch (const SimulatedKill&) { throw; } catch (const DistributedError&) {
         throw;
       } catch (const fsutil::WriteError&) {
         throw;  // no space or no permission: the next run would fail the same way; end here
@@ -283,18 +296,17 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
         if (dist) {
           // The other ranks may be inside a collective of this run: stop (exiting closes this rank's
           // connections, so they fail fast instead of running mismatched collectives).
-          throw DistributedError(fmt::format("{}training run {} failed ({}); a data-parallel run stops at the first "
-                                             "failing run",
-                                             rank_tag, pid, e.what()));
+          throw DistributedError(
+              fmt::format("{}training run {} failed ({}); a data-parallel run stops at the first "
+                          "failing run",
+                          rank_tag, pid, e.what()));
         }
       }
     }
     if (writer) ::rmdir(fsutil::join(out_dir, "checkpoints").c_str());  // only when empty: every run finished
     log << fmt::format("collider run: {} runs, {} failed; rows in {}\n", m.points.size(), failed, results_path);
     return failed > 0 ? 1 : 0;
-  } catch (...) {
-    return run_failure_status(err, rank_tag, std::current_exception());
-  }
+  } catch (...) { return run_failure_status(err, rank_tag, std::current_exception()); }
 }
 
 }  // namespace collider::harness

@@ -36,21 +36,40 @@ const std::vector<RowField>& required_row_fields() {
   using T = JsonType;
   static const std::vector<RowField> f = {
       // identity
-      {"experiment", T::kString}, {"point_id", T::kString}, {"status", T::kString},
+      {"experiment", T::kString},
+      {"point_id", T::kString},
+      {"status", T::kString},
       {"error", T::kString},  // null when ok (checked separately)
-      {"model", T::kString}, {"seq_len", T::kInteger}, {"batch_size", T::kInteger},
-      {"filter_ratio", T::kNumber}, {"method", T::kString}, {"attention_grad", T::kString},
-      {"dtype", T::kString}, {"device", T::kString},
+      {"model", T::kString},
+      {"seq_len", T::kInteger},
+      {"batch_size", T::kInteger},
+      {"filter_ratio", T::kNumber},
+      {"method", T::kString},
+      {"attention_grad", T::kString},
+      {"dtype", T::kString},
+      {"device", T::kString},
       // timing (ms, medians over measured steps)
-      {"fwd_ms", T::kNumber}, {"bwd_ms", T::kNumber}, {"filter_ms", T::kNumber},
-      {"optim_ms", T::kNumber}, {"step_ms", T::kNumber}, {"samples_step_ms", T::kArray},
+      {"fwd_ms", T::kNumber},
+      {"bwd_ms", T::kNumber},
+      {"filter_ms", T::kNumber},
+      {"optim_ms", T::kNumber},
+      {"step_ms", T::kNumber},
+      {"samples_step_ms", T::kArray},
       {"layers", T::kArray},
       // work
-      {"tokens", T::kInteger}, {"tokens_kept", T::kInteger}, {"flops_fwd", T::kNumber},
-      {"flops_bwd", T::kNumber}, {"tokens_per_s", T::kNumber}, {"peak_mem_bytes", T::kInteger},
+      {"tokens", T::kInteger},
+      {"tokens_kept", T::kInteger},
+      {"flops_fwd", T::kNumber},
+      {"flops_bwd", T::kNumber},
+      {"tokens_per_s", T::kNumber},
+      {"peak_mem_bytes", T::kInteger},
       // provenance
-      {"git_sha", T::kString}, {"git_dirty", T::kBool}, {"torch_version", T::kString},
-      {"cuda_version", T::kString}, {"device_name", T::kString}, {"num_threads", T::kInteger},
+      {"git_sha", T::kString},
+      {"git_dirty", T::kBool},
+      {"torch_version", T::kString},
+      {"cuda_version", T::kString},
+      {"device_name", T::kString},
+      {"num_threads", T::kInteger},
       {"timestamp", T::kString},
   };
   return f;
@@ -59,10 +78,10 @@ const std::vector<RowField>& required_row_fields() {
 const std::vector<RowField>& measured_row_fields() {
   using T = JsonType;
   static const std::vector<RowField> f = {
-      {"fwd_ms", T::kNumber},        {"bwd_ms", T::kNumber},          {"filter_ms", T::kNumber},
-      {"optim_ms", T::kNumber},      {"step_ms", T::kNumber},         {"samples_step_ms", T::kArray},
-      {"layers", T::kArray},         {"tokens_kept", T::kInteger},    {"flops_bwd", T::kNumber},
-      {"tokens_per_s", T::kNumber},  {"peak_mem_bytes", T::kInteger}, {"mfu", T::kNumber},
+      {"fwd_ms", T::kNumber},       {"bwd_ms", T::kNumber},          {"filter_ms", T::kNumber},
+      {"optim_ms", T::kNumber},     {"step_ms", T::kNumber},         {"samples_step_ms", T::kArray},
+      {"layers", T::kArray},        {"tokens_kept", T::kInteger},    {"flops_bwd", T::kNumber},
+      {"tokens_per_s", T::kNumber}, {"peak_mem_bytes", T::kInteger}, {"mfu", T::kNumber},
   };
   return f;
 }
@@ -80,23 +99,35 @@ bool is_measured(const std::string& key) {
 }
 bool has_type(const nlohmann::json& v, JsonType t) {
   switch (t) {
-    case JsonType::kString: return v.is_string();
-    case JsonType::kInteger: return v.is_number_integer();
-    case JsonType::kNumber: return v.is_number();
-    case JsonType::kBool: return v.is_boolean();
-    case JsonType::kArray: return v.is_array();
-    case JsonType::kObject: return v.is_object();
+    case JsonType::kString:
+      return v.is_string();
+    case JsonType::kInteger:
+      return v.is_number_integer();
+    case JsonType::kNumber:
+      return v.is_number();
+    case JsonType::kBool:
+      return v.is_boolean();
+    case JsonType::kArray:
+      return v.is_array();
+    case JsonType::kObject:
+      return v.is_object();
   }
   return false;
 }
 const char* type_name(JsonType t) {
   switch (t) {
-    case JsonType::kString: return "string";
-    case JsonType::kInteger: return "integer";
-    case JsonType::kNumber: return "number";
-    case JsonType::kBool: return "boolean";
-    case JsonType::kArray: return "array";
-    case JsonType::kObject: return "object";
+    case JsonType::kString:
+      return "string";
+    case JsonType::kInteger:
+      return "integer";
+    case JsonType::kNumber:
+      return "number";
+    case JsonType::kBool:
+      return "boolean";
+    case JsonType::kArray:
+      return "array";
+    case JsonType::kObject:
+      return "object";
   }
   return "?";
 }
@@ -162,7 +193,7 @@ void JsonlWriter::append(const nlohmann::json& row) {
   // short write (no space, file size limit) is cut back to the previous end, so the file keeps
   // whole lines only, and ends the run with the file's name and the errno text.
   const std::string line = row.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
-  struct stat st{};
+  struct stat st {};
   if (::fstat(fd_, &st) != 0) {
     const int e = errno;
     throw fsutil::WriteError("results: cannot append to '" + path_ + "': " + std::strerror(e), e);
@@ -288,16 +319,15 @@ Provenance collect_provenance(const torch::Device& device) {
   p.git_sha = run_command("git -C '" + src + "' rev-parse HEAD 2>/dev/null", &ok);
   if (!ok || p.git_sha.empty()) p.git_sha = "unknown";
   bool ok2 = false;
-  const std::string dirty = run_command("git -C '" + src + "' status --porcelain --untracked-files=no 2>/dev/null", &ok2);
+  const std::string dirty =
+      run_command("git -C '" + src + "' status --porcelain --untracked-files=no 2>/dev/null", &ok2);
   p.git_dirty = ok2 && !dirty.empty();
   p.torch_version = TORCH_VERSION;
   if (torch::cuda::is_available()) {
     try {
       const long v = at::detail::getCUDAHooks().versionCUDART();
       p.cuda_version = std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
-    } catch (const std::exception&) {
-      p.cuda_version = "unknown";
-    }
+    } catch (const std::exception&) { p.cuda_version = "unknown"; }
   }
   p.device_name = device.is_cuda() ? cuda_device_name(device.has_index() ? device.index() : 0) : cpu_model_name();
   p.num_threads = at::get_num_threads();

@@ -52,10 +52,10 @@ class JsonlWriter {
 };
 
 struct ExistingResults {
-  std::vector<nlohmann::json> rows;   // complete, parseable rows
-  std::set<std::string> ok_point_ids; // point_id of rows with status "ok"
-  int64_t torn_bytes = 0;             // bytes of an incomplete last line (cut when repairing)
-  int64_t bad_lines = 0;              // complete lines that are not JSON objects
+  std::vector<nlohmann::json> rows;    // complete, parseable rows
+  std::set<std::string> ok_point_ids;  // point_id of rows with status "ok"
+  int64_t torn_bytes = 0;              // bytes of an incomplete last line (cut when repairing)
+  int64_t bad_lines = 0;               // complete lines that are not JSON objects
 };
 
 // Reads DIR/results.jsonl; a missing file is empty. With repair, an incomplete last line (no

@@ -18,7 +18,8 @@ std::string default_run_dir(const std::string& name, bool resume) {
   if (!resume) return fsutil::join(base, local_stamp());
   const auto runs = fsutil::list_subdirs(base);  // date-time names sort chronologically
   if (runs.empty()) {
-    throw std::runtime_error("--resume without --out needs an earlier run under " + base + "/; none found (pass --out DIR)");
+    throw std::runtime_error("--resume without --out needs an earlier run under " + base +
+                             "/; none found (pass --out DIR)");
   }
   return fsutil::join(base, runs.back());
 }
@@ -50,9 +51,9 @@ RunDir::RunDir(std::string dir, bool resume, bool writer, std::ostream& log)
   fault::hold("run_locked");
   existing_ = read_results(results_path_, /*repair=*/resume_);
   if (!resume_ && !existing_.rows.empty()) {
-    throw std::runtime_error(fmt::format(
-        "{} already holds {} rows; pass --resume to continue that run, or choose another --out directory",
-        results_path_, existing_.rows.size()));
+    throw std::runtime_error(
+        fmt::format("{} already holds {} rows; pass --resume to continue that run, or choose another --out directory",
+                    results_path_, existing_.rows.size()));
   }
   if (resume_ && existing_.torn_bytes > 0) {
     log << fmt::format("resume: cut an incomplete last line ({} bytes) from {}\n", existing_.torn_bytes, results_path_);

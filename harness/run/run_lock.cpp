@@ -60,8 +60,7 @@ RunDirLock RunDirLock::take(const std::string& dir, const std::string& what, std
     }
     *wait_log << fmt::format("waiting for {} to be released ({})\n", path, holder) << std::flush;
     int r;
-    while ((r = ::flock(fd, LOCK_EX)) != 0 && errno == EINTR) {
-    }
+    while ((r = ::flock(fd, LOCK_EX)) != 0 && errno == EINTR) {}
     if (r != 0) {
       const int e2 = errno;
       ::close(fd);
@@ -70,11 +69,10 @@ RunDirLock RunDirLock::take(const std::string& dir, const std::string& what, std
   }
   std::array<char, 256> host{};
   ::gethostname(host.data(), host.size() - 1);
-  const std::string record = fmt::format("pid {} on {} since {} ({})\n", ::getpid(), host.data(), utc_timestamp(), what);
+  const std::string record =
+      fmt::format("pid {} on {} since {} ({})\n", ::getpid(), host.data(), utc_timestamp(), what);
   // Informational only (the flock is the lock): a failure to write it does not stop the run.
-  if (::ftruncate(fd, 0) == 0) {
-    [[maybe_unused]] const ssize_t n = ::pwrite(fd, record.data(), record.size(), 0);
-  }
+  if (::ftruncate(fd, 0) == 0) { [[maybe_unused]] const ssize_t n = ::pwrite(fd, record.data(), record.size(), 0); }
   RunDirLock lock;
   lock.fd_ = fd;
   return lock;

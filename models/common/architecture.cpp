@@ -12,8 +12,7 @@
 namespace collider::models::detail {
 
 const std::vector<const Architecture*>& architectures() {
-  static const std::vector<const Architecture*> all{&llama_architecture(), &qwen2_architecture(),
-                                                    &phi_architecture()};
+  static const std::vector<const Architecture*> all{&llama_architecture(), &qwen2_architecture(), &phi_architecture()};
   return all;
 }
 

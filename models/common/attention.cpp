@@ -43,8 +43,8 @@ torch::Tensor attention_core(const torch::Tensor& q_BHTE, const torch::Tensor& k
   const double scale = std::pow(static_cast<double>(E), -0.5);  // HF: head_dim ** -0.5
   if (ctx.attention_hook) return (*ctx.attention_hook)({q_BHTE, k_BGTE, v_BGTE, ctx.causal_mask_TT, scale, ctx.attn});
   if (ctx.attn == AttentionImpl::kSdpa) {
-    return torch::scaled_dot_product_attention(q_BHTE, expand_kv_heads(k_BGTE, H), expand_kv_heads(v_BGTE, H), {},
-                                               0.0, /*is_causal=*/true, scale);
+    return torch::scaled_dot_product_attention(q_BHTE, expand_kv_heads(k_BGTE, H), expand_kv_heads(v_BGTE, H), {}, 0.0,
+                                               /*is_causal=*/true, scale);
   }
   return eager_attention(q_BHTE, expand_kv_heads(k_BGTE, H), expand_kv_heads(v_BGTE, H), ctx.causal_mask_TT, scale).o;
 }

@@ -15,12 +15,12 @@
 namespace collider::models::detail {
 
 struct AttentionOptions {
-  int64_t hidden = 0;       // D
-  int64_t num_heads = 0;    // H
-  int64_t num_kv_heads = 0; // G
-  int64_t head_dim = 0;     // E
-  bool qkv_bias = false;    // bias on q/k/v projections
-  bool out_bias = false;    // bias on the output projection
+  int64_t hidden = 0;               // D
+  int64_t num_heads = 0;            // H
+  int64_t num_kv_heads = 0;         // G
+  int64_t head_dim = 0;             // E
+  bool qkv_bias = false;            // bias on q/k/v projections
+  bool out_bias = false;            // bias on the output projection
   std::string out_name = "o_proj";  // HF name of the output projection ("dense" in Phi)
 };
 

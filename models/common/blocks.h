@@ -20,9 +20,9 @@ namespace collider::models::detail {
 // Inputs every layer of one forward shares; built once per forward by CausalLMImpl.
 struct ForwardContext {
   AttentionImpl attn = AttentionImpl::kEager;
-  torch::Tensor cos_TR, sin_TR;         // rotary tables [T, R] for positions 0..T-1, or [B, T, R]
-                                        // for each row's own positions (no grad), x's dtype
-  torch::Tensor causal_mask_TT;         // bool [T, T], true above the diagonal (masked), no grad
+  torch::Tensor cos_TR, sin_TR;                   // rotary tables [T, R] for positions 0..T-1, or [B, T, R]
+                                                  // for each row's own positions (no grad), x's dtype
+  torch::Tensor causal_mask_TT;                   // bool [T, T], true above the diagonal (masked), no grad
   const AttentionHook* attention_hook = nullptr;  // computes the attention core when set (model.h), or null
 };
 
@@ -128,9 +128,9 @@ class DecoderStackImpl : public torch::nn::Module {
  public:
   DecoderStackImpl() = default;
   Embedding embed_tokens{nullptr};
-  torch::nn::ModuleList layers_list{nullptr};               // registered as "layers"
-  std::vector<std::shared_ptr<DecoderLayerImpl>> layers;   // the same modules, typed
-  std::shared_ptr<NormImpl> final_norm;                     // registered under the family's name
+  torch::nn::ModuleList layers_list{nullptr};             // registered as "layers"
+  std::vector<std::shared_ptr<DecoderLayerImpl>> layers;  // the same modules, typed
+  std::shared_ptr<NormImpl> final_norm;                   // registered under the family's name
 };
 
 // Upcast dtype for norms and softmax: fp32, except that double stays double (gradient checks).

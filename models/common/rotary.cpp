@@ -12,11 +12,12 @@ std::pair<torch::Tensor, torch::Tensor> rotary_tables(int64_t T, int64_t rotary_
   torch::NoGradGuard no_grad;
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat).device(device);
   // HF: inv_freq = 1.0 / (base ** (arange(0, dim, 2, dtype=int64).float() / dim))
-  auto exponent = torch::arange(0, rotary_dim, 2, torch::TensorOptions().dtype(torch::kLong).device(device))
-                      .to(torch::kFloat) / rotary_dim;
+  auto exponent =
+      torch::arange(0, rotary_dim, 2, torch::TensorOptions().dtype(torch::kLong).device(device)).to(torch::kFloat) /
+      rotary_dim;
   auto inv_freq = torch::reciprocal(torch::pow(theta, exponent));  // [R/2]
   auto pos_T = torch::arange(T, f32);
-  auto freqs_TR2 = pos_T.unsqueeze(1) * inv_freq.unsqueeze(0);    // == HF's k=1 matmul, exactly
+  auto freqs_TR2 = pos_T.unsqueeze(1) * inv_freq.unsqueeze(0);  // == HF's k=1 matmul, exactly
   auto emb_TR = torch::cat({freqs_TR2, freqs_TR2}, -1);
   return {emb_TR.cos().to(dtype), emb_TR.sin().to(dtype)};
 }

@@ -38,19 +38,17 @@ template <typename Fn>
 auto guarded(const char* who, Fn&& fn) -> decltype(fn()) {
   try {
     return fn();
-  } catch (const collider::Error&) {
-    throw;
-  } catch (const py::error_already_set&) {
+  } catch (const collider::Error&) { throw; } catch (const py::error_already_set&) {
     throw;  // a Python exception from the user's callable: keep it as it is
-  } catch (const py::builtin_exception&) {
-    throw;
-  } catch (const c10::Error& e) {
+  } catch (const py::builtin_exception&) { throw; } catch (const c10::Error& e) {
     throw collider::Error(prefixed(who, e.what_without_backtrace()));
   } catch (const std::invalid_argument& e) {
     throw collider::Error(prefixed(who, e.what()));
   } catch (const std::exception& e) {
-    throw collider::Error(std::string(who) + ": unexpected error inside collider (please report it with the model "
-                          "that caused it): " + e.what());
+    throw collider::Error(std::string(who) +
+                          ": unexpected error inside collider (please report it with the model "
+                          "that caused it): " +
+                          e.what());
   }
 }
 
@@ -58,9 +56,7 @@ collider::FilterOptions options_for(const std::string& attention) {
   collider::FilterOptions opts;
   try {
     opts.attention = collider::attention_grad_from_string(attention);
-  } catch (const std::invalid_argument& e) {
-    throw collider::Error(e.what());
-  }
+  } catch (const std::invalid_argument& e) { throw collider::Error(e.what()); }
   return opts;
 }
 
@@ -78,7 +74,9 @@ PYBIND11_MODULE(_C, m) {
       .def("to_string", &collider::Plan::to_string, "The plan as text (Plan.from_string reads it back).")
       .def_static(
           "from_string",
-          [](const std::string& text) { return guarded("Plan.from_string", [&] { return collider::Plan::from_string(text); }); },
+          [](const std::string& text) {
+            return guarded("Plan.from_string", [&] { return collider::Plan::from_string(text); });
+          },
           py::arg("text"), "Reads a plan written by to_string(); raises collider.Error for text that is not one.")
       .def("summary", &collider::Plan::summary, "One line: nodes, token nodes, attention cores.")
       .def_property_readonly("num_nodes", &collider::Plan::num_nodes, "Autograd nodes of the traced loss graph.")
@@ -162,7 +160,9 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "register_passthrough_node",
-      [](const std::string& name) { guarded("register_passthrough_node", [&] { collider::register_passthrough_node(name); }); },
+      [](const std::string& name) {
+        guarded("register_passthrough_node", [&] { collider::register_passthrough_node(name); });
+      },
       py::arg("name"));
 
   // For benchmarks: the C++ harness's CPU allocator (caches freed blocks >= 64 KiB as CUDA's caching
@@ -173,6 +173,7 @@ PYBIND11_MODULE(_C, m) {
   });
 
   // The torch this module was compiled against (its C++ ABI is tied to that exact version).
-  m.attr("TORCH_VERSION_BUILT") = py::str(std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) +
-                                          "." + std::to_string(TORCH_VERSION_PATCH));
+  m.attr("TORCH_VERSION_BUILT") =
+      py::str(std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
+              std::to_string(TORCH_VERSION_PATCH));
 }

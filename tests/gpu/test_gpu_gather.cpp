@@ -60,7 +60,8 @@ torch::Tensor random_rows(int64_t R_src, int64_t R_dst, bool subset, const torch
 
 torch::Tensor random_tensor(std::vector<int64_t> sizes, torch::ScalarType dtype, const torch::Device& device) {
   if (dtype == torch::kUInt8) return torch::randint(256, sizes, torch::TensorOptions(dtype)).to(device);
-  if (dtype == torch::kLong) return torch::randint(-(1LL << 40), 1LL << 40, sizes, torch::TensorOptions(dtype)).to(device);
+  if (dtype == torch::kLong)
+    return torch::randint(-(1LL << 40), 1LL << 40, sizes, torch::TensorOptions(dtype)).to(device);
   return torch::randn(sizes).to(dtype).to(device);
 }
 
@@ -70,9 +71,8 @@ void expect_gathered(const std::vector<GatherJob>& jobs, const torch::Tensor& ro
     const auto& j = jobs[i];
     const torch::Tensor& idx = j.src_row.defined() ? j.src_row : row_index;
     torch::Tensor want = j.src.index_select(0, idx);
-    EXPECT_TRUE(torch::equal(j.dst.cpu(), want.cpu()))
-        << "job " << i << ": " << c10::toString(j.src.scalar_type()) << " src " << j.src.sizes() << " -> "
-        << j.dst.sizes();
+    EXPECT_TRUE(torch::equal(j.dst.cpu(), want.cpu())) << "job " << i << ": " << c10::toString(j.src.scalar_type())
+                                                       << " src " << j.src.sizes() << " -> " << j.dst.sizes();
   }
 }
 
@@ -176,11 +176,11 @@ TEST(GatherAten, MatchesIndexSelectOnCpu) {
   const torch::Device cpu(torch::kCPU);
   torch::Tensor row_index = random_rows(97, 41, true, cpu);
   std::vector<GatherJob> jobs = {
-      make_job({97, 64}, 41, torch::kFloat, cpu, false),   // shared index
-      make_job({97, 7}, 41, torch::kBFloat16, cpu, false),  // odd row bytes (14)
-      make_job({97, 3, 5}, 41, torch::kUInt8, cpu, false),  // multi-dim rows of 15 bytes
+      make_job({97, 64}, 41, torch::kFloat, cpu, false),                  // shared index
+      make_job({97, 7}, 41, torch::kBFloat16, cpu, false),                // odd row bytes (14)
+      make_job({97, 3, 5}, 41, torch::kUInt8, cpu, false),                // multi-dim rows of 15 bytes
       make_job({13, 9}, 30, torch::kFloat, cpu, true, /*subset=*/false),  // own index, repeats
-      make_job({5, 4}, 0, torch::kFloat, cpu, true),        // no rows kept
+      make_job({5, 4}, 0, torch::kFloat, cpu, true),                      // no rows kept
   };
   gather_rows_aten(jobs, row_index, nullptr);
   expect_gathered(jobs, row_index);
@@ -195,7 +195,7 @@ TEST(FusedGather, MatchesIndexSelectAcrossDtypesAndRowSizes) {
   const torch::Device dev(torch::kCUDA);
   const std::vector<torch::ScalarType> dtypes = {torch::kFloat, torch::kBFloat16, torch::kHalf, torch::kUInt8,
                                                  torch::kLong};
-  const std::vector<std::vector<int64_t>> rows = {{1}, {3}, {7}, {64}, {2049}, {4, 5}, {5632}};
+  const std::vector<std::vector<int64_t> > rows = {{1}, {3}, {7}, {64}, {2049}, {4, 5}, {5632}};
   for (int64_t R_src : {1, 97, 1025, 2048}) {
     for (bool own_index : {false, true}) {
       const int64_t R_dst = std::max<int64_t>(1, R_src * 3 / 5);
@@ -262,9 +262,9 @@ TEST(FusedGather, OneLayerOfSavedTensorsOnAStream) {
     std::vector<int64_t> sizes;  // as rows: [R_src, row...]
     int64_t rows_per_batch;
   };
-  const std::vector<Saved> saved = {{{B * T, D}, 1},  {{B * H * T, E}, H}, {{B * G * T, E}, G},
-                                    {{B * G * T, E}, G}, {{B * T, F}, 1},   {{B * T, F}, 1},
-                                    {{B * H, T}, H}};  // the last: per-head log-sum-exp rows
+  const std::vector<Saved> saved = {
+      {{B * T, D}, 1}, {{B * H * T, E}, H}, {{B * G * T, E}, G}, {{B * G * T, E}, G},
+      {{B * T, F}, 1}, {{B * T, F}, 1},     {{B * H, T}, H}};  // the last: per-head log-sum-exp rows
   std::vector<GatherJob> fused, reference;
   for (const Saved& s : saved) {
     for (auto dtype : {torch::kBFloat16, torch::kFloat}) {

@@ -40,18 +40,18 @@ struct FilterOptions {
 };
 
 struct FilterStats {
-  int64_t nodes_visited = 0;        // autograd nodes reachable from the loss
-  int64_t nodes_rewritten = 0;      // nodes whose saved tensors, sizes or input shapes changed
-  int64_t tensors_gathered = 0;     // distinct saved tensors cut to kept rows (one gather each)
-  int64_t bytes_before = 0;         // bytes of those tensors before the cut
-  int64_t bytes_gathered = 0;       // bytes of the cut copies
-  int64_t gather_nodes_inserted = 0;  // exact_query: nodes that cut dK/dV to kept rows
-  int64_t batch = 0, seq_len = 0;  // B, T
-  int64_t kept = 0;                 // positions per row after the cut: T', the largest kept count
-  int64_t kept_total = 0;           // kept tokens over the batch (B * T' unless ragged)
+  int64_t nodes_visited = 0;           // autograd nodes reachable from the loss
+  int64_t nodes_rewritten = 0;         // nodes whose saved tensors, sizes or input shapes changed
+  int64_t tensors_gathered = 0;        // distinct saved tensors cut to kept rows (one gather each)
+  int64_t bytes_before = 0;            // bytes of those tensors before the cut
+  int64_t bytes_gathered = 0;          // bytes of the cut copies
+  int64_t gather_nodes_inserted = 0;   // exact_query: nodes that cut dK/dV to kept rows
+  int64_t batch = 0, seq_len = 0;      // B, T
+  int64_t kept = 0;                    // positions per row after the cut: T', the largest kept count
+  int64_t kept_total = 0;              // kept tokens over the batch (B * T' unless ragged)
   int64_t kept_min = 0, kept_max = 0;  // kept counts of the rows (differ under batch_topk)
-  double rewrite_ms = 0.0;          // whole call
-  double gather_ms = 0.0;           // of which: copying saved tensors to kept rows
+  double rewrite_ms = 0.0;             // whole call
+  double gather_ms = 0.0;              // of which: copying saved tensors to kept rows
 };
 
 // Per-node record of which dimensions of which fields are token dimensions, found by tracing.
@@ -96,14 +96,14 @@ Plan trace_plan(const LossOnBatchFn& loss_on_random_batch, const TraceOptions& o
 // The one added line. keep_mask_BT: bool [B, T]. Rows may keep different numbers of tokens
 // (batch_topk), every position, or none (such a row gives no gradient): ragged rows are cut to
 // the largest count, the padding excluded exactly (collider_core/src/token_index.cpp).
-FilterStats filter_backward(const torch::Tensor& loss, const torch::Tensor& keep_mask_BT,
-                            const Plan& plan, const FilterOptions& opts = {});
+FilterStats filter_backward(const torch::Tensor& loss, const torch::Tensor& keep_mask_BT, const Plan& plan,
+                            const FilterOptions& opts = {});
 
 // The `masked` method (the oracle of DESIGN.md section 3): the same semantics as
 // filter_backward, computed on full-size tensors with dropped rows (and, in attention, columns)
 // zeroed. No speed-up; used by tests and the harness as the reference.
-FilterStats mask_backward(const torch::Tensor& loss, const torch::Tensor& keep_mask_BT,
-                          const Plan& plan, const FilterOptions& opts = {});
+FilterStats mask_backward(const torch::Tensor& loss, const torch::Tensor& keep_mask_BT, const Plan& plan,
+                          const FilterOptions& opts = {});
 
 // Custom autograd nodes (torch::autograd::Function) that carry no token-shaped saved state and
 // map gradients row-for-row can be declared safe by their node name (e.g. timing markers).

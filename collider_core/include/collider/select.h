@@ -29,8 +29,7 @@ struct SelectOptions {
 // Failures of the three functions below are collider::Error.
 // scores_BT: higher = more worth keeping. filter_ratio in [0, 1): fraction of (valid) positions
 // dropped. Returns the keep mask, bool [B, T]. Ties break toward the earlier position.
-torch::Tensor select_tokens(const torch::Tensor& scores_BT, double filter_ratio,
-                            const SelectOptions& opts = {});
+torch::Tensor select_tokens(const torch::Tensor& scores_BT, double filter_ratio, const SelectOptions& opts = {});
 
 // Kept count per row that kPerSequence gives for a row of T valid positions.
 int64_t kept_count(int64_t T, double filter_ratio, int64_t align = 8);

@@ -28,8 +28,8 @@ std::string describe(const torch::Tensor& t) {
 }
 
 // Checks the contract of gather_rows.h; `who` names the caller in the messages.
-std::vector<CheckedJob> check_jobs(const std::vector<GatherJob>& jobs, const torch::Tensor& row_index,
-                                   const char* who, bool need_cuda) {
+std::vector<CheckedJob> check_jobs(const std::vector<GatherJob>& jobs, const torch::Tensor& row_index, const char* who,
+                                   bool need_cuda) {
   std::vector<CheckedJob> out;
   out.reserve(jobs.size());
   if (row_index.defined()) {
@@ -41,8 +41,8 @@ std::vector<CheckedJob> check_jobs(const std::vector<GatherJob>& jobs, const tor
     TORCH_CHECK(job.src.defined() && job.dst.defined(), who, ": job ", i, " has an undefined src or dst tensor");
     const torch::Tensor& src = job.src;
     const torch::Tensor& dst = job.dst;
-    TORCH_CHECK(src.dim() >= 1 && dst.dim() >= 1, who, ": job ", i,
-                " needs tensors with rows along dim 0, got src ", describe(src), " and dst ", describe(dst));
+    TORCH_CHECK(src.dim() >= 1 && dst.dim() >= 1, who, ": job ", i, " needs tensors with rows along dim 0, got src ",
+                describe(src), " and dst ", describe(dst));
     TORCH_CHECK(src.scalar_type() == dst.scalar_type() && src.device() == dst.device(), who, ": job ", i,
                 ": src and dst must have one dtype and device, got src ", describe(src), " and dst ", describe(dst));
     TORCH_CHECK(!need_cuda || src.is_cuda(), who, ": job ", i, ": the fused gather needs CUDA tensors, got ",
@@ -80,8 +80,8 @@ void gather_rows_fused(const std::vector<GatherJob>& jobs, const torch::Tensor& 
   std::vector<cuda::RowCopyJob> raw;
   raw.reserve(checked.size());
   for (const CheckedJob& c : checked) {
-    raw.push_back({c.src.data_ptr(), c.dst.data_ptr(), c.index.data_ptr<int64_t>(), c.src.size(0), c.dst.size(0),
-                   c.row_bytes});
+    raw.push_back(
+        {c.src.data_ptr(), c.dst.data_ptr(), c.index.data_ptr<int64_t>(), c.src.size(0), c.dst.size(0), c.row_bytes});
   }
   // The caller orders `stream` after the producers of src and index (the allocator's streams).
   const c10::cuda::CUDAGuard device_guard(checked[0].src.device());

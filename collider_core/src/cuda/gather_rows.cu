@@ -13,8 +13,8 @@
 
 // Out-of-range source rows stop the kernel with a device assert (as ATen's index kernels do),
 // also in release builds: a silent out-of-bounds read would corrupt the backward.
-#define COLLIDER_DEVICE_CHECK(cond)                                                      \
-  do {                                                                                   \
+#define COLLIDER_DEVICE_CHECK(cond)                                                         \
+  do {                                                                                      \
     if (!(cond)) __assert_fail(#cond, __FILE__, static_cast<unsigned>(__LINE__), __func__); \
   } while (0)
 
@@ -76,19 +76,29 @@ __global__ void __launch_bounds__(kGatherThreads) gather_rows_kernel(const __gri
   const LaunchJob& job = p.jobs[j];
   const int64_t first_vector = (block - job.first_block) * kVectorsPerBlock;
   switch (job.vector_bytes) {
-    case 16: copy_vectors<uint4>(job, first_vector); break;
-    case 8: copy_vectors<uint2>(job, first_vector); break;
-    case 4: copy_vectors<uint32_t>(job, first_vector); break;
-    case 2: copy_vectors<uint16_t>(job, first_vector); break;
-    default: copy_vectors<uint8_t>(job, first_vector); break;
+    case 16:
+      copy_vectors<uint4>(job, first_vector);
+      break;
+    case 8:
+      copy_vectors<uint2>(job, first_vector);
+      break;
+    case 4:
+      copy_vectors<uint32_t>(job, first_vector);
+      break;
+    case 2:
+      copy_vectors<uint16_t>(job, first_vector);
+      break;
+    default:
+      copy_vectors<uint8_t>(job, first_vector);
+      break;
   }
 }
 
 }  // namespace
 
 int choose_vector_bytes(const void* src, const void* dst, int64_t row_bytes) {
-  const uintptr_t bits = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) |
-                         static_cast<uintptr_t>(row_bytes);
+  const uintptr_t bits =
+      reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(row_bytes);
   for (int w = 16; w > 1; w /= 2) {
     if (bits % static_cast<uintptr_t>(w) == 0) return w;
   }
