@@ -2,7 +2,7 @@
 // (PyPI wheel 2.11) exports its own copies of std::filesystem symbols, which the dynamic linker
 // binds ahead of libstdc++'s, and at least std::filesystem::remove_all crashes (calls a null
 // pointer) through them. These helpers use only libc. Also the one atomic file writer that run
-// outputs and checkpoints use (library collider_fsutil, linked by collider_models too).
+// outputs and checkpoints use (library collider_base, linked by collider_models and collider_harness).
 // Tests: tests/test_results.cpp, tests/test_write_failures.cpp.
 #pragma once
 

@@ -90,7 +90,9 @@ TEST_P(Gpt2Grad, MatchesOracle) {
   g_record = false;
   auto grad_shapes = g_grad_shapes;
   EXPECT_EQ(st.kept, N);
-  if (N < c.T) EXPECT_GT(st.tensors_gathered, 0);  // with every token kept only broadcast tensors are copied
+  if (N < c.T) {
+    EXPECT_GT(st.tensors_gathered, 0);  // with every token kept only broadcast tensors are copied
+  }
   ASSERT_EQ(grad_shapes.size(), static_cast<size_t>(kLayers));
   for (const auto& s : grad_shapes) EXPECT_EQ(s, (std::vector<int64_t>{c.B, N, kDim}));
 
@@ -99,7 +101,7 @@ TEST_P(Gpt2Grad, MatchesOracle) {
   auto ref = reference_grads(m, plan, idx, labels, keep, c.attention);
   const auto& g_oracle = ref.oracle;
   const auto& g_masked = ref.masked;
-  if (c.ratio > 0) EXPECT_GT(max_rel_diff(g_oracle, ref.loss_only), 1e-3);
+  if (c.ratio > 0) { EXPECT_GT(max_rel_diff(g_oracle, ref.loss_only), 1e-3); }
 
   std::string worst;
   EXPECT_LE(max_rel_diff(g_collider, g_oracle, &worst), 1e-4) << "worst parameter: " << worst;
@@ -134,7 +136,7 @@ void expect_matches_oracle(Gpt2& m, const Case& c, uint64_t seed) {
   loss.backward();
   auto g_collider = grads_of(*m);
   auto ref = reference_grads(m, plan, idx, labels, keep, c.attention);
-  if (c.ratio > 0) EXPECT_GT(max_rel_diff(ref.oracle, ref.loss_only), 1e-3);
+  if (c.ratio > 0) { EXPECT_GT(max_rel_diff(ref.oracle, ref.loss_only), 1e-3); }
   std::string worst;
   EXPECT_LE(max_rel_diff(g_collider, ref.oracle, &worst), 1e-4) << "worst parameter: " << worst;
   EXPECT_LE(max_rel_diff(ref.masked, ref.oracle, &worst), 1e-4) << "worst parameter: " << worst;
