@@ -18,6 +18,7 @@
 // point is reported against its own FLOP ideal (counted row by row on the actual counts).
 // CPU timings are relative figures only (DESIGN.md section 7); absolute times count on a GPU
 // (there: --device cuda --bf16, timed with device synchronisation around each backward).
+#include "base/stats.h"
 #include "harness/components/memory.h"
 #include "harness/components/token_data.h"
 #include "harness/components/train_step.h"
@@ -119,12 +120,6 @@ Options parse(int argc, char** argv) {
 }
 
 double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 struct Sample {
   double bwd_ms = 0, rewrite_ms = 0, gather_ms = 0;  // gather_ms: the rewrite's copies of saved tensors
@@ -328,7 +323,7 @@ int main(int argc, char** argv) try {
       auto med = [&](const Kind& k, double Sample::*f) {
         std::vector<double> v;
         for (const auto& s : samples[k.name]) v.push_back(s.*f);
-        return median(v);
+        return collider::stats::median(v);
       };
       auto peak = [&](const Kind& k) {
         int64_t p = 0;

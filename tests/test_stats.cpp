@@ -1,0 +1,30 @@
+// Tests of the order statistics every timing row and benchmark reports (base/stats.h): quantiles
+// by linear interpolation (numpy's default), the median, and the relative IQR.
+#include "base/stats.h"
+
+#include <gtest/gtest.h>
+
+namespace cs = collider::stats;
+
+TEST(Stats, QuantilesInterpolateBetweenClosestRanks) {
+  const std::vector<double> v = {4, 1, 3, 2, 5};  // sorted 1..5
+  EXPECT_DOUBLE_EQ(cs::quantile(v, 0.0), 1.0);
+  EXPECT_DOUBLE_EQ(cs::quantile(v, 0.25), 2.0);
+  EXPECT_DOUBLE_EQ(cs::quantile(v, 0.5), 3.0);
+  EXPECT_DOUBLE_EQ(cs::quantile(v, 0.75), 4.0);
+  EXPECT_DOUBLE_EQ(cs::quantile(v, 1.0), 5.0);
+  EXPECT_DOUBLE_EQ(cs::quantile({1, 2}, 0.25), 1.25);  // numpy.quantile([1, 2], 0.25)
+}
+
+TEST(Stats, MedianOfEvenCountIsTheMidpoint) {
+  EXPECT_DOUBLE_EQ(cs::median({1, 2, 3, 10}), 2.5);
+  EXPECT_DOUBLE_EQ(cs::median({7}), 7.0);
+  EXPECT_DOUBLE_EQ(cs::median({}), 0.0);
+}
+
+TEST(Stats, RelativeIqrIsTheQuartileDistanceOverTheMedian) {
+  EXPECT_DOUBLE_EQ(cs::rel_iqr({1, 2, 3, 4, 5}), 2.0 / 3.0);
+  EXPECT_DOUBLE_EQ(cs::rel_iqr({5, 5, 5}), 0.0);
+  EXPECT_DOUBLE_EQ(cs::rel_iqr({}), 0.0);
+  EXPECT_DOUBLE_EQ(cs::rel_iqr({0, 0, 0}), 0.0);  // no centre, no relative spread
+}
