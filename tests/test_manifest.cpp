@@ -250,3 +250,30 @@ TEST(Manifest, DryRunListsPointsAndWritesNothing) {
     EXPECT_NE(e3.str().find("no CUDA device"), std::string::npos) << e3.str();
   }
 }
+
+TEST(Manifest, AaCheckAddsTheRegularPointOnceMoreAtTheEndOfEachGroup) {
+  const char* text = R"(
+name = "aa"
+[run]
+device = "cpu"
+aa_check = true
+[axes]
+model = "tinyllama-debug"
+seq_len = [16, 32]
+filter_ratio = 0.5
+method = ["regular", "loss_only"]
+[[exclude]]
+seq_len = 32
+method = "regular"
+)";
+  const auto m = ch::load_manifest_text(text, "aa.toml");
+  // T16: regular, loss_only, regular (A/A copy); T32: loss_only only, so no copy.
+  ASSERT_EQ(m.points.size(), 4u);
+  EXPECT_EQ(m.num_aa_copies, 1);
+  EXPECT_EQ(m.points[2].id(), "tinyllama-debug/T16/B1/f0.5/regular/none/aa");
+  EXPECT_TRUE(m.points[2].aa_copy);
+  EXPECT_EQ(m.points[2].group_id(), m.points[0].group_id());
+  EXPECT_EQ(m.points[3].group_id(), "tinyllama-debug/T32/B1");
+  EXPECT_FALSE(m.points[3].aa_copy);
+  EXPECT_NE(m.resolved_toml.find("aa_check = true"), std::string::npos) << m.resolved_toml;
+}

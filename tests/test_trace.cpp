@@ -10,6 +10,8 @@
 #include "harness/components/train_step.h"
 #include "models/model.h"
 
+#include "harness/run/results.h"
+
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -171,6 +173,57 @@ method = ["regular", "loss_only"]
   }
   EXPECT_EQ(points, 4);
   EXPECT_EQ(measured, 4);
+  fsu::remove_tree(dir);
+}
+
+// The points of one group (same model, T, batch) share one warm-up and then take turns, one
+// round of measured steps each, so drift on a shared machine hits them alike.
+TEST(Trace, RepetitionsInterleaveThePointsOfAGroup) {
+  const std::string dir = "/tmp/collider_test_trace_interleave_" + std::to_string(::getpid());
+  fsu::remove_tree(dir);
+  fsu::make_dirs(dir);
+  fsu::write_file(dir + "/m.toml", R"(
+name = "interleave"
+[run]
+device = "cpu"
+warmup_steps = 1
+measure_steps = 2
+repetitions = 3
+aa_check = true
+[axes]
+model = "tinyllama-debug"
+seq_len = 32
+filter_ratio = 0.5
+method = ["regular", "loss_only"]
+)");
+  std::ostringstream out, err;
+  ASSERT_EQ(ch::run_run_command({dir + "/m.toml", "--out", dir + "/out", "--trace", dir + "/t.json"}, out, err), 0)
+      << err.str();
+  auto ev = load_events(dir + "/t.json");
+  EXPECT_EQ(nesting_violation(ev), "");
+  std::sort(ev.begin(), ev.end(), [](const Ev& a, const Ev& b) { return a.begin < b.begin; });
+  std::vector<std::string> order;
+  for (const auto& e : ev) {
+    if (e.name.rfind("point ", 0) == 0 || e.name.rfind("warm-up ", 0) == 0) order.push_back(e.name);
+  }
+  const std::string reg = "tinyllama-debug/T32/B1/f0.5/regular/none", lo = "tinyllama-debug/T32/B1/f0.5/loss_only/none";
+  std::vector<std::string> want = {"warm-up " + reg, "warm-up " + lo, "warm-up " + reg + "/aa"};
+  for (int rep = 0; rep < 3; ++rep) {
+    for (const auto& id : {reg, lo, reg + "/aa"}) want.push_back("point " + id);
+  }
+  EXPECT_EQ(order, want);
+  const auto rows = ch::read_results(dir + "/out/results.jsonl", false).rows;
+  ASSERT_EQ(rows.size(), 3u);
+  for (const auto& row : rows) {
+    EXPECT_TRUE(ch::validate_row(row).empty()) << row.dump();
+    EXPECT_EQ(row["samples_bwd_ms"].size(), 6u) << "every measured step of every round";
+    EXPECT_EQ(row["repetition_bwd_ms"].size(), 3u);
+    EXPECT_GE(row["bwd_ms_rel_iqr"].get<double>(), 0.0);
+    EXPECT_EQ(row["group"], "tinyllama-debug/T32/B1");
+    EXPECT_EQ(row["group_points"], 3);
+  }
+  EXPECT_EQ(rows[2]["aa_copy"], true);
+  EXPECT_NE(err.str().find("round 3/3"), std::string::npos) << err.str();
   fsu::remove_tree(dir);
 }
 

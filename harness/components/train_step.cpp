@@ -87,6 +87,14 @@ Trainer::Trainer(models::CausalLM model, StepConfig cfg, torch::Device device, u
   optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), opts);
 }
 
+void Trainer::set_method(const MethodSpec& spec, double filter_ratio) {
+  if (!(filter_ratio >= 0.0 && filter_ratio < 1.0)) {
+    throw std::invalid_argument(fmt::format("Trainer: filter_ratio {} is outside [0, 1)", filter_ratio));
+  }
+  cfg_.spec = spec;
+  cfg_.filter_ratio = filter_ratio;
+}
+
 Trainer::~Trainer() {
   // The hook captures the layer timer; leave the model hook-free if it outlives us.
   if (layer_timer_) model_->set_boundary_hook(nullptr);

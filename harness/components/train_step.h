@@ -86,6 +86,11 @@ class Trainer {
   // One step. Parameter gradients of this step stay in .grad() until the next step starts.
   StepResult step(const Batch& batch);
 
+  // Switches the method and filter ratio of later steps. An interleaved timing group
+  // (harness/recipes/sweep.h) measures all its points on one model, optimizer and traced plan
+  // this way; the plan depends only on the model, never on the method or ratio.
+  void set_method(const MethodSpec& spec, double filter_ratio);
+
   models::CausalLM& model() { return model_; }
   torch::optim::AdamW& optimizer() { return *optimizer_; }
   const StepConfig& config() const { return cfg_; }

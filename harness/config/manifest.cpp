@@ -73,6 +73,7 @@ class TimingSchema {
     L_.add("run.score", &r.score);
     L_.add("run.attention_impl", &r.attention_impl);
     L_.add("run.layer_timing", &r.layer_timing);
+    L_.add("run.aa_check", &r.aa_check);
     L_.add("run.fail_point", &r.fail_point, /*advertised=*/false);  // tests inject a failure at matching points
     L_.add_section("axes", "method");
     L_.add("axes.model", &axes_.model);
@@ -237,7 +238,8 @@ class TimingSchema {
     std::vector<int64_t> hits(excludes_.size(), 0);
     for (const auto& model : axes_.model)
       for (int64_t T : axes_.seq_len)
-        for (int64_t B : axes_.batch_size)
+        for (int64_t B : axes_.batch_size) {
+          const size_t group_begin = m_.points.size();  // this (model, T, batch) group's first point
           for (double f : axes_.filter_ratio)
             for (size_t mi = 0; mi < methods_.size(); ++mi) {
               MethodSpec spec = spec_;
@@ -262,6 +264,19 @@ class TimingSchema {
                 }
               }
             }
+          // The A/A check: the group's first regular point once more, last in the group, so the
+          // two regular measurements are as far apart in each interleaved round as possible.
+          if (m_.run.aa_check) {
+            for (size_t k = group_begin; k < m_.points.size(); ++k) {
+              if (m_.points[k].spec.method != Method::kRegular) continue;
+              Point copy = m_.points[k];
+              copy.aa_copy = true;
+              m_.points.push_back(copy);
+              ++m_.num_aa_copies;
+              break;
+            }
+          }
+        }
     for (size_t i = 0; i < excludes_.size(); ++i) {
       if (hits[i] == 0) m_.notes.push_back(fmt::format("{} matches no point (a typo?)", excludes_[i].where));
     }
@@ -313,7 +328,8 @@ class TimingSchema {
                     {"policy", r.policy},
                     {"score", r.score},
                     {"attention_impl", r.attention_impl},
-                    {"layer_timing", r.layer_timing}};
+                    {"layer_timing", r.layer_timing},
+                    {"aa_check", r.aa_check}};
     if (!r.fail_point.empty()) run.insert("fail_point", r.fail_point);
     auto arr_s = [](const std::vector<std::string>& v) {
       toml::array a;
@@ -355,7 +371,8 @@ class TimingSchema {
     std::ostringstream os;
     os << "# Resolved manifest: built-in defaults, then " << path_ << ", then --set overrides.\n";
     for (const auto& o : m_.overrides) os << "# " << o << "\n";
-    os << fmt::format("# {} points ({} expanded, {} excluded).\n", m_.points.size(), m_.num_expanded, m_.num_excluded);
+    os << fmt::format("# {} points ({} expanded, {} excluded, {} A/A copies).\n", m_.points.size(), m_.num_expanded,
+                      m_.num_excluded, m_.num_aa_copies);
     os << root << "\n";
     return os.str();
   }
@@ -381,9 +398,11 @@ std::string stem_of(const std::string& path) {
 }  // namespace
 
 std::string Point::id() const {
-  return fmt::format("{}/T{}/B{}/f{}/{}/{}", model, seq_len, batch_size, fmt_ratio(filter_ratio), method,
-                     attention_grad);
+  return fmt::format("{}/T{}/B{}/f{}/{}/{}{}", model, seq_len, batch_size, fmt_ratio(filter_ratio), method,
+                     attention_grad, aa_copy ? "/aa" : "");
 }
+
+std::string Point::group_id() const { return fmt::format("{}/T{}/B{}", model, seq_len, batch_size); }
 
 std::string default_manifest_toml() {
   TimingSchema schema("<defaults>", /*check_device=*/false);

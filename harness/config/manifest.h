@@ -7,6 +7,7 @@
 //   dtype = "auto"                 # fp32 | bf16 | auto (bf16 autocast on cuda, fp32 on cpu)
 //   warmup_steps = 2; measure_steps = 5; repetitions = 1; seed = 0; threads = 0 (torch default)
 //   lr, weight_decay, beta1, beta2, eps, grad_clip, align, policy, score, attention_impl, layer_timing
+//   aa_check = false               # measure each group's regular point twice (the A/A noise band)
 //   [axes]                         # each a scalar or an array; cartesian product in this order
 //   model = ["tinyllama-mini"]; seq_len = [512]; batch_size = [1]; filter_ratio = [0.0, 0.4]
 //   method = ["regular", "loss_only", "collider", "masked"]; attention_grad = ["kept_only"]
@@ -37,7 +38,9 @@ struct RunSettings {
   std::string dtype = "auto";   // resolved: "fp32" | "bf16"
   int64_t warmup_steps = 2;
   int64_t measure_steps = 5;
-  int64_t repetitions = 1;  // independent repeats of warm-up + measurement (fresh model each)
+  // Interleaved rounds of measured steps: the points of one (model, seq_len, batch_size) group share
+  // one model and one warm-up, then take turns, measure_steps each, `repetitions` times round-robin.
+  int64_t repetitions = 1;
   int64_t seed = 0;
   int64_t threads = 0;  // torch intra-op threads; 0 = torch's default
   double lr = 3e-4, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, grad_clip = 1.0;
@@ -46,6 +49,7 @@ struct RunSettings {
   std::string score = "self";            // self | random
   std::string attention_impl = "eager";  // eager | sdpa
   bool layer_timing = true;              // per-layer marker timings in every row
+  bool aa_check = false;                 // each group's regular point twice (its copy's id ends in /aa)
   std::string fail_point;                // tests: points whose point_id contains this fail
 };
 
@@ -59,17 +63,23 @@ struct Point {
   // The method, attention_grad, run.policy and run.score, parsed at load (the strings above are
   // the axis values as written: the point id, the row and [[exclude]] matching use them).
   models::MethodSpec spec;
-  // Stable id from the axis values, e.g. "tinyllama-debug/T64/B2/f0.4/collider/kept_only".
+  // The A/A copy of its group's regular point (run.aa_check): measured again in the same rounds.
+  bool aa_copy = false;
+  // Stable id from the axis values, e.g. "tinyllama-debug/T64/B2/f0.4/collider/kept_only"
+  // ("tinyllama-debug/T64/B2/f0.4/regular/none/aa" for an A/A copy).
   std::string id() const;
+  // The interleaved group it is measured in: "tinyllama-debug/T64/B2" (model, seq_len, batch_size).
+  std::string group_id() const;
 };
 
 struct Manifest {
   std::string path;  // the file (or the name given to load_manifest_text)
   std::string name, description;
   RunSettings run;
-  std::vector<Point> points;  // after exclusion, in sweep order
+  std::vector<Point> points;  // after exclusion, in sweep order: each group's points consecutive
   int64_t num_expanded = 0;   // before exclusion
   int64_t num_excluded = 0;
+  int64_t num_aa_copies = 0;           // added by run.aa_check, one per group with a regular point
   std::vector<std::string> overrides;  // one echo line per --set
   std::vector<std::string> notes;      // warnings (an exclude that matches nothing)
   std::string resolved_toml;           // defaults + file + --set, as TOML

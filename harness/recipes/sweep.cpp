@@ -6,6 +6,7 @@
 #include "harness/recipes/sweep.h"
 
 #include "base/fsutil.h"
+#include "base/stats.h"
 #include "harness/components/memory.h"
 #include "harness/run/run_dir.h"
 #include "harness/components/timer.h"
@@ -32,12 +33,8 @@ int64_t process_cpu_ns() {
   return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using stats::median;
+using stats::rel_iqr;
 
 bool looks_like_oom(const std::string& msg) {
   return msg.find("out of memory") != std::string::npos || msg.find("not enough memory") != std::string::npos ||
@@ -67,6 +64,8 @@ nlohmann::json identity_row(const Manifest& m, const Point& p, const Provenance&
   row["warmup_steps"] = m.run.warmup_steps;
   row["measure_steps"] = m.run.measure_steps;
   row["repetitions"] = m.run.repetitions;
+  row["group"] = p.group_id();
+  row["aa_copy"] = p.aa_copy;
   row["seed"] = m.run.seed;
   row["policy"] = collider::to_string(p.spec.policy);
   row["score"] = to_string(p.spec.score);
@@ -113,6 +112,8 @@ class PointMeasurements {
     step_.push_back(r.step_ms);
     allreduce_.push_back(r.allreduce_ms);
     rep_step_.push_back(r.step_ms);
+    rep_fwd_.push_back(r.fwd_ms);
+    rep_bwd_.push_back(r.bwd_ms);
     tokens_kept_ = r.dist ? r.dist->rank_tokens_kept[rank_] : r.tokens_kept;
     global_tokens_kept_ = r.tokens_kept;
     if (r.dist) {
@@ -142,13 +143,20 @@ class PointMeasurements {
     measured_cpu_ns_ += process_cpu_ns() - cpu_ns_begin_;
     peak_ = std::max(peak_, peak_bytes);
     rep_step_medians_.push_back(median(rep_step_));
+    rep_fwd_medians_.push_back(median(rep_fwd_));
+    rep_bwd_medians_.push_back(median(rep_bwd_));
     rep_step_.clear();
+    rep_fwd_.clear();
+    rep_bwd_.clear();
   }
 
   void set_timer_kind(std::string kind) { timer_kind_ = std::move(kind); }
   void set_overlaps(bool overlaps) { overlaps_ = overlaps; }
 
   double step_ms() const { return median(step_); }
+  double step_ms_rel_iqr() const { return rel_iqr(step_); }
+  double bwd_ms() const { return median(bwd_); }
+  double last_repetition_step_ms() const { return rep_step_medians_.empty() ? 0.0 : rep_step_medians_.back(); }
   int64_t kept_per_seq() const { return kept_per_seq_; }
   const std::vector<int64_t>& kept_per_row() const { return kept_per_row_; }  // this rank's, last measured step
 
@@ -179,7 +187,14 @@ class PointMeasurements {
     row["samples_step_ms"] = step_;
     row["samples_fwd_ms"] = fwd_;
     row["samples_bwd_ms"] = bwd_;
+    // The spread, as nvbench reports it: (q75 - q25) / median over every measured step of every
+    // repetition; and each interleaved repetition's median (the tables pair them across methods).
+    row["step_ms_rel_iqr"] = rel_iqr(step_);
+    row["fwd_ms_rel_iqr"] = rel_iqr(fwd_);
+    row["bwd_ms_rel_iqr"] = rel_iqr(bwd_);
     row["repetition_step_ms"] = rep_step_medians_;
+    row["repetition_fwd_ms"] = rep_fwd_medians_;
+    row["repetition_bwd_ms"] = rep_bwd_medians_;
     row["timer"] = timer_kind_;
     // CPU time this process used per measured step (all its threads): on a shared machine,
     // wall time well above it (times the threads) means the process waited for a core.
@@ -233,7 +248,8 @@ class PointMeasurements {
  private:
   int rank_;
   std::vector<double> fwd_, bwd_, filter_, select_, rewrite_, optim_, step_, losses_, allreduce_, ar_wait_, ar_bucket_;
-  std::vector<double> rep_step_, rep_step_medians_, bwd_coverage_;
+  std::vector<double> rep_step_, rep_fwd_, rep_bwd_, rep_step_medians_, rep_fwd_medians_, rep_bwd_medians_;
+  std::vector<double> bwd_coverage_;
   std::map<std::string, std::vector<double>> layer_fwd_, layer_bwd_;
   std::vector<std::string> layer_names_;  // model order
   int64_t peak_ = -1, tokens_kept_ = -1, kept_per_seq_ = -1, global_tokens_kept_ = -1;
@@ -292,75 +308,13 @@ double device_peak_flops(const std::string& device_name, const std::string& dtyp
   return 0.0;
 }
 
-nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance& prov, RangeRecorder* ranges,
-                             int64_t profile_begin, int64_t profile_end, const std::shared_ptr<ProcessGroup>& dist) {
-  nlohmann::json row = identity_row(m, p, prov);
-  const int64_t t_begin_ns = host_now_ns();
-  const int world = dist ? dist->world_size() : 1, rank = dist ? dist->rank() : 0;
-  // One device per rank on a machine: cuda:LOCAL_RANK.
-  const torch::Device device = m.run.device != "cuda" ? torch::Device(torch::kCPU)
-                               : dist
-                                   ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(dist->env().local_rank))
-                                   : torch::Device(torch::kCUDA);
-  row["world_size"] = world;
-  row["global_batch_size"] = p.batch_size * world;
-  ScopedRange point_range(ranges, "point " + p.id());
+namespace {
+
+// The status and message of a failed point from the exception `e` (a DistributedError is not a
+// point's failure: it passes through and ends the run).
+void record_failure(nlohmann::json& row, const std::exception_ptr& e) {
   try {
-    const models::ModelConfig& cfg = models::preset(p.model);
-    // Work known before running: forward FLOPs, attention/linear ratio.
-    row["flops_fwd"] = models::forward_flops(cfg, p.batch_size, p.seq_len).total();
-    row["attention_linear_ratio"] = models::attention_linear_ratio(cfg, p.seq_len);
-    row["num_params"] = cfg.num_params();
-
-    if (!m.run.fail_point.empty() && p.id().find(m.run.fail_point) != std::string::npos) {
-      throw std::runtime_error("injected failure (run.fail_point = \"" + m.run.fail_point + "\")");
-    }
-
-    const StepConfig sc = step_config(m, p);
-    const auto attn = m.run.attention_impl == "sdpa" ? models::AttentionImpl::kSdpa : models::AttentionImpl::kEager;
-    if (!device.is_cuda()) install_cpu_memory_tracking();  // before the model's tensors exist
-    MemoryProbe probe(device);
-    PointMeasurements acc(rank);
-    int64_t global_step = 0;
-    for (int64_t rep = 0; rep < m.run.repetitions; ++rep) {
-      const uint64_t seed = static_cast<uint64_t>(m.run.seed + rep);
-      Trainer trainer(models::build_model(cfg, attn, seed), sc, device, seed, ranges);
-      if (dist) {
-        trainer.set_reducer(std::make_shared<GradientReducer>(dist, trainer.model()->parameters()));
-        acc.set_overlaps(trainer.reducer()->overlaps_backward());
-      }
-      acc.set_timer_kind(trainer.timer().kind());
-      torch::Generator data_gen = at::detail::createCPUGenerator(seed * 7919 + 17);
-      for (int64_t s = 0; s < m.run.warmup_steps + m.run.measure_steps; ++s, ++global_step) {
-        const bool measured = s >= m.run.warmup_steps;
-        if (s == m.run.warmup_steps) {
-          if (device.is_cuda()) torch::cuda::synchronize();
-          probe.reset_peak();
-          acc.begin_measured();
-        }
-        if (global_step == profile_begin) cuda_profiler_start();
-        // Every rank draws the same global batch and takes its own rows (world 1: the whole batch).
-        Batch batch = random_batch(p.batch_size * world, p.seq_len, cfg.vocab_size, data_gen, device);
-        if (world > 1) {
-          batch.input_ids_BT = batch.input_ids_BT.narrow(0, rank * p.batch_size, p.batch_size);
-          batch.labels_BT = batch.labels_BT.narrow(0, rank * p.batch_size, p.batch_size);
-        }
-        StepResult r;
-        {
-          ScopedRange sr(ranges, measured ? fmt::format("measure.{:03d}", s - m.run.warmup_steps)
-                                          : fmt::format("warmup.{:03d}", s));
-          r = trainer.step(batch);
-        }
-        if (global_step + 1 == profile_end) cuda_profiler_stop();
-        acc.add_step(r, measured);
-      }
-      if (device.is_cuda()) torch::cuda::synchronize();
-      acc.end_repetition(probe.peak_bytes());
-    }
-    if (profile_end > global_step && profile_begin >= 0 && profile_begin < global_step) cuda_profiler_stop();
-
-    acc.write(row, dist.get(), probe.method());
-    write_work(row, cfg, p, acc, world, device_peak_flops(prov.device_name, m.run.dtype));
+    std::rethrow_exception(e);
   } catch (const DistributedError&) {
     throw;  // a peer died or hung: the run ends (cli.cpp prints it), no row
   } catch (const c10::OutOfMemoryError& e) {
@@ -378,14 +332,200 @@ nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance
     row["status"] = looks_like_oom(msg) ? "oom" : "error";
     row["error"] = msg;
   }
-  if (row["status"] != "ok") {
-    // A failed point leaves no partial timings behind.
-    clear_measurements(row);
-    if (device.is_cuda() && row["status"] == "oom") { c10::getDeviceAllocator(c10::DeviceType::CUDA)->emptyCache(); }
+}
+
+// One point of an interleaved group while the group is measured.
+struct Member {
+  const Point* point;
+  nlohmann::json row;
+  PointMeasurements acc;
+  int64_t steps = 0;    // its steps so far, warm-up and measured (what the profiling window counts)
+  int64_t wall_ns = 0;  // its own steps' wall time
+  bool failed = false;
+};
+
+// The short name of a point in a round's progress line: method[/attention_grad][/aa].
+std::string short_name(const Point& p) {
+  std::string s = p.method;
+  if (models::uses_attention_grad(p.spec.method)) s += "/" + p.attention_grad;
+  if (p.filter_ratio > 0 && p.spec.method != Method::kRegular) s += fmt::format("@{:g}", p.filter_ratio);
+  if (p.aa_copy) s += "/aa";
+  return s;
+}
+
+struct GroupRows {
+  std::vector<nlohmann::json> rows;  // one per point, in the order given
+  int first_failed = -1;             // data-parallel runs: the point whose failure stopped the group
+};
+
+// Measures the points of one group (same model, seq_len and batch_size): one model, one trainer
+// (Trainer::set_method switches between the points), one warm-up of warmup_steps per point, then
+// `repetitions` rounds in which every point takes measure_steps steps in turn. Drift on a shared
+// machine then hits every point of the group alike, and each round pairs the points' medians.
+// A point that fails is left out of later rounds (its row keeps the failure); in a data-parallel
+// run the group stops at the first failure, since the other ranks may wait in its collectives.
+GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& points, const Provenance& prov,
+                        RangeRecorder* ranges, int64_t profile_begin, int64_t profile_end,
+                        const std::shared_ptr<ProcessGroup>& dist, std::ostream* log, const std::string& group_label) {
+  const int world = dist ? dist->world_size() : 1, rank = dist ? dist->rank() : 0;
+  // One device per rank on a machine: cuda:LOCAL_RANK.
+  const torch::Device device = m.run.device != "cuda" ? torch::Device(torch::kCPU)
+                               : dist
+                                   ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(dist->env().local_rank))
+                                   : torch::Device(torch::kCUDA);
+  std::vector<Member> members;
+  members.reserve(points.size());
+  for (const Point* p : points) {
+    Member mb{p, identity_row(m, *p, prov), PointMeasurements(rank)};
+    mb.row["world_size"] = world;
+    mb.row["global_batch_size"] = p->batch_size * world;
+    members.push_back(std::move(mb));
   }
-  row["point_wall_s"] = static_cast<double>(host_now_ns() - t_begin_ns) * 1e-9;
-  row["timestamp"] = utc_timestamp();
-  return row;
+  GroupRows out;
+  auto fail = [&](Member& mb, const std::exception_ptr& e) {
+    record_failure(mb.row, e);
+    mb.failed = true;
+    if (dist && out.first_failed < 0) out.first_failed = static_cast<int>(&mb - members.data());
+  };
+  auto stopped = [&] { return dist && out.first_failed >= 0; };
+  ScopedRange group_range(ranges, "group " + group_label);
+
+  const Point& first = *points.front();
+  std::unique_ptr<Trainer> trainer;
+  std::unique_ptr<MemoryProbe> probe;
+  const models::ModelConfig* cfg = nullptr;
+  try {
+    cfg = &models::preset(first.model);
+    if (!device.is_cuda()) install_cpu_memory_tracking();  // before the model's tensors exist
+    probe = std::make_unique<MemoryProbe>(device);
+  } catch (...) {
+    for (auto& mb : members) fail(mb, std::current_exception());
+  }
+  for (auto& mb : members) {
+    if (mb.failed) continue;
+    try {
+      // Work known before running: forward FLOPs, attention/linear ratio.
+      mb.row["flops_fwd"] = models::forward_flops(*cfg, mb.point->batch_size, mb.point->seq_len).total();
+      mb.row["attention_linear_ratio"] = models::attention_linear_ratio(*cfg, mb.point->seq_len);
+      mb.row["num_params"] = cfg->num_params();
+      if (!m.run.fail_point.empty() && mb.point->id().find(m.run.fail_point) != std::string::npos) {
+        throw std::runtime_error("injected failure (run.fail_point = \"" + m.run.fail_point + "\")");
+      }
+    } catch (...) { fail(mb, std::current_exception()); }
+  }
+  const uint64_t seed = static_cast<uint64_t>(m.run.seed);
+  torch::Generator data_gen = at::detail::createCPUGenerator(seed * 7919 + 17);
+  const bool any_left = std::any_of(members.begin(), members.end(), [](const Member& mb) { return !mb.failed; });
+  if (any_left && !stopped()) {
+    try {
+      const auto attn = m.run.attention_impl == "sdpa" ? models::AttentionImpl::kSdpa : models::AttentionImpl::kEager;
+      trainer =
+          std::make_unique<Trainer>(models::build_model(*cfg, attn, seed), step_config(m, first), device, seed, ranges);
+      if (dist) trainer->set_reducer(std::make_shared<GradientReducer>(dist, trainer->model()->parameters()));
+    } catch (...) {
+      for (auto& mb : members)
+        if (!mb.failed) fail(mb, std::current_exception());
+    }
+  }
+  bool profiling = false;
+  // measure_steps (or warm-up) steps of one point; `rep` < 0 for its warm-up.
+  auto run_block = [&](Member& mb, int64_t rep) {
+    const bool measured = rep >= 0;
+    const int64_t n = measured ? m.run.measure_steps : m.run.warmup_steps;
+    if (n == 0) return;
+    const Point& p = *mb.point;
+    ScopedRange block_range(ranges, (measured ? "point " : "warm-up ") + p.id());
+    trainer->set_method(p.spec, p.filter_ratio);
+    mb.acc.set_timer_kind(trainer->timer().kind());
+    if (trainer->reducer()) mb.acc.set_overlaps(trainer->reducer()->overlaps_backward());
+    if (device.is_cuda()) torch::cuda::synchronize();
+    const int64_t t0 = host_now_ns();
+    if (measured) {
+      probe->reset_peak();
+      mb.acc.begin_measured();
+    }
+    for (int64_t s = 0; s < n; ++s, ++mb.steps) {
+      if (mb.steps == profile_begin && !profiling) {
+        cuda_profiler_start();
+        profiling = true;
+      }
+      // Every rank draws the same global batch and takes its own rows (world 1: the whole batch).
+      Batch batch = random_batch(p.batch_size * world, p.seq_len, cfg->vocab_size, data_gen, device);
+      if (world > 1) {
+        batch.input_ids_BT = batch.input_ids_BT.narrow(0, rank * p.batch_size, p.batch_size);
+        batch.labels_BT = batch.labels_BT.narrow(0, rank * p.batch_size, p.batch_size);
+      }
+      StepResult r;
+      {
+        ScopedRange sr(ranges, measured ? fmt::format("measure.{:03d}", rep * m.run.measure_steps + s)
+                                        : fmt::format("warmup.{:03d}", s));
+        r = trainer->step(batch);
+      }
+      if (mb.steps + 1 == profile_end && profiling) {
+        cuda_profiler_stop();
+        profiling = false;
+      }
+      mb.acc.add_step(r, measured);
+    }
+    if (device.is_cuda()) torch::cuda::synchronize();
+    if (measured) mb.acc.end_repetition(probe->peak_bytes());
+    mb.wall_ns += host_now_ns() - t0;
+  };
+  auto guarded_block = [&](Member& mb, int64_t rep) {
+    if (mb.failed || stopped()) return;
+    try {
+      run_block(mb, rep);
+    } catch (...) {
+      fail(mb, std::current_exception());
+      if (device.is_cuda() && mb.row["status"] == "oom") c10::getDeviceAllocator(c10::DeviceType::CUDA)->emptyCache();
+    }
+  };
+  if (trainer) {
+    for (auto& mb : members) guarded_block(mb, -1);
+    for (int64_t rep = 0; rep < m.run.repetitions && !stopped(); ++rep) {
+      std::string line;
+      for (auto& mb : members) {
+        guarded_block(mb, rep);
+        line +=
+            fmt::format("{}{} {}", line.empty() ? "" : ", ", short_name(*mb.point),
+                        mb.failed ? std::string("failed") : fmt::format("{:.2f}", mb.acc.last_repetition_step_ms()));
+      }
+      if (log && (!dist || dist->rank() == 0) && m.run.repetitions > 1) {
+        *log << fmt::format("  {} round {}/{}: step ms {}\n", group_label, rep + 1, m.run.repetitions, line);
+        log->flush();
+      }
+    }
+  }
+  if (profiling) cuda_profiler_stop();
+
+  for (auto& mb : members) {
+    if (!mb.failed && stopped()) {
+      mb.row["status"] = "error";
+      mb.row["error"] = fmt::format(
+          "not measured to the end: point {} of the same interleaved group failed first, and a data-parallel run "
+          "stops at the first failing point",
+          members[static_cast<size_t>(out.first_failed)].point->id());
+      mb.failed = true;
+    }
+    if (!mb.failed) {
+      mb.acc.write(mb.row, dist.get(), probe->method());
+      write_work(mb.row, *cfg, *mb.point, mb.acc, world, device_peak_flops(prov.device_name, m.run.dtype));
+    } else {
+      clear_measurements(mb.row);  // a failed point leaves no partial timings behind
+    }
+    mb.row["group_points"] = static_cast<int64_t>(members.size());
+    mb.row["point_wall_s"] = static_cast<double>(mb.wall_ns) * 1e-9;
+    mb.row["timestamp"] = utc_timestamp();
+    out.rows.push_back(std::move(mb.row));
+  }
+  return out;
+}
+
+}  // namespace
+
+nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance& prov, RangeRecorder* ranges,
+                             int64_t profile_begin, int64_t profile_end, const std::shared_ptr<ProcessGroup>& dist) {
+  return measure_group(m, {&p}, prov, ranges, profile_begin, profile_end, dist, nullptr, p.group_id()).rows.at(0);
 }
 
 SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
@@ -429,40 +569,66 @@ SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
   const int64_t t0 = host_now_ns();
   int64_t to_run = 0;
   for (bool sk : skip) to_run += sk ? 0 : 1;
-  int64_t i = 0;
-  for (const auto& p : m.points) {
-    ++i;
-    const std::string id = p.id();
-    if (skip[static_cast<size_t>(i - 1)]) {
-      ++sum.resumed;
-      if (writer) log << fmt::format("[{}/{}] {}: already ok in results.jsonl, skipped\n", i, sum.points, id);
-      continue;
+  // Groups: runs of consecutive points with the same model, seq_len and batch_size (the manifest
+  // lists each group's points together), measured interleaved (measure_group).
+  int64_t num_groups = 0;
+  for (size_t k = 0; k < m.points.size(); ++k)
+    num_groups += k == 0 || m.points[k].group_id() != m.points[k - 1].group_id();
+  int64_t group_no = 0;
+  for (size_t begin = 0; begin < m.points.size();) {
+    size_t end = begin + 1;
+    while (end < m.points.size() && m.points[end].group_id() == m.points[begin].group_id()) ++end;
+    ++group_no;
+    std::vector<const Point*> todo;
+    std::vector<size_t> todo_index;
+    for (size_t k = begin; k < end; ++k) {
+      if (skip[k]) {
+        ++sum.resumed;
+        if (writer)
+          log << fmt::format("[{}/{}] {}: already ok in results.jsonl, skipped\n", k + 1, sum.points, m.points[k].id());
+        continue;
+      }
+      todo.push_back(&m.points[k]);
+      todo_index.push_back(k);
     }
-    nlohmann::json row = measure_point(m, p, prov, &ranges, opts.profile_begin, opts.profile_end, opts.dist);
-    if (rows) rows->append(row);
+    const std::string label = fmt::format("group {}/{} {}", group_no, num_groups, m.points[begin].group_id());
+    begin = end;
+    if (todo.empty()) continue;
+    if (writer && m.run.repetitions > 1) {
+      log << fmt::format("  {}: {} points, {} warm-up steps each, then {} interleaved rounds of {} steps\n", label,
+                         todo.size(), m.run.warmup_steps, m.run.repetitions, m.run.measure_steps);
+    }
+    GroupRows g = measure_group(m, todo, prov, &ranges, opts.profile_begin, opts.profile_end, opts.dist, &log, label);
+    for (size_t t = 0; t < g.rows.size(); ++t) {
+      nlohmann::json& row = g.rows[t];
+      if (rows) rows->append(row);
+      ++sum.ran;
+      const bool ok = row["status"] == "ok";
+      ok ? ++sum.ok : ++sum.failed;
+      if (!writer) continue;
+      const double elapsed = static_cast<double>(host_now_ns() - t0) * 1e-9;
+      const double eta = elapsed / static_cast<double>(sum.ran) * static_cast<double>(to_run - sum.ran);
+      std::string what =
+          ok ? fmt::format(
+                   "ok  step {:.2f} ms +-{:.1f}% (fwd {:.2f}, filter {:.2f}, bwd {:.2f} +-{:.1f}%, optim {:.2f})",
+                   row["step_ms"].get<double>(), 100 * row["step_ms_rel_iqr"].get<double>(),
+                   row["fwd_ms"].get<double>(), row["filter_ms"].get<double>(), row["bwd_ms"].get<double>(),
+                   100 * row["bwd_ms_rel_iqr"].get<double>(), row["optim_ms"].get<double>())
+             : fmt::format("{}: {}", row["status"].get<std::string>(), row["error"].get<std::string>());
+      log << fmt::format("[{}/{}] {}: {} | elapsed {} ETA {}\n", todo_index[t] + 1, sum.points,
+                         row["point_id"].get<std::string>(), what, hms(elapsed), hms(eta));
+      log.flush();
+    }
     if (trace) trace->write();
-    ++sum.ran;
-    const bool ok = row["status"] == "ok";
-    ok ? ++sum.ok : ++sum.failed;
-    if (!ok && dist != nullptr) {
+    if (g.first_failed >= 0) {
       // The other ranks may be inside a collective of this point: stop here (exiting closes this
       // rank's connections, so they fail fast instead of running mismatched collectives).
-      throw DistributedError(
-          fmt::format("rank {} of {}: point {} failed ({}: {}); a data-parallel run stops at the "
-                      "first failing point{}",
-                      dist->rank(), dist->world_size(), id, row["status"].get<std::string>(),
-                      row["error"].get<std::string>(), writer ? fmt::format(" (its row is in {})", results_path) : ""));
+      const nlohmann::json& row = g.rows[static_cast<size_t>(g.first_failed)];
+      throw DistributedError(fmt::format(
+          "rank {} of {}: point {} failed ({}: {}); a data-parallel run stops at the first failing point{}",
+          dist->rank(), dist->world_size(), row["point_id"].get<std::string>(), row["status"].get<std::string>(),
+          row["error"].get<std::string>(), writer ? fmt::format(" (its row is in {})", results_path) : ""));
     }
-    if (!writer) continue;
-    const double elapsed = static_cast<double>(host_now_ns() - t0) * 1e-9;
-    const double eta = sum.ran > 0 ? elapsed / static_cast<double>(sum.ran) * static_cast<double>(to_run - sum.ran) : 0;
-    std::string what =
-        ok ? fmt::format("ok  step {:.2f} ms (fwd {:.2f}, filter {:.2f}, bwd {:.2f}, optim {:.2f})",
-                         row["step_ms"].get<double>(), row["fwd_ms"].get<double>(), row["filter_ms"].get<double>(),
-                         row["bwd_ms"].get<double>(), row["optim_ms"].get<double>())
-           : fmt::format("{}: {}", row["status"].get<std::string>(), row["error"].get<std::string>());
-    log << fmt::format("[{}/{}] {}: {} | elapsed {} ETA {}\n", i, sum.points, id, what, hms(elapsed), hms(eta));
-    log.flush();
   }
   if (trace) trace->write();
   return sum;

@@ -56,6 +56,12 @@ const std::vector<RowField>& required_row_fields() {
       {"step_ms", T::kNumber},
       {"samples_step_ms", T::kArray},
       {"layers", T::kArray},
+      // spread and interleaving: (q75 - q25) / median, and each repetition's median
+      {"step_ms_rel_iqr", T::kNumber},
+      {"bwd_ms_rel_iqr", T::kNumber},
+      {"repetition_bwd_ms", T::kArray},
+      {"group", T::kString},
+      {"aa_copy", T::kBool},
       // work
       {"tokens", T::kInteger},
       {"tokens_kept", T::kInteger},
@@ -78,10 +84,11 @@ const std::vector<RowField>& required_row_fields() {
 const std::vector<RowField>& measured_row_fields() {
   using T = JsonType;
   static const std::vector<RowField> f = {
-      {"fwd_ms", T::kNumber},       {"bwd_ms", T::kNumber},          {"filter_ms", T::kNumber},
-      {"optim_ms", T::kNumber},     {"step_ms", T::kNumber},         {"samples_step_ms", T::kArray},
-      {"layers", T::kArray},        {"tokens_kept", T::kInteger},    {"flops_bwd", T::kNumber},
-      {"tokens_per_s", T::kNumber}, {"peak_mem_bytes", T::kInteger}, {"mfu", T::kNumber},
+      {"fwd_ms", T::kNumber},          {"bwd_ms", T::kNumber},          {"filter_ms", T::kNumber},
+      {"optim_ms", T::kNumber},        {"step_ms", T::kNumber},         {"samples_step_ms", T::kArray},
+      {"layers", T::kArray},           {"tokens_kept", T::kInteger},    {"flops_bwd", T::kNumber},
+      {"tokens_per_s", T::kNumber},    {"peak_mem_bytes", T::kInteger}, {"mfu", T::kNumber},
+      {"step_ms_rel_iqr", T::kNumber}, {"bwd_ms_rel_iqr", T::kNumber},  {"repetition_bwd_ms", T::kArray},
   };
   return f;
 }
