@@ -1,6 +1,13 @@
 """Shared body of tab_backward_time.py and tab_end_to_end.py: one row per model, sequence length,
 filter ratio and method, with time, reduction vs regular, the FLOP ideal, reduction / ideal, and
 the T' floor (DESIGN.md section 7). Not run directly; see those two scripts.
+
+Spread (rows from interleaved repetitions, `run.repetitions` > 1): a time is printed with its
+spread over every measured step (412.30 +-1.1%, +- half the relative IQR); a change vs regular
+with half the IQR of the per-round changes paired with regular's rounds (-30.1% +-1.2 pt); the regular row of a group
+measured twice (`run.aa_check`) shows the A/A difference, and the noise band it gives: the larger
+of |A/A| and the IQR of the per-round A/A differences. A change inside the band is printed as
+"n.s." (not significant) with its value in brackets.
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ def make_table(description: str, stem: str, metric: str, end_to_end: bool) -> No
     reg = common.regular_index(rows, metric)
     what = "step" if end_to_end else "backward"
     headers = ["Model", "T", "B", "Filtered", "Method", f"{what} (ms)", "vs regular", "FLOP ideal",
-               "of ideal", "T'", f"T' floor (ms)", "over floor"]
+               "of ideal", "T'", f"T' floor (ms)", "over floor", "A/A band"]
     table = []
     shown_regular = set()
     for rec in recs:
@@ -29,14 +36,18 @@ def make_table(description: str, stem: str, metric: str, end_to_end: bool) -> No
         base_key = key + (rec["filter_ratio"],)
         if key in reg and base_key not in shown_regular:
             shown_regular.add(base_key)
+            base = reg[key]
+            aa = "" if math.isnan(base["aa"]) else f"A/A {common.pct(base['aa'])}"
+            band = "" if math.isnan(base["band"]) else f"{100 * base['band']:.1f}%"
             table.append([rec["model"], rec["seq_len"], rec["batch_size"], f"{rec['filter_ratio']:.0%}",
-                          common.label("regular"), common.fmt_ms(reg[key][metric]), "", "", "", "", "", ""])
+                          common.label("regular"), with_spread(base[metric], base["rel_iqr"]), aa, "", "", "",
+                          "", "", band])
         over = rec["value"] / rec["floor"] - 1 if rec["floor"] and not math.isnan(rec["floor"]) else float("nan")
         t_prime = "n/a" if math.isnan(rec["t_prime"]) else f"{rec['t_prime']:g}"
         table.append([rec["model"], rec["seq_len"], rec["batch_size"], f"{rec['filter_ratio']:.0%}",
-                      common.label(rec["method"]), common.fmt_ms(rec["value"]), common.pct(-rec["reduction"]),
+                      common.label(rec["method"]), with_spread(rec["value"], rec["rel_iqr"]), change(rec),
                       common.pct(-rec["ideal"]), common.fmt_ratio(rec["of_ideal"]), t_prime,
-                      common.fmt_ms(rec["floor"]), common.pct(over)])
+                      common.fmt_ms(rec["floor"]), common.pct(over), ""])
     if not table:
         raise SystemExit("error: no filtering rows (loss_only / collider at filter_ratio > 0) to tabulate")
     floor_note = ("T' floor: regular's backward on T' tokens per sequence" if not end_to_end else
@@ -45,4 +56,26 @@ def make_table(description: str, stem: str, metric: str, end_to_end: bool) -> No
                f"repetitions; vs regular = time change; FLOP ideal = change in analytic "
                f"{'forward+backward' if end_to_end else 'backward'} FLOPs; of ideal = reduction / ideal; "
                f"{floor_note}. Device: {common.describe_device(rows)}.")
-    common.write_table(args.out, stem, headers, table, caption, align="lrrrlrrrrrrr")
+    if any(not math.isnan(r["band"]) for r in recs):
+        caption += (" Spread: +- half the interquartile range, of all measured steps for a time (relative), of "
+                    "the per-round changes paired with regular's interleaved rounds for a change (pt); A/A "
+                    "band = max(|A/A difference|, IQR of the per-round A/A differences); n.s. = not "
+                    "significant, inside the band.")
+    common.write_table(args.out, stem, headers, table, caption, align="lrrrlrrrrrrrr")
+
+
+def with_spread(ms: float, rel_iqr: float | None) -> str:
+    """412.30 +-1.1%: +- half the relative IQR (the quartiles around the median), or the time alone
+    when the rows have no spread."""
+    if rel_iqr is None or math.isnan(rel_iqr) or rel_iqr == 0:
+        return common.fmt_ms(ms)
+    return f"{common.fmt_ms(ms)} +-{50 * rel_iqr:.1f}%"
+
+
+def change(rec: dict) -> str:
+    """The change vs regular with the IQR of its per-round values; n.s. inside the A/A band."""
+    text = common.pct(-rec["reduction"])
+    q25, q75 = rec["reduction_q25"], rec["reduction_q75"]
+    if not math.isnan(q25) and not math.isnan(q75):
+        text += f" +-{100 * (q75 - q25) / 2:.1f} pt"
+    return text if rec["significant"] else f"n.s. ({text})"

@@ -30,6 +30,7 @@ METHOD_COLORS = {
     "collider kept_only": "#0072B2",
     "collider exact_query": "#009E73",
     "masked": "#999999",
+    "regular A/A": "#555555",
     # micro-benchmarks (bench/bm_backward_gemm.cpp); dense is the regular backward GEMM
     "dense": "#000000",
     "sparse_coo": "#D55E00",
@@ -44,6 +45,7 @@ METHOD_LABELS = {
     "collider kept_only": "Collider (kept_only)",
     "collider exact_query": "Collider (exact_query)",
     "masked": "masked (oracle)",
+    "regular A/A": "regular (A/A copy)",
     "dense": "dense GEMM",
     "sparse_coo": "sparse COO",
     "sparse_csr": "sparse CSR",
@@ -68,9 +70,15 @@ def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None
     return args
 
 
+AA_KEY = "regular A/A"  # the second measurement of regular in an interleaved group (run.aa_check)
+
+
 def method_key(row: dict) -> str:
-    """The method as figures name it: collider rows carry their attention semantics."""
+    """The method as figures name it: collider rows carry their attention semantics; the A/A copy
+    of regular (run.aa_check) is its own key, so it never pools with regular."""
     m = row.get("method", "?")
+    if row.get("aa_copy"):
+        return AA_KEY
     if m == "collider":
         return f"collider {row.get('attention_grad') or 'kept_only'}"
     return m
@@ -128,6 +136,38 @@ def load_rows(paths: Sequence[str], require: Sequence[str] = ()) -> list[dict]:
 def median(values: Iterable[float]) -> float:
     vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return statistics.median(vals) if vals else float("nan")
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default, base/stats.h's)."""
+    vals = sorted(v for v in values if v is not None and not math.isnan(v))
+    if not vals:
+        return float("nan")
+    pos = q * (len(vals) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(vals) - 1)
+    return vals[lo] + (pos - lo) * (vals[hi] - vals[lo])
+
+
+def repetition_metric(metric: str) -> str:
+    """The row key of each interleaved round's median of `metric` (bwd_ms -> repetition_bwd_ms)."""
+    return f"repetition_{metric}"
+
+
+def paired_changes(rows: Sequence[dict], base_rows: Sequence[dict], metric: str) -> list[float]:
+    """Per interleaved round k, value_k / base_k - 1, pairing a method's round with the baseline's
+    round of the same group (the rounds ran back to back, so they saw the same machine state).
+    Empty when the rows carry no rounds or their counts differ (rows from different runs)."""
+    key = repetition_metric(metric)
+    a = [r.get(key) for r in rows if r.get(key)]
+    b = [r.get(key) for r in base_rows if r.get(key)]
+    if len(a) != 1 or len(b) != 1 or len(a[0]) != len(b[0]):
+        return []
+    return [x / y - 1 for x, y in zip(a[0], b[0]) if y]
+
+
+def iqr_width(values: Sequence[float]) -> float:
+    return quantile(values, 0.75) - quantile(values, 0.25) if values else float("nan")
 
 
 def group(rows: Iterable[dict], keys: Sequence[str]) -> dict[tuple, list[dict]]:
@@ -242,14 +282,28 @@ def regular_index(rows: Sequence[dict], metric: str) -> dict[tuple, dict]:
     """(model, batch_size, seq_len) -> {metric: median, flops_bwd, flops_fwd} over regular rows.
     Regular ignores filter_ratio, so its rows at every ratio pool together."""
     out = {}
+    copies = group([r for r in rows if r["_key"] == AA_KEY], ["model", "batch_size", "seq_len"])
     for (model, batch, seq), grp in group([r for r in rows if r["_key"] == "regular"],
                                           ["model", "batch_size", "seq_len"]).items():
-        out[(model, batch, seq)] = {
+        rec = {
             metric: median(r.get(metric) for r in grp),
             "bwd_ms": median(r.get("bwd_ms") for r in grp),
             "flops_bwd": median(r.get("flops_bwd") for r in grp),
             "flops_fwd": median(r.get("flops_fwd") for r in grp),
+            "rel_iqr": median(r.get(f"{metric}_rel_iqr") for r in grp),
+            "rows": grp,
+            "aa": float("nan"), "band": float("nan"),
         }
+        # The A/A check: regular measured twice in the same interleaved rounds. Its difference is
+        # what the noise alone makes of "no change"; the band also covers the spread of the
+        # per-round differences, so one lucky agreement does not make every change significant.
+        aa = copies.get((model, batch, seq))
+        if aa:
+            rec["aa"] = median(r.get(metric) for r in aa) / rec[metric] - 1
+            rounds = paired_changes(aa, grp, metric)
+            spread = iqr_width(rounds) if rounds else float("nan")
+            rec["band"] = max(abs(rec["aa"]), 0.0 if math.isnan(spread) else spread)
+        out[(model, batch, seq)] = rec
     return out
 
 
@@ -268,7 +322,7 @@ def summarize_filtering(rows: Sequence[dict], metric: str, end_to_end: bool = Fa
     with the regular baseline, the reduction, the FLOP ideal and the T' floor."""
     reg = regular_index(rows, metric)
     out = []
-    filt = [r for r in rows if r["_key"] != "regular"]
+    filt = [r for r in rows if r["_key"] not in ("regular", AA_KEY)]
     for (model, batch, seq, ratio, key), grp in group(
             filt, ["model", "batch_size", "seq_len", "filter_ratio", "_key"]).items():
         base = reg.get((model, batch, seq))
@@ -277,6 +331,14 @@ def summarize_filtering(rows: Sequence[dict], metric: str, end_to_end: bool = Fa
                "value": value, "regular": base[metric] if base else float("nan"),
                "bwd_ms": median(r.get("bwd_ms") for r in grp)}
         rec["reduction"] = 1.0 - value / rec["regular"] if base else float("nan")
+        # Spread: the rows' relative IQR over every measured step, and the IQR of the reduction
+        # over interleaved rounds paired with regular's (its 25th and 75th percentiles).
+        rec["rel_iqr"] = median(r.get(f"{metric}_rel_iqr") for r in grp)
+        rounds = [-c for c in paired_changes(grp, base["rows"], metric)] if base else []
+        rec["reduction_q25"] = quantile(rounds, 0.25) if rounds else float("nan")
+        rec["reduction_q75"] = quantile(rounds, 0.75) if rounds else float("nan")
+        rec["band"] = base["band"] if base else float("nan")
+        rec["significant"] = (math.isnan(rec["band"]) or abs(rec["reduction"]) > rec["band"])
         rec["ideal"] = (flop_ideal(median(r.get("flops_bwd") for r in grp), base, end_to_end,
                                    median(r.get("flops_fwd") for r in grp)) if base else float("nan"))
         rec["of_ideal"] = (rec["reduction"] / rec["ideal"]
@@ -307,9 +369,17 @@ def plot_reduction_vs(recs: Sequence[dict], x: str, panel_by: Sequence[str], xla
     fig, axes = panel_grid(len(panels))
     for ax, (pkey, grp) in zip(axes, sorted(panels.items(), key=lambda kv: tuple(map(str, kv[0])))):
         for key in sort_methods(r["method"] for r in grp):
-            pts = sorted((r[x], r["reduction"], r["ideal"]) for r in grp if r["method"] == key)
+            pts = sorted((r[x], r["reduction"], r["ideal"], r.get("reduction_q25", float("nan")),
+                          r.get("reduction_q75", float("nan"))) for r in grp if r["method"] == key)
             xs = [p[0] for p in pts]
             ax.plot(xs, [100 * p[1] for p in pts], marker="o", ms=3, color=color(key), label=label(key))
+            # Error bars: the reduction's interquartile range over interleaved rounds (paired with
+            # regular's rounds); none when the rows have a single round.
+            if any(not math.isnan(p[3]) for p in pts):
+                lo = [0.0 if math.isnan(p[3]) else max(0.0, 100 * (p[1] - p[3])) for p in pts]
+                hi = [0.0 if math.isnan(p[4]) else max(0.0, 100 * (p[4] - p[1])) for p in pts]
+                ax.errorbar(xs, [100 * p[1] for p in pts], yerr=[lo, hi], fmt="none", ecolor=color(key),
+                            capsize=2, lw=0.8)
             if any(not math.isnan(p[2]) for p in pts):
                 ax.plot(xs, [100 * p[2] for p in pts], ls="--", lw=1, color=color(key), alpha=0.8,
                         label=f"{label(key)}: FLOP ideal")

@@ -167,6 +167,22 @@ TEST(PlotTables, BackwardTableHasMediansReductionIdealAndFloor) {
   remove_tree(out);
 }
 
+// An interleaved group with an A/A copy (make_fixtures.py interleaved_rows): regular's A/A
+// difference is +1.0%, so loss_only's -0.5% is printed as not significant and Collider's -35.0%
+// with half the IQR of its per-round reductions; times carry +- half their relative IQR.
+TEST(PlotTables, InterleavedRowsGiveSpreadAndTheAaBand) {
+  const fs::path out = fresh_dir("tab_backward_interleaved");
+  const RunResult r = run_script("tab_backward_time.py", {kFixtures / "tab_backward_interleaved.jsonl"}, out);
+  ASSERT_EQ(r.exit_code, 0) << r.log;
+  const std::string md = read_file(out / "tab_backward_time.md");
+  EXPECT_NE(md.find("| regular | 100.00 +-1.0% | A/A +1.0% |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| 1.0% |"), std::string::npos) << "the A/A band: " << md;
+  EXPECT_NE(md.find("| loss only (RHO-1) | 99.50 +-1.0% | n.s. (-0.5%"), std::string::npos) << md;
+  EXPECT_NE(md.find("| Collider (kept_only) | 65.00 +-1.0% | -35.0% +-0.2 pt |"), std::string::npos) << md;
+  EXPECT_EQ(md.find("regular (A/A copy)"), std::string::npos) << "the copy is the band, not a row: " << md;
+  remove_tree(out);
+}
+
 TEST(PlotTables, ResultsWithoutOkRowsAreAnError) {
   const fs::path out = fresh_dir("no_ok_rows");
   const fs::path bad = out / "bad.jsonl";
