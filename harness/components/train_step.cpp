@@ -171,7 +171,11 @@ torch::Tensor Trainer::draw_middle_tokens(int64_t B, int64_t T) {
   const int64_t N = middle_tokens(T);
   const uint64_t k = static_cast<uint64_t>(drop_draws_++);
   torch::Generator gen = at::detail::createCPUGenerator((seed_ ^ 0xd20bULL) + 0x9e3779b97f4a7c15ULL * (k + 1));
-  return models::random_middle_tokens(B, T, N, gen, device_);
+  auto middle_BN = models::random_middle_tokens(B, T, N, gen, torch::kCPU);
+  if (!device_.is_cuda()) return middle_BN;
+  // A copy from pageable host memory waits for the device (a host sync per step); from pinned
+  // memory it is queued on the stream like the step's kernels.
+  return middle_BN.pin_memory().to(device_, /*non_blocking=*/true);
 }
 
 StepResult Trainer::step(const Batch& batch_in) {
