@@ -44,8 +44,13 @@ FlopCount forward_flops(const ModelConfig& cfg, int64_t B, int64_t T) {
   return f;
 }
 
+FlopCount forward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N, const MethodSpec& spec) {
+  return spec.method == Method::kForwardDrop ? forward_drop_forward_flops(cfg, B, T, N) : forward_flops(cfg, B, T);
+}
+
 FlopCount backward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N, const MethodSpec& spec) {
   check_sizes(B, T);
+  if (spec.method == Method::kForwardDrop) return forward_drop_backward_flops(cfg, B, T, N);
   FlopCount f;
   if (spec.method != Method::kCollider) {  // the others run the dense backward
     const FlopCount fwd = forward_flops(cfg, B, T);

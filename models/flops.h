@@ -28,10 +28,16 @@ struct FlopCount {
 //   lm_head   = 2 * B*T * D*V
 FlopCount forward_flops(const ModelConfig& cfg, int64_t B, int64_t T);
 
+// Forward of the method `spec`, N = kept tokens per row: forward_drop_forward_flops(B, T, N) for
+// forward_drop (0 < N <= T), forward_flops(B, T) for every other method (N ignored: their forward
+// sees every token). What a row's flops_fwd is.
+FlopCount forward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N, const MethodSpec& spec);
+
 // Backward of the method `spec` (its method and attention_grad; policy and score do not change
 // the count for a given N), N = kept tokens per row (ignored by the dense methods; 0 < N <= T for
-// collider):
+// collider; for forward_drop the tokens per row its middle layers see):
 //   regular, loss_only, masked: every GEMM at full size, twice (dX and dW): 2 x forward_flops(B, T).
+//   forward_drop: forward_drop_backward_flops(B, T, N) (below).
 //   collider, kept_only:   token-wise GEMMs on N rows: linear, lm_head = 2 x forward at N;
 //                attention core as if only the N kept tokens existed: 4 GEMMs (dP = dO V^T,
 //                dV = P^T dO, dQ = dS K, dK = dS^T Q) of 2*B*H*N*N*E = 2 x forward attention at N.

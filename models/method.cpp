@@ -20,7 +20,7 @@ E from_name(const std::string& s, const std::vector<std::string>& names, const c
 }  // namespace
 
 const std::vector<std::string>& method_names() {
-  static const std::vector<std::string> names = {"regular", "loss_only", "collider", "masked"};
+  static const std::vector<std::string> names = {"regular", "loss_only", "collider", "masked", "forward_drop"};
   return names;
 }
 
@@ -48,6 +48,8 @@ Method method_from_string(const std::string& s) { return from_name<Method>(s, me
 Score score_from_string(const std::string& s) { return from_name<Score>(s, score_names(), "score"); }
 
 bool uses_attention_grad(Method m) { return m == Method::kCollider || m == Method::kMasked; }
+
+bool uses_selection(Method m) { return m != Method::kRegular && m != Method::kForwardDrop; }
 
 std::string attention_grad_name(const MethodSpec& spec) {
   return uses_attention_grad(spec.method) ? collider::to_string(spec.attention_grad) : "none";

@@ -1,5 +1,5 @@
 // The method of a training step, in one place: which method (regular, loss_only, collider,
-// masked), which attention gradient (collider / masked only), which token selection policy and
+// masked, forward_drop), which attention gradient (collider / masked only), which token selection policy and
 // which token scores (DESIGN.md section 2). Manifests parse their words into a MethodSpec once,
 // at load; the training step, the FLOP formulas (models/flops.h), the sweep, the training run
 // and the benchmarks take it as it is. The attention gradient and the selection policy are the
@@ -20,6 +20,10 @@ enum class Method {
   kLossOnly,  // RHO-1: masked loss, dense backward (what existing systems do)
   kCollider,  // masked loss + collider::filter_backward: backward on kept rows only
   kMasked,    // masked loss + collider::mask_backward: Collider's gradient on zero-masked full tensors
+  // Forward token dropping (DeepSpeed's random-LTD): the middle decoder layers see a random subset
+  // of kept_count(T, filter_ratio, align) tokens per row (CausalLM::forward(input_ids, middle_BN)),
+  // every token's loss counts, plain backward of that smaller graph; no selection, no rewrite.
+  kForwardDrop,
 };
 
 // Token scores for selection (higher = kept).
@@ -35,8 +39,8 @@ struct MethodSpec {
   Method method = Method::kRegular;
   // Only collider and masked read it (uses_attention_grad); the others' rows say "none".
   collider::AttentionGrad attention_grad = collider::AttentionGrad::kKeptOnly;
-  collider::SelectPolicy policy = collider::SelectPolicy::kPerSequence;  // ignored by regular
-  Score score = Score::kSelf;                                            // ignored by regular
+  collider::SelectPolicy policy = collider::SelectPolicy::kPerSequence;  // ignored by regular, forward_drop
+  Score score = Score::kSelf;                                            // ignored by regular, forward_drop
 };
 
 const char* to_string(Method m);
@@ -53,6 +57,9 @@ const std::vector<std::string>& policy_names();          // collider::to_string(
 
 // True for the methods whose backward depends on attention_grad (collider, masked).
 bool uses_attention_grad(Method m);
+// True for the methods that select tokens by score (loss_only, collider, masked); regular and
+// forward_drop select none (their rows carry score "none" where a row names it).
+bool uses_selection(Method m);
 // attention_grad's name, or "none" for the methods that do not use it (result rows, point ids).
 std::string attention_grad_name(const MethodSpec& spec);
 

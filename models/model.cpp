@@ -87,6 +87,10 @@ torch::Tensor causal_mask(int64_t T, torch::Device device) {
 }
 
 // The forward_drop token subset: int64 [B, N], 0 < N <= T, each row strictly increasing in [0, T).
+// Shape and dtype are checked always. The positions themselves only when middle_BN lives on the
+// CPU: reading a device tensor's values would synchronise the host with the device on every
+// training step. Device subsets come from random_middle_tokens (valid by construction) in the
+// harness; a caller building its own checks them on the CPU before moving them.
 void check_middle_tokens(const torch::Tensor& middle_BN, int64_t B, int64_t T, int64_t num_layers) {
   TORCH_CHECK(num_layers >= 3,
               "forward token dropping needs at least 3 decoder layers (the first and the last see "
@@ -97,8 +101,9 @@ void check_middle_tokens(const torch::Tensor& middle_BN, int64_t B, int64_t T, i
               middle_BN.sizes());
   const int64_t N = middle_BN.size(1);
   TORCH_CHECK(N > 0 && N <= T, "middle_BN must keep 1 to T = ", T, " tokens per row, got N = ", N);
+  if (!middle_BN.device().is_cpu()) return;
   torch::NoGradGuard no_grad;
-  const auto m = middle_BN.cpu();
+  const auto& m = middle_BN;
   TORCH_CHECK(m.min().item<int64_t>() >= 0 && m.max().item<int64_t>() < T, "middle_BN positions must lie in [0, ", T,
               "); got ", m.min().item<int64_t>(), " .. ", m.max().item<int64_t>());
   TORCH_CHECK(N == 1 || (m.slice(1, 1) > m.slice(1, 0, N - 1)).all().item<bool>(),
@@ -134,15 +139,16 @@ torch::Tensor CausalLMImpl::forward(const torch::Tensor& input_ids_BT, const tor
     for (int64_t i = 0; i < L; ++i) x_BTD = layer(i, x_BTD, ctx);
   } else {
     const int64_t N = middle_BN.size(1), D = x_BTD.size(2);
+    const auto mid_BN = middle_BN.to(x_BTD.device());  // one copy (none when already there)
     x_BTD = layer(0, x_BTD, ctx);
-    auto idx_BND = middle_BN.to(x_BTD.device()).unsqueeze(-1).expand({B, N, D});
+    auto idx_BND = mid_BN.unsqueeze(-1).expand({B, N, D});
     auto x_BND = x_BTD.gather(1, idx_BND);
     detail::ForwardContext mid = ctx;  // the middle layers' tokens: N per row at their own positions
     {
       torch::NoGradGuard no_grad;
       // Sorted positions keep causal order, so the N x N causal mask is exact.
       mid.causal_mask_TT = causal_mask(N, x_BTD.device());
-      const auto flat_BN = middle_BN.to(x_BTD.device()).reshape({B * N});
+      const auto flat_BN = mid_BN.reshape({B * N});
       mid.cos_TR = ctx.cos_TR.index_select(0, flat_BN).view({B, N, -1});
       mid.sin_TR = ctx.sin_TR.index_select(0, flat_BN).view({B, N, -1});
     }

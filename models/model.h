@@ -88,6 +88,8 @@ class CausalLMImpl : public torch::nn::Module {
   // states are gathered after layer 0 and scattered back before layer L-1; every other token
   // skips the middle layers (its state after layer 0 goes on unchanged). The middle layers keep
   // the tokens' original positions (RoPE) and causal order. Needs at least 3 decoder layers.
+  // middle_BN's shape and dtype are always checked, its positions only when it is a CPU tensor
+  // (on a device that check would cost a host sync per step; random_middle_tokens is valid).
   torch::Tensor forward(const torch::Tensor& input_ids_BT, const torch::Tensor& middle_BN);
 
   const ModelConfig& config() const { return cfg_; }

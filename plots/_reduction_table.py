@@ -49,7 +49,7 @@ def make_table(description: str, stem: str, metric: str, end_to_end: bool) -> No
                       common.pct(-rec["ideal"]), common.fmt_ratio(rec["of_ideal"]), t_prime,
                       common.fmt_ms(rec["floor"]), common.pct(over), ""])
     if not table:
-        raise SystemExit("error: no filtering rows (loss_only / collider at filter_ratio > 0) to tabulate")
+        raise SystemExit("error: no filtering rows (loss_only / collider / forward_drop at filter_ratio > 0) to tabulate")
     floor_note = ("T' floor: regular's backward on T' tokens per sequence" if not end_to_end else
                   "T' floor: this method's step with its backward replaced by regular's backward on T' tokens")
     caption = (f"{'End-to-end step' if end_to_end else 'Backward'} time, median over measured steps and "

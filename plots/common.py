@@ -29,6 +29,7 @@ METHOD_COLORS = {
     "loss_only": "#E69F00",
     "collider kept_only": "#0072B2",
     "collider exact_query": "#009E73",
+    "forward_drop": "#D55E00",
     "masked": "#999999",
     "regular A/A": "#555555",
     # micro-benchmarks (bench/bm_backward_gemm.cpp); dense is the regular backward GEMM
@@ -44,6 +45,7 @@ METHOD_LABELS = {
     "loss_only": "loss only (RHO-1)",
     "collider kept_only": "Collider (kept_only)",
     "collider exact_query": "Collider (exact_query)",
+    "forward_drop": "forward drop (random-LTD)",
     "masked": "masked (oracle)",
     "regular A/A": "regular (A/A copy)",
     "dense": "dense GEMM",
@@ -52,7 +54,7 @@ METHOD_LABELS = {
     "reduced": "reduced dense",
     "reduced+gather": "reduced dense + gather",
 }
-FILTERING_METHODS = ["loss_only", "collider kept_only", "collider exact_query"]
+FILTERING_METHODS = ["loss_only", "collider kept_only", "collider exact_query", "forward_drop"]
 
 
 def warn(msg: str) -> None:
@@ -343,9 +345,12 @@ def summarize_filtering(rows: Sequence[dict], metric: str, end_to_end: bool = Fa
                                    median(r.get("flops_fwd") for r in grp)) if base else float("nan"))
         rec["of_ideal"] = (rec["reduction"] / rec["ideal"]
                            if rec["ideal"] and not math.isnan(rec["ideal"]) else float("nan"))
-        # T' floor: regular on a batch of T' = tokens_kept / batch tokens per sequence, no gather.
+        # T' floor: regular on a batch of T' = tokens_kept / batch tokens per sequence, no gather;
+        # forward_drop keeps every token's loss, its T' is its middle layers' count.
+        middle = [r["middle_tokens_per_seq"] for r in grp if r.get("middle_tokens_per_seq") is not None]
         kept = median(r.get("tokens_kept") for r in grp)
-        t_prime = kept / batch if batch and not math.isnan(kept) else float("nan")
+        t_prime = (median(middle) if middle else
+                   kept / batch if batch and not math.isnan(kept) else float("nan"))
         rec["t_prime"] = t_prime
         floor = float("nan")
         if not math.isnan(t_prime) and abs(t_prime - round(t_prime)) < 1e-6:

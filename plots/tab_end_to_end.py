@@ -1,5 +1,5 @@
 """Table: end-to-end training-step time (forward + selection/rewrite + backward + optimizer) of
-regular, loss_only and Collider per model and sequence length, the reduction vs regular, the FLOP
+regular, loss_only, Collider and forward_drop per model and sequence length, the reduction vs regular, the FLOP
 ideal (forward + backward FLOPs), reduction / ideal and the T' floor (the paper's end-to-end table).
   python plots/tab_end_to_end.py --results results/tab_end_to_end/*/results.jsonl --out plots/out
 Writes tab_end_to_end.md and .tex. Tested by tests/test_plots.cpp.

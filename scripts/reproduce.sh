@@ -141,7 +141,9 @@ quick_sets() {  # quick_sets STEM -> --set arguments
   local common=(--set axes.model=tinyllama-debug --set run.warmup_steps=0 --set run.measure_steps=1
                 --set axes.batch_size=1)
   case "$1" in
-    tab_backward_time)  printf '%s\n' "${common[@]}" --set 'axes.seq_len=[32,64]' ;;
+    # forward_drop needs 3+ decoder layers and the -debug presets have 2: quick runs leave it out.
+    tab_backward_time)  printf '%s\n' "${common[@]}" --set 'axes.seq_len=[32,64]' \
+                          --set 'axes.method=["regular","loss_only","collider"]' ;;
     fig_filter_ratio)   printf '%s\n' "${common[@]}" --set axes.seq_len=64 --set 'axes.filter_ratio=[0.1,0.5]' ;;
     fig_context_length) printf '%s\n' "${common[@]}" --set 'axes.seq_len=[32,64]' ;;
     fig_layer_breakdown) printf '%s\n' "${common[@]}" --set axes.seq_len=64 ;;

@@ -1,7 +1,7 @@
 // Unit tests of the analytic FLOP counts (models/flops.h): hand-computed paper-model values,
 // dense backward = 2x forward, the filtered modes at N = T equal dense and grow with N, the
 // attention/linear ratio of the paper models, the -mini sizing rule of DESIGN.md section 7, and
-// forward_drop (middle layers at N tokens per row).
+// forward_drop (middle layers at N tokens per row; also through its MethodSpec, as rows count it).
 // Run: build/tests/test_flops
 // Legend: B batch, T sequence, N kept tokens per row.
 #include "models/flops.h"
@@ -119,4 +119,27 @@ TEST(Flops, ForwardDropCountsTheMiddleLayersAtNByHand) {
   EXPECT_THROW(forward_drop_forward_flops(c, 1, 16, 0), std::invalid_argument);
   EXPECT_THROW(forward_drop_forward_flops(c, 1, 16, 17), std::invalid_argument);
   EXPECT_THROW(forward_drop_forward_flops(preset("tinyllama-debug"), 1, 16, 8), std::invalid_argument);
+}
+
+// The method-aware counts a row takes: forward_drop's forward and backward through the
+// MethodSpec equal its own formulas at the middle-layer count; every other method's forward is
+// the dense one whatever N says.
+TEST(Flops, ForwardDropThroughTheMethodSpec) {
+  const auto& c = preset("tinyllama-mini");
+  const MethodSpec fd{Method::kForwardDrop, collider::AttentionGrad::kExactQuery};  // attention_grad unused
+  EXPECT_DOUBLE_EQ(forward_flops(c, 2, 512, 304, fd).total(), forward_drop_forward_flops(c, 2, 512, 304).total());
+  EXPECT_DOUBLE_EQ(backward_flops(c, 2, 512, 304, fd).total(), forward_drop_backward_flops(c, 2, 512, 304).total());
+  EXPECT_DOUBLE_EQ(backward_flops(c, 2, 512, 304, fd).total(), 2 * forward_flops(c, 2, 512, 304, fd).total());
+  for (Method m : {Method::kRegular, Method::kLossOnly, Method::kCollider, Method::kMasked}) {
+    EXPECT_DOUBLE_EQ(forward_flops(c, 2, 512, 304, MethodSpec{m}).total(), forward_flops(c, 2, 512).total());
+  }
+  // Its FLOP ideal against regular lies between 0 and Collider's (the first and the last layer
+  // and the LM head stay dense in its backward).
+  const double dense = backward_flops(c, 2, 512, 512, MethodSpec{}).total();
+  const double ideal = 1 - backward_flops(c, 2, 512, 304, fd).total() / dense;
+  const double collider_ideal = 1 - backward_flops(c, 2, 512, 304, MethodSpec{Method::kCollider}).total() / dense;
+  EXPECT_GT(ideal, 0.0);
+  EXPECT_LT(ideal, collider_ideal);
+  EXPECT_THROW(backward_flops(c, 1, 16, 0, fd), std::invalid_argument);
+  EXPECT_THROW(backward_flops(preset("tinyllama-debug"), 1, 16, 8, fd), std::invalid_argument);
 }

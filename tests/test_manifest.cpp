@@ -6,6 +6,7 @@
 #include "harness/recipes/cli.h"
 #include "base/fsutil.h"
 #include "harness/config/manifest.h"
+#include "harness/config/train_manifest.h"
 
 #include "temp_dir.h"
 
@@ -276,4 +277,74 @@ method = "regular"
   EXPECT_EQ(m.points[3].group_id(), "tinyllama-debug/T32/B1");
   EXPECT_FALSE(m.points[3].aa_copy);
   EXPECT_NE(m.resolved_toml.find("aa_check = true"), std::string::npos) << m.resolved_toml;
+}
+
+// forward_drop takes no attention_grad, like regular and loss_only: one point per ratio, "none"
+// in its id; it needs models with 3 or more decoder layers (the -debug presets have 2), which an
+// [[exclude]] of those points satisfies; its middle layers must keep a token.
+TEST(Manifest, ForwardDropIsAMethodWithoutAttentionGrad) {
+  auto m = ch::load_manifest_text(R"(
+name = "t"
+[axes]
+model = "tinyllama-mini"
+seq_len = [32, 64]
+filter_ratio = [0.0, 0.5]
+method = ["regular", "forward_drop", "collider"]
+attention_grad = ["kept_only", "exact_query"]
+)",
+                                  "fd.toml");
+  // 2 seq_len x 2 ratios x (regular + forward_drop + 2 collider) = 16.
+  ASSERT_EQ(m.points.size(), 16u);
+  int forward_drop = 0;
+  for (const auto& p : m.points) {
+    if (p.method != "forward_drop") continue;
+    ++forward_drop;
+    EXPECT_EQ(p.spec.method, collider::models::Method::kForwardDrop);
+    EXPECT_EQ(p.attention_grad, "none") << p.id();
+  }
+  EXPECT_EQ(forward_drop, 4);
+  EXPECT_EQ(m.points[1].id(), "tinyllama-mini/T32/B1/f0/forward_drop/none");
+
+  const std::string debug = R"(
+[axes]
+model = ["tinyllama-debug", "tinyllama-mini"]
+seq_len = 32
+filter_ratio = 0.5
+method = ["regular", "forward_drop"]
+)";
+  expect_mentions(error_of(debug), {"bad.toml", "axes.method", "forward_drop", "tinyllama-debug", "3 decoder layers"});
+  const auto ok = ch::load_manifest_text(
+      std::string(debug) + "[[exclude]]\nmodel = \"tinyllama-debug\"\nmethod = \"forward_drop\"\n", "ex.toml");
+  EXPECT_EQ(ok.points.size(), 3u);  // regular x 2 models, forward_drop on the -mini
+  expect_mentions(error_of("[axes]\nmodel = \"tinyllama-mini\"\nfilter_ratio = 0.5\nseq_len = 8\nmethod = "
+                           "\"forward_drop\"\n"),
+                  {"axes.filter_ratio", "keeps no token", "seq_len 8", "align 8"});
+  expect_mentions(error_of("[axes]\nmethod = \"sparse\"\n"), {"axes.method", "forward_drop"});
+}
+
+// Training manifests: forward_drop runs once per ratio (no attention_grad, no reference scores),
+// and is refused on a model with fewer than 3 decoder layers.
+TEST(TrainManifest, AcceptsForwardDropOncePerRatio) {
+  TempDir d;
+  fsu::write_file(d / "m.toml",
+                  "name = \"x\"\n[train]\nmodel = \"tinyllama-mini\"\nseq_len = 64\n[axes]\n"
+                  "method = [\"regular\", \"forward_drop\", \"collider\"]\nfilter_ratio = [0.4, 0.6]\n");
+  const auto m = ch::load_train_manifest(d / "m.toml");
+  ASSERT_EQ(m.points.size(), 1u + 2u + 4u);  // regular, forward_drop x 2 ratios, collider x 2 ratios x 2
+  EXPECT_EQ(m.points[1].spec.method, collider::models::Method::kForwardDrop);
+  EXPECT_EQ(m.points[1].filter_ratio, 0.4);
+  EXPECT_EQ(m.points[2].filter_ratio, 0.6);
+  EXPECT_EQ(m.points[1].id(m.train), "tinyllama-mini/T64/B8/f0.4/forward_drop/none");
+  fsu::write_file(d / "debug.toml",
+                  "name = \"x\"\n[train]\nmodel = \"tinyllama-debug\"\n[axes]\nmethod = [\"forward_drop\"]\n");
+  try {
+    ch::load_train_manifest(d / "debug.toml");
+    FAIL() << "a 2-layer model accepted for forward_drop";
+  } catch (const ch::ManifestError& e) {
+    expect_mentions(e.what(), {"axes.method", "forward_drop", "tinyllama-debug", "3 decoder layers"});
+  }
+  try {
+    ch::load_train_manifest(d / "m.toml", {"train.align=0"});
+    FAIL() << "train.align = 0 accepted";
+  } catch (const ch::ManifestError& e) { expect_mentions(e.what(), {"train.align", ">= 1"}); }
 }

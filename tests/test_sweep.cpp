@@ -3,11 +3,13 @@
 // failing point yields a status row, the sweep goes on, the exit code is non-zero; --resume after
 // a killed run (a real SIGKILL of the CLI, and a torn last line) completes the sweep with no
 // duplicate rows; a directory holding rows is refused without --resume; the CPU peak-memory
-// probe grows with the batch; the smoke manifest (all four methods) runs.
+// probe grows with the batch; the smoke manifest (all four methods) runs; forward_drop rows
+// count its middle layers' tokens in their FLOPs.
 // Run: OMP_NUM_THREADS=1 build-harness/tests/test_sweep
 #include "harness/recipes/cli.h"
 #include "base/fsutil.h"
 #include "harness/run/results.h"
+#include "models/flops.h"
 
 #include "temp_dir.h"
 
@@ -300,5 +302,61 @@ TEST(Sweep, BatchTopKRunsColliderAndRecordsTheRowCounts) {
       }
       EXPECT_EQ(row["filter_stats"]["kept_total"].get<int64_t>(), sum);
     }
+  }
+}
+
+// forward_drop rows (tinyllama-mini: 4 layers; the -debug presets have 2): flops_fwd and
+// flops_bwd are its own formulas at the middle-layer count kept_count(T, ratio, align), the FLOP
+// ideal is against regular's dense backward, every token's loss is kept, attention_grad "none";
+// the schema refuses a forward_drop row without its middle-layer count.
+TEST(Sweep, ForwardDropRowsCountTheMiddleLayersTokens) {
+  TempDir tmp;
+  fsu::write_file(tmp / "m.toml", R"(
+name = "forward-drop-test"
+[run]
+device = "cpu"
+warmup_steps = 0
+measure_steps = 1
+threads = 1
+[axes]
+model = "tinyllama-mini"
+seq_len = 32
+batch_size = 2
+filter_ratio = 0.5
+method = ["regular", "forward_drop"]
+attention_grad = ["kept_only", "exact_query"]
+)");
+  const auto r = run({tmp / "m.toml", "--out", tmp / "out"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const auto rows = rows_of(tmp / "out");
+  ASSERT_EQ(rows.size(), 2u);
+  const auto& cfg = collider::models::preset("tinyllama-mini");
+  const int64_t N = 32 - 16;  // drop 0.5 x 32 = 16, a multiple of 8
+  for (const auto& row : rows) {
+    ASSERT_EQ(row["status"], "ok") << row["error"];
+    const auto problems = ch::validate_row(row);
+    EXPECT_TRUE(problems.empty()) << problems.front();
+    EXPECT_EQ(row["attention_grad"], "none");
+    EXPECT_EQ(row["tokens_kept"], 2 * 32);
+    if (row["method"] != "forward_drop") {
+      EXPECT_TRUE(row["middle_tokens_per_seq"].is_null());
+      continue;
+    }
+    EXPECT_EQ(row["point_id"], "tinyllama-mini/T32/B2/f0.5/forward_drop/none");
+    EXPECT_EQ(row["middle_tokens_per_seq"], N);
+    const double fwd = collider::models::forward_drop_forward_flops(cfg, 2, 32, N).total();
+    const double bwd = collider::models::forward_drop_backward_flops(cfg, 2, 32, N).total();
+    const double dense = collider::models::backward_flops(cfg, 2, 32, 32, collider::models::MethodSpec{}).total();
+    EXPECT_DOUBLE_EQ(row["flops_fwd"].get<double>(), fwd);
+    EXPECT_DOUBLE_EQ(row["flops_bwd"].get<double>(), bwd);
+    EXPECT_DOUBLE_EQ(row["flops_bwd_executed"].get<double>(), bwd);
+    EXPECT_DOUBLE_EQ(row["flops_bwd_dense"].get<double>(), dense);
+    EXPECT_DOUBLE_EQ(row["flop_ideal_bwd_reduction"].get<double>(), 1 - bwd / dense);
+    EXPECT_GT(row["flop_ideal_bwd_reduction"].get<double>(), 0.0);
+    auto broken = row;
+    broken.erase("middle_tokens_per_seq");
+    const auto p = ch::validate_row(broken);
+    ASSERT_EQ(p.size(), 1u);
+    EXPECT_NE(p[0].find("middle_tokens_per_seq"), std::string::npos) << p[0];
   }
 }

@@ -1,13 +1,15 @@
 // Training step (harness/components/train_step.h): method names, loss_only at filter 0 == regular exactly
 // (gradients and parameters), determinism for a seed, loss falls on a small English text
 // (byte-level tokens), per-layer markers leave gradients unchanged and fire in order, and the
-// collider / masked methods agree with each other (needs the rewriter on the model graphs).
+// collider / masked methods agree with each other (needs the rewriter on the model graphs);
+// forward_drop's step is the plain backward of CausalLM::forward(ids, middle_BN) with the full loss.
 // Run: OMP_NUM_THREADS=1 build-harness/tests/test_train_step
 #include "harness/components/train_step.h"
 #include "models/model.h"
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
 
 namespace ch = collider::harness;
@@ -85,9 +87,14 @@ void expect_all_close(const std::vector<torch::Tensor>& a, const std::vector<tor
 }  // namespace
 
 TEST(TrainStep, MethodNamesRoundTrip) {
-  for (auto m : {ch::Method::kRegular, ch::Method::kLossOnly, ch::Method::kCollider, ch::Method::kMasked}) {
+  for (auto m : {ch::Method::kRegular, ch::Method::kLossOnly, ch::Method::kCollider, ch::Method::kMasked,
+                 ch::Method::kForwardDrop}) {
     EXPECT_EQ(ch::method_from_string(ch::to_string(m)), m);
   }
+  EXPECT_STREQ(ch::to_string(ch::Method::kForwardDrop), "forward_drop");
+  EXPECT_FALSE(ch::uses_attention_grad(ch::Method::kForwardDrop));
+  EXPECT_EQ(cm::attention_grad_name({ch::Method::kForwardDrop, collider::AttentionGrad::kExactQuery}), "none");
+  EXPECT_FALSE(cm::uses_selection(ch::Method::kForwardDrop));
   EXPECT_THROW(ch::method_from_string("sparse"), std::invalid_argument);
   EXPECT_TRUE(ch::uses_attention_grad(ch::Method::kCollider));
   EXPECT_FALSE(ch::uses_attention_grad(ch::Method::kLossOnly));
@@ -255,4 +262,82 @@ TEST(TrainStep, ColliderMatchesMaskedOracle) {
       expect_all_close(grads(co), grads(ma), 1e-4, 1e-6, "gradient");
     }
   }
+}
+
+// --- forward_drop: forward token dropping in the middle layers, full loss, plain backward -----
+
+namespace {
+
+// The -debug preset with 4 decoder layers (forward_drop needs 3 or more; the -debug ones have 2).
+ch::Trainer four_layer_trainer(const std::string& preset, ch::StepConfig c, uint64_t seed) {
+  cm::ModelConfig cfg = cm::preset(preset);
+  cfg.num_layers = 4;
+  return ch::Trainer(cm::build_model(cfg, cm::AttentionImpl::kEager, seed), std::move(c), torch::kCPU, seed);
+}
+
+}  // namespace
+
+TEST(TrainStep, ForwardDropIsThePlainBackwardOfTheDroppedForward) {
+  for (const char* preset : {"tinyllama-debug", "qwen2.5-debug", "phi-1.5-debug"}) {
+    SCOPED_TRACE(preset);
+    auto c = config(ch::Method::kForwardDrop, 0.5);
+    c.grad_clip = 0;  // .grad() after the step is then the raw gradient
+    auto fd = four_layer_trainer(preset, c, 9);
+    auto ref = four_layer_trainer(preset, c, 9);  // same weights, same subset generator
+    auto batch = text_batch(3, 40, 11);
+    batch.labels_BT[1][7] = -100;  // an unlabelled position stays out of the mean
+    const auto r = fd.step(batch);
+
+    // The reference: the subset the Trainer drew (its first draw), the model's own
+    // forward(ids, middle_BN), the mean over every labelled token, backward.
+    const int64_t N = collider::kept_count(40, 0.5, 8);
+    auto middle_BN = ref.draw_middle_tokens(3, 40);
+    ASSERT_EQ(middle_BN.size(1), N);
+    auto logits_BTV = ref.model()->forward(batch.input_ids_BT, middle_BN);
+    auto loss = cm::masked_mean_loss(cm::token_losses(logits_BTV, batch.labels_BT), batch.labels_BT != -100);
+    loss.backward();
+
+    EXPECT_TRUE(std::isfinite(r.loss));
+    EXPECT_EQ(r.loss, loss.item<double>());
+    EXPECT_EQ(r.loss, r.loss_all) << "forward_drop keeps every token's loss";
+    EXPECT_EQ(r.tokens, 3 * 40);
+    EXPECT_EQ(r.tokens_kept, 3 * 40 - 1) << "every labelled token's loss is backpropagated";
+    EXPECT_EQ(r.middle_tokens_per_seq, N);
+    EXPECT_EQ(r.filter.nodes_rewritten, 0) << "no graph rewrite";
+    expect_all_equal(grads(fd), grads(ref), "gradient");
+
+    // The subset matters: the regular step of the same model gives another gradient.
+    auto rc = config(ch::Method::kRegular, 0.0);
+    rc.grad_clip = 0;
+    auto reg = four_layer_trainer(preset, rc, 9);
+    EXPECT_EQ(reg.step(batch).middle_tokens_per_seq, 0);
+    EXPECT_FALSE(torch::equal(grads(reg)[1], grads(fd)[1]));
+  }
+}
+
+TEST(TrainStep, ForwardDropDrawsAFreshSubsetEveryStepDeterministicInTheSeedAndStep) {
+  auto c = config(ch::Method::kForwardDrop, 0.4);
+  auto a = four_layer_trainer("tinyllama-debug", c, 5);
+  auto b = four_layer_trainer("tinyllama-debug", c, 5);
+  auto first = a.draw_middle_tokens(2, 64), second = a.draw_middle_tokens(2, 64);
+  EXPECT_FALSE(torch::equal(first, second));
+  EXPECT_TRUE(torch::equal(first, b.draw_middle_tokens(2, 64)));
+  // A run resumed after one step (training_loop.cpp: set_draws) draws what the second step drew.
+  auto resumed = four_layer_trainer("tinyllama-debug", c, 5);
+  resumed.set_draws(1);
+  EXPECT_TRUE(torch::equal(second, resumed.draw_middle_tokens(2, 64)));
+  EXPECT_EQ(first.size(1), collider::kept_count(64, 0.4, 8));
+  // Filter 0: the middle layers see every token, so the step is the regular one bit for bit.
+  auto fd0 = four_layer_trainer("tinyllama-debug", config(ch::Method::kForwardDrop, 0.0), 5);
+  auto reg = four_layer_trainer("tinyllama-debug", config(ch::Method::kRegular, 0.0), 5);
+  auto batch = text_batch(2, 32, 3);
+  EXPECT_EQ(fd0.step(batch).loss, reg.step(batch).loss);
+  expect_all_equal(grads(fd0), grads(reg), "gradient at filter 0");
+}
+
+TEST(TrainStep, ForwardDropRefusesTooFewLayersOrNoMiddleToken) {
+  // The -debug presets have 2 decoder layers: nothing would be left in the middle.
+  EXPECT_THROW(make_trainer("tinyllama-debug", config(ch::Method::kForwardDrop, 0.4)), std::invalid_argument);
+  auto t = four_layer_trainer("tinyllama-debug", config(ch::Method::kForwardDrop, 0.1), 1);
+  EXPECT_THROW(t.step(text_batch(1, 8, 0)), std::invalid_argument);  // drop 0.8 -> 8 of 8: none left
 }

@@ -3,7 +3,8 @@
 // from C++ (round trip, agreement with the Python-written shards), token-shard and window-loader
 // determinism, stored reference losses equal to a recomputation, and a 20-step training run of
 // every method (regular, loss_only, collider kept_only / exact_query) at -debug size through
-// `collider run` on a training manifest, with --resume.
+// `collider run` on a training manifest, with --resume; forward_drop (tinyllama-mini) trains and
+// resumes to the same losses.
 //   OMP_NUM_THREADS=1 build/tests/test_utility
 #include "base/fsutil.h"
 #include "harness/run/results.h"
@@ -304,6 +305,59 @@ attention_grad = ["exact_query"]
     EXPECT_EQ(a[i]["eval_set"], b[i]["eval_set"]);
     for (const char* k : {"val_loss", "train_loss"}) {
       if (a[i].contains(k)) { EXPECT_NEAR(a[i][k].get<double>(), b[i][k].get<double>(), 1e-6); }
+    }
+  }
+}
+
+// forward_drop trains (tinyllama-mini: 4 layers; the -debug presets have 2) with every token's
+// loss back-propagated, and a run killed after a checkpoint resumes to the same losses: the
+// middle layers' subsets of the remaining steps are the ones the whole run drew.
+TEST_F(Utility, ForwardDropTrainsAndResumesToTheSameResult) {
+  testing::TempDir d("forward_drop");
+  const std::string bytes_dir = byte_level_data(data(), d / "bytes");
+  const std::string manifest = d / "utility.toml";
+  harness::fsutil::write_file(manifest, fmt::format(R"(name = "utility_forward_drop"
+[data]
+dir = "{}"
+[train]
+model = "tinyllama-mini"
+seq_len = 32
+batch_size = 2
+steps = 8
+warmup_steps = 2
+eval_every = 4
+eval_tokens = 128
+checkpoint_every = 4
+log_every = 2
+threads = 1
+[reference]
+steps = 2
+batch_size = 2
+[axes]
+method = ["forward_drop"]
+filter_ratio = [0.5]
+)",
+                                                    bytes_dir));
+  std::ostringstream out, err;
+  ASSERT_EQ(harness::run_train_command(manifest, {}, d / "whole", false, false, out, err), 0) << err.str();
+  EXPECT_EQ(harness::run_train_command(manifest, {"train.stop_after=4"}, d / "killed", false, false, out, err), 1);
+  std::ostringstream err2;
+  ASSERT_EQ(harness::run_train_command(manifest, {}, d / "killed", false, true, out, err2), 0) << err2.str();
+  EXPECT_NE(err2.str().find("resumed at step 4"), std::string::npos) << err2.str();
+  const auto a = rows_of(d / "whole"), b = rows_of(d / "killed");
+  ASSERT_EQ(a.size(), b.size());
+  ASSERT_FALSE(a.empty());
+  EXPECT_EQ(a.back()["point_id"], "tinyllama-mini/T32/B2/f0.5/forward_drop/none");
+  EXPECT_EQ(a.back()["score"], "none");
+  EXPECT_EQ(a.back()["tokens_backprop"].get<double>(), 8 * 2 * 32);  // every token's loss
+  for (size_t i = 0; i < a.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(a[i]["step"], b[i]["step"]);
+    for (const char* k : {"val_loss", "train_loss"}) {
+      if (a[i].contains(k)) {
+        EXPECT_TRUE(std::isfinite(a[i][k].get<double>()));
+        EXPECT_NEAR(a[i][k].get<double>(), b[i][k].get<double>(), 1e-6);
+      }
     }
   }
 }

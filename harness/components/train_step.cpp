@@ -1,5 +1,6 @@
 // Training step (train_step.h). Phase order and what each timing covers:
-//   fwd      model forward + per-token loss (bf16 autocast on CUDA)
+//   fwd      model forward + per-token loss (bf16 autocast on CUDA); forward_drop: drawing the
+//            middle layers' token subset, then the forward with it
 //   filter   scores + select_tokens, masked-mean loss, filter_backward / mask_backward
 //   bwd      loss.backward()
 //   allreduce  GradientReducer::begin (before bwd: per-rank counts, the wait for the slowest rank)
@@ -54,6 +55,12 @@ Trainer::Trainer(models::CausalLM model, StepConfig cfg, torch::Device device, u
   }
   if (cfg_.bf16_autocast && !device_.is_cuda()) {
     throw std::invalid_argument("Trainer: bf16 autocast is for CUDA devices; on CPU the step runs in fp32");
+  }
+  if (cfg_.spec.method == Method::kForwardDrop && model_->config().num_layers < 3) {
+    throw std::invalid_argument(
+        fmt::format("Trainer: forward_drop needs at least 3 decoder layers (the first and the last see every token); "
+                    "model '{}' has {}: use a preset with more layers (the -mini presets have 4)",
+                    model_->config().name, model_->config().num_layers));
   }
   model_->to(device_);
   model_->train();
@@ -132,7 +139,7 @@ torch::Tensor Trainer::select(const torch::Tensor& loss_BT, const Batch& batch) 
   torch::NoGradGuard no_grad;
   auto valid_BT = batch.labels_BT != -100;
   const MethodSpec& spec = cfg_.spec;
-  if (spec.method == Method::kRegular) return valid_BT;
+  if (!models::uses_selection(spec.method)) return valid_BT;
   torch::Tensor scores_BT;
   switch (spec.score) {
     case Score::kSelf:
@@ -155,6 +162,28 @@ torch::Tensor Trainer::select(const torch::Tensor& loss_BT, const Batch& batch) 
   so.align = cfg_.align;
   so.valid_BT = valid_BT;
   return collider::select_tokens(scores_BT, cfg_.filter_ratio, so);
+}
+
+int64_t Trainer::middle_tokens(int64_t T) const {
+  const int64_t N = collider::kept_count(T, cfg_.filter_ratio, cfg_.align);
+  if (N < 1) {
+    throw std::invalid_argument(
+        fmt::format("Trainer: forward_drop at filter_ratio {} with align {} leaves no token of seq_len {} for the "
+                    "middle layers; lower the ratio or the alignment, or raise seq_len",
+                    cfg_.filter_ratio, cfg_.align, T));
+  }
+  return N;
+}
+
+torch::Tensor Trainer::draw_middle_tokens(int64_t B, int64_t T) {
+  const int64_t N = middle_tokens(T);
+  const uint64_t k = static_cast<uint64_t>(drop_draws_++);
+  torch::Generator gen = at::detail::createCPUGenerator((seed_ ^ 0xd20bULL) + 0x9e3779b97f4a7c15ULL * (k + 1));
+  auto middle_BN = models::random_middle_tokens(B, T, N, gen, torch::kCPU);
+  if (!device_.is_cuda()) return middle_BN;
+  // A copy from pageable host memory waits for the device (a host sync per step); from pinned
+  // memory it is queued on the stream like the step's kernels.
+  return middle_BN.pin_memory().to(device_, /*non_blocking=*/true);
 }
 
 StepResult Trainer::step(const Batch& batch_in) {
@@ -181,8 +210,14 @@ StepResult Trainer::step(const Batch& batch_in) {
     ScopedRange rg(ranges_, "fwd");
     if (layer_timer_) layer_timer_->forward_begin();
     {
+      // forward_drop: the middle layers' subset, N per row (int64 [B, N]); undefined = all tokens.
+      torch::Tensor middle_BN;
+      if (cfg_.spec.method == Method::kForwardDrop) {
+        middle_BN = draw_middle_tokens(B, T);
+        r.middle_tokens_per_seq = middle_BN.size(1);
+      }
       AutocastScope ac(cfg_.bf16_autocast);
-      auto logits_BTV = model_->forward(batch.input_ids_BT);
+      auto logits_BTV = model_->forward(batch.input_ids_BT, middle_BN);
       loss_BT = models::token_losses(logits_BTV, batch.labels_BT);
     }
     if (layer_timer_) layer_timer_->forward_end();

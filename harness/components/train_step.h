@@ -1,5 +1,6 @@
 // The training step of every method: forward, per-token loss, token selection, the one added
-// line (Collider's graph rewrite, or the masked oracle), backward, gradient all-reduce (only with
+// line (Collider's graph rewrite, or the masked oracle), backward (forward_drop instead drops
+// tokens from the middle layers' forward, keeps every token's loss and rewrites nothing), gradient all-reduce (only with
 // a GradientReducer: data-parallel runs, harness/components/distributed.h), gradient clipping, AdamW.
 // fp32 on CPU; bf16 autocast on CUDA (parameters and optimizer state stay fp32).
 // Each phase is timed (Timer: steady clock on CPU, CUDA events on GPU), optionally per layer
@@ -39,8 +40,10 @@ struct StepConfig {
   // method, attention_grad, selection policy and scores. Score::kExcessLoss and kReferenceLoss
   // need Batch::ref_loss_BT.
   MethodSpec spec;
-  double filter_ratio = 0.0;  // fraction of tokens dropped (ignored by regular)
-  int64_t align = 8;          // drop count per row rounded up to a multiple of this
+  // Fraction of tokens dropped (ignored by regular): from the loss and the backward (loss_only,
+  // collider, masked), or from the middle layers' forward (forward_drop).
+  double filter_ratio = 0.0;
+  int64_t align = 8;  // drop count per row rounded up to a multiple of this
   double lr = 3e-4, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double grad_clip = 1.0;      // max global grad norm; <= 0 disables clipping
   bool bf16_autocast = false;  // CUDA only: forward under bf16 autocast
@@ -55,14 +58,17 @@ struct Batch {
 
 struct StepResult {
   // With a reducer, loss / tokens / tokens_kept are over every rank (`dist` has each rank's).
-  double loss = 0.0;                  // the loss that was backpropagated (mean over kept tokens)
-  double loss_all = 0.0;              // mean over every labelled token (the regular loss; compares methods)
-  double grad_norm = 0.0;             // global grad norm before clipping (of the reduced gradients)
-  int64_t tokens = 0;                 // B * T
-  int64_t tokens_kept = 0;            // kept positions in the batch
-  int64_t kept_per_seq = 0;           // N when every row keeps the same count (per_sequence), else -1 (ragged)
+  double loss = 0.0;         // the loss that was backpropagated (mean over kept tokens)
+  double loss_all = 0.0;     // mean over every labelled token (the regular loss; compares methods)
+  double grad_norm = 0.0;    // global grad norm before clipping (of the reduced gradients)
+  int64_t tokens = 0;        // B * T
+  int64_t tokens_kept = 0;   // kept positions in the batch (forward_drop: every labelled one)
+  int64_t kept_per_seq = 0;  // N when every row keeps the same count (per_sequence), else -1 (ragged)
+  // forward_drop: tokens per row the middle decoder layers saw (kept_count(T, filter_ratio,
+  // align)); 0 for every other method (their layers see all T).
+  int64_t middle_tokens_per_seq = 0;
   std::vector<int64_t> kept_per_row;  // [B] this rank's kept count of every row
-  double fwd_ms = 0.0;                // model forward + per-token loss
+  double fwd_ms = 0.0;                // model forward + per-token loss (forward_drop: + drawing the subset)
   double filter_ms = 0.0;             // selection + masked-mean loss + graph rewrite (select_ms + rewrite_ms + rest)
   double select_ms = 0.0;             // scores + select_tokens
   double rewrite_ms = 0.0;            // filter_backward / mask_backward (collider, masked)
@@ -105,8 +111,19 @@ class Trainer {
   // The traced plan (collider / masked), built on the first step of a given batch shape.
   const collider::Plan* plan() const { return plan_ ? &*plan_ : nullptr; }
 
-  // Keep mask this step would use for the given per-token losses (exposed for tests).
+  // Keep mask this step would use for the given per-token losses (exposed for tests); every
+  // labelled position for regular and forward_drop.
   torch::Tensor select(const torch::Tensor& loss_BT, const Batch& batch);
+
+  // forward_drop: the tokens per row the middle layers see for sequences of T (throws
+  // std::invalid_argument when filter_ratio and align leave none), and the next subset, int64
+  // [B, N] on the device. Draw k (0, 1, ...; each step draws one) comes from a CPU generator
+  // seeded from (`seed`, k), so set_draws(s) makes a run resumed at step s draw what the
+  // uninterrupted run drew (training_loop.cpp calls it). Exposed for tests, which replay a step
+  // with the same subset.
+  int64_t middle_tokens(int64_t T) const;
+  torch::Tensor draw_middle_tokens(int64_t B, int64_t T);
+  void set_draws(int64_t draws) { drop_draws_ = draws; }
 
  private:
   void ensure_plan(int64_t B, int64_t T);
@@ -121,6 +138,7 @@ class Trainer {
   std::optional<collider::Plan> plan_;
   std::shared_ptr<GradientReducer> reducer_;
   torch::Generator score_gen_;
+  int64_t drop_draws_ = 0;  // forward_drop's middle-layer subsets drawn so far
   uint64_t seed_;
 };
 

@@ -132,6 +132,7 @@ void train_loop(const TrainSettings& s, RunSpec spec, Trainer& tr,
     auto ts = models::load_training_checkpoint(spec.ckpt_dir, tr.model());
     models::restore_adamw_state(tr.optimizer(), *tr.model(), ts.optimizer_state);
     st = RunState::from_json(ts.trainer_state);
+    tr.set_draws(st.step);  // forward_drop: one subset per step, the ones of the steps not yet run
     log << fmt::format("{} resumed at step {} from {}\n", spec.label, st.step, spec.ckpt_dir);
   }
   // The checkpoint holds the sum over all ranks: rank 0 carries it on, the others start from 0.

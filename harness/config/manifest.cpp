@@ -217,10 +217,12 @@ class TimingSchema {
     L_.check_unique("axes.method", axes_.method);
     L_.check_unique("axes.attention_grad", axes_.attention_grad);
 
+    const bool forward_drop = std::find(methods_.begin(), methods_.end(), Method::kForwardDrop) != methods_.end();
     const bool filtering =
         std::any_of(methods_.begin(), methods_.end(), [](Method m) { return m != Method::kRegular; });
     if (filtering) {
-      const int64_t align = spec_.policy == collider::SelectPolicy::kPerSequence ? r.align : 1;
+      // forward_drop's middle-layer count is always aligned (it has no selection policy).
+      const int64_t align = spec_.policy == collider::SelectPolicy::kPerSequence || forward_drop ? r.align : 1;
       for (int64_t T : axes_.seq_len) {
         for (double f : axes_.filter_ratio) {
           if (collider::kept_count(T, f, align) < 1) {
@@ -260,6 +262,7 @@ class TimingSchema {
                 if (excluded) {
                   ++m_.num_excluded;
                 } else {
+                  check_forward_drop_layers(p);
                   m_.points.push_back(p);
                 }
               }
@@ -288,6 +291,18 @@ class TimingSchema {
                       "an exclusion or widen the axes)",
                       path_, m_.num_expanded));
     }
+  }
+
+  // forward_drop runs the first and the last layer on every token, so a point needs 3 or more.
+  void check_forward_drop_layers(const Point& p) const {
+    if (p.spec.method != Method::kForwardDrop) return;
+    const int64_t L = models::preset(p.model).num_layers;
+    if (L >= 3) return;
+    throw ManifestError(
+        fmt::format("{}: key 'axes.method' = \"forward_drop\" needs models with at least 3 decoder layers (the first "
+                    "and the last see every token); model '{}' has {}: drop forward_drop or the model, or exclude "
+                    "their points ([[exclude]] model = [\"{}\"], method = [\"forward_drop\"])",
+                    L_.source("axes.method"), p.model, L, p.model));
   }
 
   static bool matches(const Exclude& e, const Point& p) {

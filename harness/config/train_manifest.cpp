@@ -1,6 +1,6 @@
 // The training-manifest schema (train_manifest.h) on the shared loader (loader.h): its keys
 // with their built-in defaults (TrainSettings), the validator, the runs (one per method, ratio
-// and attention_grad) and the resolved manifest.
+// and attention_grad; forward_drop per ratio) and the resolved manifest.
 #include "harness/config/train_manifest.h"
 
 #include "models/model.h"
@@ -79,7 +79,7 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
   m.overrides = L.overrides();
 
   // ---- validation ------------------------------------------------------------------------------
-  // Selection score of loss_only and collider (regular selects nothing).
+  // Selection score of loss_only and collider (regular and forward_drop select nothing).
   const Score score =
       L.parse_in("train.score", s.score, {to_string(Score::kExcessLoss), to_string(Score::kReferenceLoss)},
                  &models::score_from_string);
@@ -108,11 +108,13 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
   L.check(s.lr > 0, "train.lr", fmt::format("{}", s.lr), "a number > 0");
   L.check(s.min_lr >= 0 && s.min_lr <= s.lr, "train.min_lr", fmt::format("{}", s.min_lr),
           fmt::format("a number in [0, train.lr = {}]", s.lr));
+  L.check(s.align >= 1, "train.align", std::to_string(s.align), "an integer >= 1");
   L.check(s.warmup_steps >= 0, "train.warmup_steps", std::to_string(s.warmup_steps), "an integer >= 0");
   L.check(s.pool_windows >= 0, "train.pool_windows", std::to_string(s.pool_windows),
           "an integer >= 0 (0 = steps x batch_size)");
 
-  // ---- the runs: regular once; loss_only per ratio; collider per ratio and attention_grad -------
+  // ---- the runs: regular once; loss_only, forward_drop per ratio; collider per ratio and --------
+  // ---- attention_grad ---------------------------------------------------------------------------
   std::vector<collider::AttentionGrad> attention_grads;
   for (const auto& g : grads) {
     attention_grads.push_back(
@@ -123,13 +125,32 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
             "(0, 1): the fraction of tokens dropped (regular runs once, unfiltered)");
   }
   for (const auto& name : methods) {
-    const Method method = L.parse_in(
-        "axes.method", name, {to_string(Method::kRegular), to_string(Method::kLossOnly), to_string(Method::kCollider)},
-        &models::method_from_string);
+    const Method method = L.parse_in("axes.method", name,
+                                     {to_string(Method::kRegular), to_string(Method::kLossOnly),
+                                      to_string(Method::kCollider), to_string(Method::kForwardDrop)},
+                                     &models::method_from_string);
     if (method == Method::kRegular) {
       m.points.push_back({MethodSpec{Method::kRegular}, 0.0});
     } else if (method == Method::kLossOnly) {
       for (double r : ratios) m.points.push_back({MethodSpec{Method::kLossOnly, {}, {}, score}, r});
+    } else if (method == Method::kForwardDrop) {
+      // The first and the last layer see every token: 3 layers at least.
+      const int64_t num_layers = models::preset(s.model).num_layers;
+      if (num_layers < 3) {
+        throw ManifestError(fmt::format(
+            "{}: key 'axes.method' = \"forward_drop\" needs a model with at least 3 decoder layers (the first and "
+            "the last see every token); train.model '{}' has {}: use a preset with more layers or drop forward_drop",
+            L.source("axes.method"), s.model, num_layers));
+      }
+      for (double r : ratios) {
+        if (collider::kept_count(s.seq_len, r, s.align) < 1) {
+          throw ManifestError(
+              fmt::format("{}: key 'axes.filter_ratio' = {} leaves forward_drop's middle layers no token of seq_len "
+                          "{} with align {}; lower the ratio or train.align, or raise train.seq_len",
+                          L.source("axes.filter_ratio"), r, s.seq_len, s.align));
+        }
+        m.points.push_back({MethodSpec{Method::kForwardDrop}, r});
+      }
     } else {
       for (double r : ratios)
         for (collider::AttentionGrad g : attention_grads) {

@@ -10,11 +10,13 @@
 //            score ("excess_loss" = RHO-1, default; "reference_loss")
 //   [reference]  steps, lr, batch_size: the RHO-1 reference model, trained (regular) on the curated
 //            split (recipes/reference_stage.h)
-//   [axes]   method = ["regular", "loss_only", "collider"]; attention_grad = ["kept_only",
-//            "exact_query"] (collider only); filter_ratio = [0.4] (regular runs once at 0)
+//   [axes]   method = ["regular", "loss_only", "collider"] (or "forward_drop": the middle layers'
+//            forward on a random kept_count of the tokens, every token's loss; 3+ decoder layers);
+//            attention_grad = ["kept_only", "exact_query"] (collider only); filter_ratio = [0.4]
+//            (regular runs once at 0)
 // Loaded by the shared loader (loader.h): defaults, then the file, then --set; every problem is a
 // ManifestError naming the file (or the --set), the key, the value and what is allowed.
-// Tests: tests/test_utility.cpp, tests/test_fuzz_regressions.cpp.
+// Tests: tests/test_utility.cpp, tests/test_manifest.cpp, tests/test_fuzz_regressions.cpp.
 #pragma once
 
 #include "harness/config/loader.h"

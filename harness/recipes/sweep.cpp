@@ -1,8 +1,8 @@
 // Sweep runner and per-point measurement (sweep.h): a point's StepConfig comes from its
 // MethodSpec and the run settings (step_config), the step loop feeds PointMeasurements, and the
 // row's measured keys are written from it (timings, layers, kept counts) and from the analytic
-// FLOPs of the method and the kept counts (write_work). A failed point's measured keys are
-// cleared (results.h: clear_measurements).
+// FLOPs of the method and the kept counts (write_work; forward_drop: its middle-layer count). A
+// failed point's measured keys are cleared (results.h: clear_measurements).
 #include "harness/recipes/sweep.h"
 
 #include "base/fsutil.h"
@@ -41,6 +41,12 @@ bool looks_like_oom(const std::string& msg) {
          msg.find("can't allocate memory") != std::string::npos;
 }
 
+// forward_drop: the tokens per row its middle layers see (Trainer::middle_tokens: the kept count
+// of the other methods, aligned to run.align), known before running; 0 for every other method.
+int64_t middle_tokens_per_seq(const Manifest& m, const Point& p) {
+  return p.spec.method == Method::kForwardDrop ? collider::kept_count(p.seq_len, p.filter_ratio, m.run.align) : 0;
+}
+
 nlohmann::json identity_row(const Manifest& m, const Point& p, const Provenance& prov) {
   nlohmann::json row = {
       {"experiment", m.name},
@@ -71,6 +77,10 @@ nlohmann::json identity_row(const Manifest& m, const Point& p, const Provenance&
   row["score"] = to_string(p.spec.score);
   row["attention_impl"] = m.run.attention_impl;
   row["align"] = m.run.align;
+  // forward_drop's middle-layer tokens per row (its flops_fwd and flops_bwd count them); null for
+  // the methods whose layers see every token.
+  const int64_t middle = middle_tokens_per_seq(m, p);
+  row["middle_tokens_per_seq"] = middle > 0 ? nlohmann::json(middle) : nlohmann::json(nullptr);
   return row;
 }
 
@@ -281,7 +291,10 @@ void write_work(nlohmann::json& row, const models::ModelConfig& cfg, const Point
     bwd_executed = models::backward_flops(cfg, p.batch_size, p.seq_len,
                                           *std::max_element(kept_per_row.begin(), kept_per_row.end()), p.spec);
   } else {
-    const int64_t N = p.spec.method == Method::kCollider ? acc.kept_per_seq() : p.seq_len;
+    // collider: the kept count; forward_drop: its middle layers' count; the dense methods ignore N.
+    const int64_t N = p.spec.method == Method::kCollider                 ? acc.kept_per_seq()
+                      : row["middle_tokens_per_seq"].is_number_integer() ? row["middle_tokens_per_seq"].get<int64_t>()
+                                                                         : p.seq_len;
     bwd_flops = bwd_executed = models::backward_flops(cfg, p.batch_size, p.seq_len, N, p.spec);
   }
   const auto bwd_dense = models::backward_flops(cfg, p.batch_size, p.seq_len, p.seq_len, MethodSpec{});  // regular
@@ -405,7 +418,9 @@ GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& poin
     if (mb.failed) continue;
     try {
       // Work known before running: forward FLOPs, attention/linear ratio.
-      mb.row["flops_fwd"] = models::forward_flops(*cfg, mb.point->batch_size, mb.point->seq_len).total();
+      const Point& p = *mb.point;
+      mb.row["flops_fwd"] =
+          models::forward_flops(*cfg, p.batch_size, p.seq_len, middle_tokens_per_seq(m, p), p.spec).total();
       mb.row["attention_linear_ratio"] = models::attention_linear_ratio(*cfg, mb.point->seq_len);
       mb.row["num_params"] = cfg->num_params();
       if (!m.run.fail_point.empty() && mb.point->id().find(m.run.fail_point) != std::string::npos) {

@@ -204,7 +204,7 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
                              {"seed", s.seed},
                              {"steps_total", s.steps},
                              {"num_params", cfg.num_params()},
-                             {"score", p.spec.method == Method::kRegular ? "none" : to_string(p.spec.score)},
+                             {"score", models::uses_selection(p.spec.method) ? to_string(p.spec.score) : "none"},
                              {"reference", ref_tag},
                              {"data_dir", data_dir},
                              {"train_split", s.train_split},
@@ -228,7 +228,7 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
                                  fmt_num(p.filter_ratio));
         spec.step_cfg = sc;
         spec.loader = &loader;
-        spec.ref = p.spec.method == Method::kRegular ? nullptr : &ref_losses;
+        spec.ref = models::uses_selection(p.spec.method) ? &ref_losses : nullptr;  // regular, forward_drop: none
         spec.steps = s.steps;
         spec.warmup_steps = s.warmup_steps;
         spec.lr = s.lr;

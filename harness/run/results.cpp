@@ -172,6 +172,16 @@ std::vector<std::string> validate_row(const nlohmann::json& row) {
       if (!s.is_number()) problems.push_back("samples_step_ms holds a non-number");
     }
   }
+  // forward_drop's middle layers see fewer tokens than T: its timing rows say how many (its FLOPs
+  // count them). Training rows (they carry "step") need not.
+  if (row.value("method", std::string()) == "forward_drop" && !row.contains("step")) {
+    const auto it = row.find("middle_tokens_per_seq");
+    if (it == row.end() || !it->is_number_integer() || it->get<int64_t>() < 1) {
+      problems.push_back(
+          "a forward_drop row needs 'middle_tokens_per_seq', an integer >= 1 (its middle layers' tokens "
+          "per row)");
+    }
+  }
   if (row.contains("layers") && row["layers"].is_array()) {
     for (const auto& l : row["layers"]) {
       if (!l.is_object() || !l.contains("name") || !l["name"].is_string() || !l.contains("fwd_ms") ||

@@ -1,7 +1,8 @@
 // GPU checks of Collider (label gpu; every test skips cleanly without a CUDA device):
 // the rewritten backward on CUDA equals the explicit-attention oracle for the three families,
 // eager and fused attention (flash / memory-efficient SDPA backward nodes replaced), both
-// semantics; and in bf16 autocast the filtered backward runs and stays close to the masked method.
+// semantics; in bf16 autocast the filtered backward runs and stays close to the masked method; and
+// forward_drop's Trainer step on CUDA equals its CPU step.
 // Run: build/tests/test_gpu_collider   (on a GPU machine; scripts/device/run_gpu_checks.sh)
 #include "../collider_test_util.h"
 #include "../model_attention_oracle.h"
@@ -117,6 +118,29 @@ TEST(GpuBf16, FilteredBackwardCloseToMasked) {
     loss_m.backward();
     EXPECT_LE(max_rel_diff(g, grads_of(*m)), 5e-2) << to_string(a);  // bf16 rounding differs by path
   }
+}
+
+// forward_drop's step on CUDA (its subset pinned and copied without a host sync, its positions
+// then not re-checked) gives the CPU step's loss and gradients: the same subset (drawn on the
+// CPU from the same seed), fp32, a 4-layer -debug model.
+TEST(GpuForwardDrop, StepMatchesTheCpuStep) {
+  SKIP_WITHOUT_CUDA();
+  models::ModelConfig cfg = models::preset("tinyllama-debug");
+  cfg.num_layers = 4;
+  harness::StepConfig sc;
+  sc.spec.method = harness::Method::kForwardDrop;
+  sc.filter_ratio = 0.4;
+  sc.grad_clip = 0;
+  harness::Trainer cpu(models::build_model(cfg, models::AttentionImpl::kEager, 3), sc, torch::kCPU, 3);
+  harness::Trainer gpu(models::build_model(cfg, models::AttentionImpl::kEager, 3), sc, torch::kCUDA, 3);
+  torch::Generator gen = at::detail::createCPUGenerator(1);
+  const harness::Batch batch = harness::random_batch(2, 64, cfg.vocab_size, gen, torch::kCPU);
+  const auto rc = cpu.step(batch), rg = gpu.step(batch);
+  EXPECT_EQ(rg.middle_tokens_per_seq, rc.middle_tokens_per_seq);
+  EXPECT_NEAR(rg.loss, rc.loss, 1e-4);
+  auto gg = grads_of(*gpu.model());
+  for (auto& [name, g] : gg) g = g.cpu();
+  EXPECT_LE(max_rel_diff(gg, grads_of(*cpu.model())), 1e-3);
 }
 
 }  // namespace
