@@ -4,7 +4,9 @@ the T' floor (DESIGN.md section 7). Not run directly; see those two scripts.
 
 Spread (rows from interleaved repetitions, `run.repetitions` > 1): a time is printed with its
 spread over every measured step (412.30 +-1.1%, +- half the relative IQR); a change vs regular
-with half the IQR of the per-round changes paired with regular's rounds (-30.1% +-1.2 pt); the regular row of a group
+with its spread (-30.1% +-1.2 pt): half the IQR of the per-round changes paired with regular's
+rounds, combined (root of the sum of squares) with the group's A/A difference, an offset that
+persists through a whole run and that the rounds alone do not show; the regular row of a group
 measured twice (`run.aa_check`) shows the A/A difference, and the noise band it gives: the larger
 of |A/A| and the IQR of the per-round A/A differences. A change inside the band is printed as
 "n.s." (not significant) with its value in brackets.
@@ -57,8 +59,9 @@ def make_table(description: str, stem: str, metric: str, end_to_end: bool) -> No
                f"{'forward+backward' if end_to_end else 'backward'} FLOPs; of ideal = reduction / ideal; "
                f"{floor_note}. Device: {common.describe_device(rows)}.")
     if any(not math.isnan(r["band"]) for r in recs):
-        caption += (" Spread: +- half the interquartile range, of all measured steps for a time (relative), of "
-                    "the per-round changes paired with regular's interleaved rounds for a change (pt); A/A "
+        caption += (" Spread: a time +- half its relative interquartile range over all measured steps; a "
+                    "change +- the root of the sum of squares of half the IQR of its per-round changes "
+                    "(paired with regular's interleaved rounds) and the A/A difference (pt); A/A "
                     "band = max(|A/A difference|, IQR of the per-round A/A differences); n.s. = not "
                     "significant, inside the band.")
     common.write_table(args.out, stem, headers, table, caption, align="lrrrlrrrrrrrr")
@@ -73,9 +76,8 @@ def with_spread(ms: float, rel_iqr: float | None) -> str:
 
 
 def change(rec: dict) -> str:
-    """The change vs regular with the IQR of its per-round values; n.s. inside the A/A band."""
+    """The change vs regular +- its spread (common.summarize_filtering); n.s. inside the A/A band."""
     text = common.pct(-rec["reduction"])
-    q25, q75 = rec["reduction_q25"], rec["reduction_q75"]
-    if not math.isnan(q25) and not math.isnan(q75):
-        text += f" +-{100 * (q75 - q25) / 2:.1f} pt"
+    if not math.isnan(rec["spread"]):
+        text += f" +-{100 * rec['spread']:.1f} pt"
     return text if rec["significant"] else f"n.s. ({text})"

@@ -340,6 +340,13 @@ def summarize_filtering(rows: Sequence[dict], metric: str, end_to_end: bool = Fa
         rec["reduction_q25"] = quantile(rounds, 0.25) if rounds else float("nan")
         rec["reduction_q75"] = quantile(rounds, 0.75) if rounds else float("nan")
         rec["band"] = base["band"] if base else float("nan")
+        # The change's spread (+- in the tables, error bars in the figures): half the per-round IQR
+        # (jitter from round to round) combined with the group's A/A difference (an offset that
+        # persists through every round of a run, which the rounds cannot see but a second regular
+        # measurement of the same work shows), root of the sum of squares.
+        half = (rec["reduction_q75"] - rec["reduction_q25"]) / 2
+        aa = base["aa"] if base and not math.isnan(base["aa"]) else 0.0
+        rec["spread"] = math.hypot(half, aa) if not math.isnan(half) else float("nan")
         rec["significant"] = (math.isnan(rec["band"]) or abs(rec["reduction"]) > rec["band"])
         rec["ideal"] = (flop_ideal(median(r.get("flops_bwd") for r in grp), base, end_to_end,
                                    median(r.get("flops_fwd") for r in grp)) if base else float("nan"))
@@ -374,17 +381,16 @@ def plot_reduction_vs(recs: Sequence[dict], x: str, panel_by: Sequence[str], xla
     fig, axes = panel_grid(len(panels))
     for ax, (pkey, grp) in zip(axes, sorted(panels.items(), key=lambda kv: tuple(map(str, kv[0])))):
         for key in sort_methods(r["method"] for r in grp):
-            pts = sorted((r[x], r["reduction"], r["ideal"], r.get("reduction_q25", float("nan")),
-                          r.get("reduction_q75", float("nan"))) for r in grp if r["method"] == key)
+            pts = sorted((r[x], r["reduction"], r["ideal"], r.get("spread", float("nan")))
+                         for r in grp if r["method"] == key)
             xs = [p[0] for p in pts]
             ax.plot(xs, [100 * p[1] for p in pts], marker="o", ms=3, color=color(key), label=label(key))
-            # Error bars: the reduction's interquartile range over interleaved rounds (paired with
-            # regular's rounds); none when the rows have a single round.
+            # Error bars: the reduction's spread (summarize_filtering: per-round jitter and the A/A
+            # offset); none when the rows have a single round.
             if any(not math.isnan(p[3]) for p in pts):
-                lo = [0.0 if math.isnan(p[3]) else max(0.0, 100 * (p[1] - p[3])) for p in pts]
-                hi = [0.0 if math.isnan(p[4]) else max(0.0, 100 * (p[4] - p[1])) for p in pts]
-                ax.errorbar(xs, [100 * p[1] for p in pts], yerr=[lo, hi], fmt="none", ecolor=color(key),
-                            capsize=2, lw=0.8)
+                err = [0.0 if math.isnan(p[3]) else 100 * p[3] for p in pts]
+                ax.errorbar(xs, [100 * p[1] for p in pts], yerr=err, fmt="none", ecolor=color(key), capsize=2,
+                            lw=0.8)
             if any(not math.isnan(p[2]) for p in pts):
                 ax.plot(xs, [100 * p[2] for p in pts], ls="--", lw=1, color=color(key), alpha=0.8,
                         label=f"{label(key)}: FLOP ideal")
