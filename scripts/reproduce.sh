@@ -3,7 +3,7 @@
 # manifests (experiments/*.toml for cpu, experiments/paper/*.toml for paper) through
 # `build/collider run`, runs the Figure 4 micro-benchmark (bench/bm_backward_gemm), then redraws
 # every table and figure with plots/*.py into plots/out/<scale>/ (see experiments/METHODOLOGY.md).
-#   ./scripts/reproduce.sh                  # cpu scale (-mini models; 10-16 min on 2 quiet cores)
+#   ./scripts/reproduce.sh                  # cpu scale (-mini models; about 25 min on 2 quiet cores)
 #   ./scripts/reproduce.sh --scale paper    # full-size models, bf16, needs a CUDA GPU
 #   ./scripts/reproduce.sh --quick          # seconds-to-a-minute smoke version (tests this script)
 #   ./scripts/reproduce.sh --only tab_utility --utility full   # the full utility table (cpu; ~1 h)
