@@ -341,3 +341,19 @@ TEST(TrainStep, ForwardDropRefusesTooFewLayersOrNoMiddleToken) {
   auto t = four_layer_trainer("tinyllama-debug", config(ch::Method::kForwardDrop, 0.1), 1);
   EXPECT_THROW(t.step(text_batch(1, 8, 0)), std::invalid_argument);  // drop 0.8 -> 8 of 8: none left
 }
+
+// An interleaved timing group switches methods on one trainer (Trainer::set_method): the switch
+// refuses what the constructor refuses and leaves the trainer's method as it was.
+TEST(TrainStep, SetMethodRefusesWhatTheConstructorRefuses) {
+  auto t = make_trainer("tinyllama-debug", config(ch::Method::kRegular, 0.0));
+  ch::MethodSpec drop;
+  drop.method = ch::Method::kForwardDrop;
+  EXPECT_THROW(t.set_method(drop, 0.4), std::invalid_argument);  // 2 decoder layers
+  EXPECT_THROW(t.set_method(ch::MethodSpec{}, 1.0), std::invalid_argument);
+  EXPECT_EQ(t.config().spec.method, ch::Method::kRegular);
+  ch::MethodSpec lo;
+  lo.method = ch::Method::kLossOnly;
+  t.set_method(lo, 0.5);
+  EXPECT_EQ(t.config().spec.method, ch::Method::kLossOnly);
+  EXPECT_EQ(t.config().filter_ratio, 0.5);
+}

@@ -50,17 +50,9 @@ Trainer::Trainer(models::CausalLM model, StepConfig cfg, torch::Device device, u
       timer_(make_timer(device)),
       score_gen_(at::detail::createCPUGenerator(seed)),
       seed_(seed) {
-  if (!(cfg_.filter_ratio >= 0.0 && cfg_.filter_ratio < 1.0)) {
-    throw std::invalid_argument(fmt::format("Trainer: filter_ratio {} is outside [0, 1)", cfg_.filter_ratio));
-  }
+  check_method(cfg_.spec, cfg_.filter_ratio);
   if (cfg_.bf16_autocast && !device_.is_cuda()) {
     throw std::invalid_argument("Trainer: bf16 autocast is for CUDA devices; on CPU the step runs in fp32");
-  }
-  if (cfg_.spec.method == Method::kForwardDrop && model_->config().num_layers < 3) {
-    throw std::invalid_argument(
-        fmt::format("Trainer: forward_drop needs at least 3 decoder layers (the first and the last see every token); "
-                    "model '{}' has {}: use a preset with more layers (the -mini presets have 4)",
-                    model_->config().name, model_->config().num_layers));
   }
   model_->to(device_);
   model_->train();
@@ -94,10 +86,20 @@ Trainer::Trainer(models::CausalLM model, StepConfig cfg, torch::Device device, u
   optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), opts);
 }
 
-void Trainer::set_method(const MethodSpec& spec, double filter_ratio) {
+void Trainer::check_method(const MethodSpec& spec, double filter_ratio) const {
   if (!(filter_ratio >= 0.0 && filter_ratio < 1.0)) {
     throw std::invalid_argument(fmt::format("Trainer: filter_ratio {} is outside [0, 1)", filter_ratio));
   }
+  if (spec.method == Method::kForwardDrop && model_->config().num_layers < 3) {
+    throw std::invalid_argument(
+        fmt::format("Trainer: forward_drop needs at least 3 decoder layers (the first and the last see every token); "
+                    "model '{}' has {}: use a preset with more layers (the -mini presets have 4)",
+                    model_->config().name, model_->config().num_layers));
+  }
+}
+
+void Trainer::set_method(const MethodSpec& spec, double filter_ratio) {
+  check_method(spec, filter_ratio);
   cfg_.spec = spec;
   cfg_.filter_ratio = filter_ratio;
 }

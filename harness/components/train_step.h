@@ -127,6 +127,8 @@ class Trainer {
 
  private:
   void ensure_plan(int64_t B, int64_t T);
+  // Refuses a filter ratio outside [0, 1) and forward_drop on fewer than 3 decoder layers.
+  void check_method(const MethodSpec& spec, double filter_ratio) const;
 
   models::CausalLM model_;
   StepConfig cfg_;
