@@ -368,7 +368,7 @@ std::string short_name(const Point& p) {
 
 struct GroupRows {
   std::vector<nlohmann::json> rows;  // one per point, in the order given
-  int first_failed = -1;             // data-parallel runs: the point whose failure stopped the group
+  int first_failed = -1;             // data-parallel runs: the first failing point (the run ends here)
 };
 
 // Measures the points of one group (same model, seq_len and batch_size): one model, one trainer
@@ -376,7 +376,8 @@ struct GroupRows {
 // `repetitions` rounds in which every point takes measure_steps steps in turn. Drift on a shared
 // machine then hits every point of the group alike, and each round pairs the points' medians.
 // A point that fails is left out of later rounds (its row keeps the failure); in a data-parallel
-// run the group stops at the first failure, since the other ranks may wait in its collectives.
+// run a failure during set-up or a step stops the group, since the other ranks may wait in its
+// collectives, and the run ends after the group of its first failing point.
 GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& points, const Provenance& prov,
                         RangeRecorder* ranges, int64_t profile_begin, int64_t profile_end,
                         const std::shared_ptr<ProcessGroup>& dist, std::ostream* log, const std::string& group_label) {
@@ -395,12 +396,18 @@ GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& poin
     members.push_back(std::move(mb));
   }
   GroupRows out;
-  auto fail = [&](Member& mb, const std::exception_ptr& e) {
+  // A data-parallel run ends after the group of its first failing point. A failure before any
+  // collective (the point's own checks, the same on every rank) lets the group's other points
+  // run; one during set-up or a step stops the group at once, since the other ranks may wait
+  // in that point's collectives.
+  bool stop_now = false;
+  auto fail = [&](Member& mb, const std::exception_ptr& e, bool in_collectives) {
     record_failure(mb.row, e);
     mb.failed = true;
     if (dist && out.first_failed < 0) out.first_failed = static_cast<int>(&mb - members.data());
+    if (in_collectives) stop_now = true;
   };
-  auto stopped = [&] { return dist && out.first_failed >= 0; };
+  auto stopped = [&] { return dist && stop_now; };
   ScopedRange group_range(ranges, "group " + group_label);
 
   const Point& first = *points.front();
@@ -412,7 +419,7 @@ GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& poin
     if (!device.is_cuda()) install_cpu_memory_tracking();  // before the model's tensors exist
     probe = std::make_unique<MemoryProbe>(device);
   } catch (...) {
-    for (auto& mb : members) fail(mb, std::current_exception());
+    for (auto& mb : members) fail(mb, std::current_exception(), /*in_collectives=*/false);
   }
   for (auto& mb : members) {
     if (mb.failed) continue;
@@ -426,7 +433,7 @@ GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& poin
       if (!m.run.fail_point.empty() && mb.point->id().find(m.run.fail_point) != std::string::npos) {
         throw std::runtime_error("injected failure (run.fail_point = \"" + m.run.fail_point + "\")");
       }
-    } catch (...) { fail(mb, std::current_exception()); }
+    } catch (...) { fail(mb, std::current_exception(), /*in_collectives=*/false); }
   }
   const uint64_t seed = static_cast<uint64_t>(m.run.seed);
   torch::Generator data_gen = at::detail::createCPUGenerator(seed * 7919 + 17);
@@ -439,7 +446,7 @@ GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& poin
       if (dist) trainer->set_reducer(std::make_shared<GradientReducer>(dist, trainer->model()->parameters()));
     } catch (...) {
       for (auto& mb : members)
-        if (!mb.failed) fail(mb, std::current_exception());
+        if (!mb.failed) fail(mb, std::current_exception(), /*in_collectives=*/true);
     }
   }
   bool profiling = false;
@@ -491,7 +498,7 @@ GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& poin
     try {
       run_block(mb, rep);
     } catch (...) {
-      fail(mb, std::current_exception());
+      fail(mb, std::current_exception(), /*in_collectives=*/true);
       if (device.is_cuda() && mb.row["status"] == "oom") c10::getDeviceAllocator(c10::DeviceType::CUDA)->emptyCache();
     }
   };
