@@ -1,12 +1,17 @@
-// Runs a manifest's points: per point, `repetitions` x (warm-up steps, then measured steps) on a
-// fresh model, medians of every timing, per-layer medians, peak memory, analytic FLOPs, one
-// JSONL row appended to DIR/results.jsonl (DESIGN.md section 6). A failing point (error, OOM)
-// becomes a row with its status and message and the sweep goes on; --resume skips points whose
-// row is already "ok". One progress line per point on stderr (i/n, elapsed, ETA).
+// Runs a manifest's points in groups: the points that share model, seq_len and batch_size are
+// measured interleaved on one model (one warm-up of warmup_steps per point, then `repetitions`
+// rounds in which every point takes measure_steps in turn; with run.aa_check the group's regular
+// point runs twice). Per point: medians and relative IQRs of every timing, each round's medians,
+// per-layer medians, peak memory, analytic FLOPs, one JSONL row appended to DIR/results.jsonl
+// when its group ends (DESIGN.md section 6). A failing point (error, OOM) becomes a row with its
+// status and message and the sweep goes on; --resume skips points whose row is already "ok".
+// Progress on stderr: one line per round of a group, one per point (i/n, elapsed, ETA).
 // Data-parallel (SweepOptions::dist, harness/components/distributed.h): every rank runs every point on its
 // slice of the same global batch (batch_size rows per rank) with gradients all-reduced; only
-// rank 0 writes files and rows (world_size recorded); the first failing point ends the run.
-// Tests: tests/test_sweep.cpp, tests/test_layer_timing_slow.cpp.
+// rank 0 writes files and rows (world_size recorded); the run ends after the group of the first
+// failing point.
+// Tests: tests/test_sweep.cpp, tests/test_trace.cpp, tests/test_layer_timing_slow.cpp,
+// tests/test_distributed.cpp.
 #pragma once
 
 #include "harness/components/distributed.h"
