@@ -331,8 +331,12 @@ model() {
     echo "$1"
   fi
 }
-# The rehearsal's swaps, after the step's own --set lines: CPU, fp32, no warm-up, one measured step.
-REHEARSAL_SETS=(--set run.device=cpu --set run.dtype=fp32 --set run.warmup_steps=0 --set run.measure_steps=1)
+# The rehearsal's swaps, after the step's own --set lines: CPU, fp32, no warm-up, two interleaved
+# rounds of one measured step (the A/A copy stays), and no forward_drop: the -debug presets that
+# stand in for the paper models have 2 decoder layers, and forward_drop needs 3 (its GPU path is
+# rehearsed by tests/gpu/test_gpu_collider.cpp's GpuForwardDrop, which skips cleanly here).
+REHEARSAL_SETS=(--set run.device=cpu --set run.dtype=fp32 --set run.warmup_steps=0 --set run.measure_steps=1
+                --set run.repetitions=2 --set 'axes.method=["regular", "loss_only", "collider"]')
 MANIFEST=experiments/paper/tab_backward_time.toml
 SWEEPS=0
 # sweep LABEL OUTNAME CAP_S MIN_S --set ...: one slice of the manifest into WORK/OUTNAME (resumable;
