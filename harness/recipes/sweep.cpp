@@ -108,7 +108,10 @@ class PointMeasurements {
   explicit PointMeasurements(int rank) : rank_(rank) {}
 
   // Before the first measured step of a repetition.
-  void begin_measured() { cpu_ns_begin_ = process_cpu_ns(); }
+  void begin_measured() {
+    cpu_ns_begin_ = process_cpu_ns();
+    rep_begin_ = step_.size();
+  }
 
   void add_step(const StepResult& r, bool measured) {
     losses_.push_back(r.loss);
@@ -121,9 +124,6 @@ class PointMeasurements {
     optim_.push_back(r.optim_ms);
     step_.push_back(r.step_ms);
     allreduce_.push_back(r.allreduce_ms);
-    rep_step_.push_back(r.step_ms);
-    rep_fwd_.push_back(r.fwd_ms);
-    rep_bwd_.push_back(r.bwd_ms);
     tokens_kept_ = r.dist ? r.dist->rank_tokens_kept[rank_] : r.tokens_kept;
     global_tokens_kept_ = r.tokens_kept;
     if (r.dist) {
@@ -152,20 +152,19 @@ class PointMeasurements {
   void end_repetition(int64_t peak_bytes) {
     measured_cpu_ns_ += process_cpu_ns() - cpu_ns_begin_;
     peak_ = std::max(peak_, peak_bytes);
-    rep_step_medians_.push_back(median(rep_step_));
-    rep_fwd_medians_.push_back(median(rep_fwd_));
-    rep_bwd_medians_.push_back(median(rep_bwd_));
-    rep_step_.clear();
-    rep_fwd_.clear();
-    rep_bwd_.clear();
+    // This repetition's steps are the samples since begin_measured.
+    auto since_begin = [&](const std::vector<double>& v) {
+      return median(std::vector<double>(v.begin() + static_cast<std::ptrdiff_t>(rep_begin_), v.end()));
+    };
+    rep_step_medians_.push_back(since_begin(step_));
+    rep_fwd_medians_.push_back(since_begin(fwd_));
+    rep_bwd_medians_.push_back(since_begin(bwd_));
   }
 
   void set_timer_kind(std::string kind) { timer_kind_ = std::move(kind); }
   void set_overlaps(bool overlaps) { overlaps_ = overlaps; }
 
   double step_ms() const { return median(step_); }
-  double step_ms_rel_iqr() const { return rel_iqr(step_); }
-  double bwd_ms() const { return median(bwd_); }
   double last_repetition_step_ms() const { return rep_step_medians_.empty() ? 0.0 : rep_step_medians_.back(); }
   int64_t kept_per_seq() const { return kept_per_seq_; }
   const std::vector<int64_t>& kept_per_row() const { return kept_per_row_; }  // this rank's, last measured step
@@ -258,7 +257,8 @@ class PointMeasurements {
  private:
   int rank_;
   std::vector<double> fwd_, bwd_, filter_, select_, rewrite_, optim_, step_, losses_, allreduce_, ar_wait_, ar_bucket_;
-  std::vector<double> rep_step_, rep_fwd_, rep_bwd_, rep_step_medians_, rep_fwd_medians_, rep_bwd_medians_;
+  std::vector<double> rep_step_medians_, rep_fwd_medians_, rep_bwd_medians_;
+  size_t rep_begin_ = 0;  // index in step_ / fwd_ / bwd_ of the current repetition's first step
   std::vector<double> bwd_coverage_;
   std::map<std::string, std::vector<double>> layer_fwd_, layer_bwd_;
   std::vector<std::string> layer_names_;  // model order
@@ -273,8 +273,8 @@ class PointMeasurements {
 };
 
 // The work of a point: analytic backward FLOPs for its method and kept counts, throughput, MFU.
-void write_work(nlohmann::json& row, const models::ModelConfig& cfg, const Point& p, const PointMeasurements& acc,
-                int world, double peak_flops) {
+void write_work(nlohmann::json& row, const Manifest& m, const models::ModelConfig& cfg, const Point& p,
+                const PointMeasurements& acc, int world, double peak_flops) {
   // Collider's backward FLOPs on the actual kept counts, row by row (the FLOP ideal of ragged
   // rows). Ragged rows are executed padded to the largest count (collider_core/src/token_index.cpp):
   // flops_bwd_executed counts that padding; it equals flops_bwd with equal counts.
@@ -292,9 +292,9 @@ void write_work(nlohmann::json& row, const models::ModelConfig& cfg, const Point
                                           *std::max_element(kept_per_row.begin(), kept_per_row.end()), p.spec);
   } else {
     // collider: the kept count; forward_drop: its middle layers' count; the dense methods ignore N.
-    const int64_t N = p.spec.method == Method::kCollider                 ? acc.kept_per_seq()
-                      : row["middle_tokens_per_seq"].is_number_integer() ? row["middle_tokens_per_seq"].get<int64_t>()
-                                                                         : p.seq_len;
+    const int64_t N = p.spec.method == Method::kCollider      ? acc.kept_per_seq()
+                      : p.spec.method == Method::kForwardDrop ? middle_tokens_per_seq(m, p)
+                                                              : p.seq_len;
     bwd_flops = bwd_executed = models::backward_flops(cfg, p.batch_size, p.seq_len, N, p.spec);
   }
   const auto bwd_dense = models::backward_flops(cfg, p.batch_size, p.seq_len, p.seq_len, MethodSpec{});  // regular
@@ -428,9 +428,9 @@ GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& poin
       const Point& p = *mb.point;
       mb.row["flops_fwd"] =
           models::forward_flops(*cfg, p.batch_size, p.seq_len, middle_tokens_per_seq(m, p), p.spec).total();
-      mb.row["attention_linear_ratio"] = models::attention_linear_ratio(*cfg, mb.point->seq_len);
+      mb.row["attention_linear_ratio"] = models::attention_linear_ratio(*cfg, p.seq_len);
       mb.row["num_params"] = cfg->num_params();
-      if (!m.run.fail_point.empty() && mb.point->id().find(m.run.fail_point) != std::string::npos) {
+      if (!m.run.fail_point.empty() && p.id().find(m.run.fail_point) != std::string::npos) {
         throw std::runtime_error("injected failure (run.fail_point = \"" + m.run.fail_point + "\")");
       }
     } catch (...) { fail(mb, std::current_exception(), /*in_collectives=*/false); }
@@ -444,6 +444,10 @@ GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& poin
       trainer =
           std::make_unique<Trainer>(models::build_model(*cfg, attn, seed), step_config(m, first), device, seed, ranges);
       if (dist) trainer->set_reducer(std::make_shared<GradientReducer>(dist, trainer->model()->parameters()));
+      for (auto& mb : members) {
+        mb.acc.set_timer_kind(trainer->timer().kind());
+        if (trainer->reducer()) mb.acc.set_overlaps(trainer->reducer()->overlaps_backward());
+      }
     } catch (...) {
       for (auto& mb : members)
         if (!mb.failed) fail(mb, std::current_exception(), /*in_collectives=*/true);
@@ -458,8 +462,6 @@ GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& poin
     const Point& p = *mb.point;
     ScopedRange block_range(ranges, (measured ? "point " : "warm-up ") + p.id());
     trainer->set_method(p.spec, p.filter_ratio);
-    mb.acc.set_timer_kind(trainer->timer().kind());
-    if (trainer->reducer()) mb.acc.set_overlaps(trainer->reducer()->overlaps_backward());
     if (device.is_cuda()) torch::cuda::synchronize();
     const int64_t t0 = host_now_ns();
     if (measured) {
@@ -531,7 +533,7 @@ GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& poin
     }
     if (!mb.failed) {
       mb.acc.write(mb.row, dist.get(), probe->method());
-      write_work(mb.row, *cfg, *mb.point, mb.acc, world, device_peak_flops(prov.device_name, m.run.dtype));
+      write_work(mb.row, m, *cfg, *mb.point, mb.acc, world, device_peak_flops(prov.device_name, m.run.dtype));
     } else {
       clear_measurements(mb.row);  // a failed point leaves no partial timings behind
     }
