@@ -145,11 +145,27 @@ TEST(Trace, TrainingStepsGiveTheTimingNamesProperlyNested) {
   }
 }
 
-TEST(Trace, CliTraceFlagWritesTheFile) {
-  const std::string dir = "/tmp/collider_test_trace_cli_" + std::to_string(::getpid());
+namespace {
+
+// Runs `collider run MANIFEST --trace` in a fresh DIR (DIR/m.toml, DIR/out, DIR/t.json) and
+// returns the trace's events; the run's stderr goes to *err.
+std::vector<Ev> traced_run(const std::string& dir, const char* manifest, std::string* err_text) {
   fsu::remove_tree(dir);
   fsu::make_dirs(dir);
-  fsu::write_file(dir + "/m.toml", R"(
+  fsu::write_file(dir + "/m.toml", manifest);
+  std::ostringstream out, err;
+  const int rc = ch::run_run_command({dir + "/m.toml", "--out", dir + "/out", "--trace", dir + "/t.json"}, out, err);
+  *err_text = err.str();
+  EXPECT_EQ(rc, 0) << err.str();
+  return rc == 0 ? load_events(dir + "/t.json") : std::vector<Ev>{};
+}
+
+}  // namespace
+
+TEST(Trace, CliTraceFlagWritesTheFile) {
+  const std::string dir = "/tmp/collider_test_trace_cli_" + std::to_string(::getpid());
+  std::string err;
+  const auto ev = traced_run(dir, R"(
 name = "trace"
 [run]
 device = "cpu"
@@ -160,11 +176,9 @@ model = "tinyllama-debug"
 seq_len = 32
 filter_ratio = [0.0, 0.5]
 method = ["regular", "loss_only"]
-)");
-  std::ostringstream out, err;
-  ASSERT_EQ(ch::run_run_command({dir + "/m.toml", "--out", dir + "/out", "--trace", dir + "/t.json"}, out, err), 0)
-      << err.str();
-  const auto ev = load_events(dir + "/t.json");
+)",
+                             &err);
+  ASSERT_FALSE(ev.empty());
   EXPECT_EQ(nesting_violation(ev), "");
   int points = 0, measured = 0;
   for (const auto& e : ev) {
@@ -180,9 +194,8 @@ method = ["regular", "loss_only"]
 // round of measured steps each, so drift on a shared machine hits them alike.
 TEST(Trace, RepetitionsInterleaveThePointsOfAGroup) {
   const std::string dir = "/tmp/collider_test_trace_interleave_" + std::to_string(::getpid());
-  fsu::remove_tree(dir);
-  fsu::make_dirs(dir);
-  fsu::write_file(dir + "/m.toml", R"(
+  std::string err;
+  auto ev = traced_run(dir, R"(
 name = "interleave"
 [run]
 device = "cpu"
@@ -195,11 +208,9 @@ model = "tinyllama-debug"
 seq_len = 32
 filter_ratio = 0.5
 method = ["regular", "loss_only"]
-)");
-  std::ostringstream out, err;
-  ASSERT_EQ(ch::run_run_command({dir + "/m.toml", "--out", dir + "/out", "--trace", dir + "/t.json"}, out, err), 0)
-      << err.str();
-  auto ev = load_events(dir + "/t.json");
+)",
+                       &err);
+  ASSERT_FALSE(ev.empty());
   EXPECT_EQ(nesting_violation(ev), "");
   std::sort(ev.begin(), ev.end(), [](const Ev& a, const Ev& b) { return a.begin < b.begin; });
   std::vector<std::string> order;
@@ -223,7 +234,7 @@ method = ["regular", "loss_only"]
     EXPECT_EQ(row["group_points"], 3);
   }
   EXPECT_EQ(rows[2]["aa_copy"], true);
-  EXPECT_NE(err.str().find("round 3/3"), std::string::npos) << err.str();
+  EXPECT_NE(err.find("round 3/3"), std::string::npos) << err;
   fsu::remove_tree(dir);
 }
 
