@@ -17,6 +17,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 TORCH_PIN="torch==2.11.0"
+# Every Python package is pinned, so a fresh machine gets the environment the results came from.
+NUMPY_PIN="numpy==2.4.6"
+MATPLOTLIB_PIN="matplotlib==3.11.2"
+SENTENCEPIECE_PIN="sentencepiece==0.2.3"
 VENV=${COLLIDER_VENV:-$HOME/.cache/collider/venv}
 if command -v nvcc >/dev/null; then DEFAULT_PRESET=cuda; else DEFAULT_PRESET=cpu; fi
 PRESET=${COLLIDER_PRESET:-$DEFAULT_PRESET}
@@ -65,20 +69,20 @@ if [[ -z "$PY" ]]; then
   PY="$VENV/bin/python"
 fi
 if ! "$PY" -c "import torch, matplotlib, numpy" 2>/dev/null; then
-  say "installing $TORCH_PIN, numpy, matplotlib into $("$PY" -c 'import sys;print(sys.prefix)')"
+  say "installing $TORCH_PIN, $NUMPY_PIN, $MATPLOTLIB_PIN into $("$PY" -c 'import sys;print(sys.prefix)')"
   "$PY" -m pip install -q --upgrade pip
-  "$PY" -m pip install -q "$TORCH_PIN" numpy matplotlib
+  "$PY" -m pip install -q "$TORCH_PIN" "$NUMPY_PIN" "$MATPLOTLIB_PIN"
 fi
 # sentencepiece trains the tokenizer of the utility data (scripts/prepare_data.sh); optional for
 # everything else, so a machine without network (the GPU machine) goes on without it.
 if ! "$PY" -c "import sentencepiece" 2>/dev/null; then
-  say "installing sentencepiece (tokenizer training for scripts/prepare_data.sh)"
-  "$PY" -m pip install -q sentencepiece || say "warning: pip install sentencepiece failed; scripts/prepare_data.sh will not run"
+  say "installing $SENTENCEPIECE_PIN (tokenizer training for scripts/prepare_data.sh)"
+  "$PY" -m pip install -q "$SENTENCEPIECE_PIN" || say "warning: pip install sentencepiece failed; scripts/prepare_data.sh will not run"
 fi
 # The Python package's dependencies and test tools, exact versions (transformers' Trainer needs
 # accelerate; setuptools >= 70.1 builds wheels without the separate `wheel` package, which
 # `pip install --no-build-isolation ./python` below needs). torch is repeated so pip never moves it.
-PY_PINS=(transformers==5.23.0 peft==0.21.2 accelerate==1.15.0 pytest==9.2.0 setuptools==80.9.0)
+PY_PINS=(transformers==5.23.0 peft==0.21.2 accelerate==1.15.0 pytest==9.2.0 setuptools==80.9.0 "$NUMPY_PIN" "$MATPLOTLIB_PIN")
 if ! (cd /tmp && "$PY" - "${PY_PINS[@]}" <<'PYEOF'
 import sys
 from importlib.metadata import version, PackageNotFoundError
