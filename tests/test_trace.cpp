@@ -219,9 +219,10 @@ method = ["regular", "loss_only"]
   }
   const std::string reg = "tinyllama-debug/T32/B1/f0.5/regular/none", lo = "tinyllama-debug/T32/B1/f0.5/loss_only/none";
   std::vector<std::string> want = {"warm-up " + reg, "warm-up " + lo, "warm-up " + reg + "/aa"};
-  for (int rep = 0; rep < 3; ++rep) {
-    for (const auto& id : {reg, lo, reg + "/aa"}) want.push_back("point " + id);
-  }
+  // Serpentine rounds: forward, reversed, forward.
+  for (const auto& id : {reg, lo, reg + "/aa"}) want.push_back("point " + id);
+  for (const auto& id : {reg + "/aa", lo, reg}) want.push_back("point " + id);
+  for (const auto& id : {reg, lo, reg + "/aa"}) want.push_back("point " + id);
   EXPECT_EQ(order, want);
   const auto rows = ch::read_results(dir + "/out/results.jsonl", false).rows;
   ASSERT_EQ(rows.size(), 3u);

@@ -373,8 +373,9 @@ struct GroupRows {
 
 // Measures the points of one group (same model, seq_len and batch_size): one model, one trainer
 // (Trainer::set_method switches between the points), one warm-up of warmup_steps per point, then
-// `repetitions` rounds in which every point takes measure_steps steps in turn. Drift on a shared
-// machine then hits every point of the group alike, and each round pairs the points' medians.
+// `repetitions` rounds in which every point takes measure_steps steps in turn, in serpentine order
+// (forward, then reversed, ...). Drift on a shared machine then hits every point of the group alike,
+// and each round pairs the points' medians.
 // A point that fails is left out of later rounds (its row keeps the failure); in a data-parallel
 // run a failure during set-up or a step stops the group, since the other ranks may wait in its
 // collectives, and the run ends after the group of its first failing point.
@@ -507,9 +508,16 @@ GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& poin
   if (trainer) {
     for (auto& mb : members) guarded_block(mb, -1);
     for (int64_t rep = 0; rep < m.run.repetitions && !stopped(); ++rep) {
-      std::string line;
+      // Serpentine order: odd rounds run the points in reverse. A drift inside a round (the machine
+      // speeding up or slowing down while the round runs) then favours the late points in one round
+      // and the early ones in the next, instead of the same points every round.
+      if (rep % 2 == 0) {
+        for (auto& mb : members) guarded_block(mb, rep);
+      } else {
+        for (auto it = members.rbegin(); it != members.rend(); ++it) guarded_block(*it, rep);
+      }
+      std::string line;  // in manifest order, whatever the round's order was
       for (auto& mb : members) {
-        guarded_block(mb, rep);
         line +=
             fmt::format("{}{} {}", line.empty() ? "" : ", ", short_name(*mb.point),
                         mb.failed ? std::string("failed") : fmt::format("{:.2f}", mb.acc.last_repetition_step_ms()));

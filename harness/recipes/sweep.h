@@ -1,7 +1,7 @@
 // Runs a manifest's points in groups: the points that share model, seq_len and batch_size are
 // measured interleaved on one model (one warm-up of warmup_steps per point, then `repetitions`
-// rounds in which every point takes measure_steps in turn; with run.aa_check the group's regular
-// point runs twice). Per point: medians and relative IQRs of every timing, each round's medians,
+// rounds in which every point takes measure_steps in turn, odd rounds in reverse order; with
+// run.aa_check the group's regular point runs twice). Per point: medians and relative IQRs of every timing, each round's medians,
 // per-layer medians, peak memory, analytic FLOPs, one JSONL row appended to DIR/results.jsonl
 // when its group ends (DESIGN.md section 6). A failing point (error, OOM) becomes a row with its
 // status and message and the sweep goes on; --resume skips points whose row is already "ok".
