@@ -4,8 +4,9 @@ the T' floor (DESIGN.md section 7). Not run directly; see those two scripts.
 
 Spread (rows from interleaved repetitions, `run.repetitions` > 1): a time is printed with its
 spread over every measured step (412.30 +-1.1%, +- half the relative IQR); a change vs regular
-with its spread (-30.1% +-1.2 pt): half the IQR of the per-round changes paired with regular's
-rounds, combined (root of the sum of squares) with the group's A/A difference, an offset that
+with its spread (-30.1% +-1.2 pt): half the width of a distribution-free 90% interval for the
+median of the per-round changes paired with regular's rounds (with 5 rounds: their range,
+common.median_interval), combined (root of the sum of squares) with the group's A/A difference, an offset that
 persists through a whole run and that the rounds alone do not show; the regular row of a group
 measured twice (`run.aa_check`) shows the A/A difference, and the noise band it gives: the larger
 of |A/A| and the IQR of the per-round A/A differences. A change inside the band is printed as
@@ -60,8 +61,9 @@ def make_table(description: str, stem: str, metric: str, end_to_end: bool) -> No
                f"{floor_note}. Device: {common.describe_device(rows)}.")
     if any(not math.isnan(r["band"]) for r in recs):
         caption += (" Spread: a time +- half its relative interquartile range over all measured steps; a "
-                    "change +- the root of the sum of squares of half the IQR of its per-round changes "
-                    "(paired with regular's interleaved rounds) and the A/A difference (pt); A/A "
+                    "change +- the root of the sum of squares of half the width of a distribution-free 90% "
+                    "interval for the median of its per-round changes (paired with regular's "
+                    "interleaved rounds; with 5 rounds their range) and the A/A difference (pt); A/A "
                     "band = max(|A/A difference|, IQR of the per-round A/A differences); n.s. = not "
                     "significant, inside the band.")
     common.write_table(args.out, stem, headers, table, caption, align="lrrrlrrrrrrrr")

@@ -32,6 +32,10 @@ METHOD_COLORS = {
     "forward_drop": "#D55E00",
     "masked": "#999999",
     "regular A/A": "#555555",
+    # RHO-1's own selection (batch_topk: top tokens of the whole batch, rows keep different counts)
+    "loss_only batch_topk": "#CC79A7",
+    "collider kept_only batch_topk": "#332288",
+    "collider exact_query batch_topk": "#56B4E9",
     # micro-benchmarks (bench/bm_backward_gemm.cpp); dense is the regular backward GEMM
     "dense": "#000000",
     "sparse_coo": "#D55E00",
@@ -48,13 +52,17 @@ METHOD_LABELS = {
     "forward_drop": "forward drop (random-LTD)",
     "masked": "masked (oracle)",
     "regular A/A": "regular (A/A copy)",
+    "loss_only batch_topk": "loss only (RHO-1, batch top-k)",
+    "collider kept_only batch_topk": "Collider (kept_only, batch top-k)",
+    "collider exact_query batch_topk": "Collider (exact_query, batch top-k)",
     "dense": "dense GEMM",
     "sparse_coo": "sparse COO",
     "sparse_csr": "sparse CSR",
     "reduced": "reduced dense",
     "reduced+gather": "reduced dense + gather",
 }
-FILTERING_METHODS = ["loss_only", "collider kept_only", "collider exact_query", "forward_drop"]
+FILTERING_METHODS = ["loss_only", "collider kept_only", "collider exact_query", "forward_drop",
+                     "loss_only batch_topk", "collider kept_only batch_topk", "collider exact_query batch_topk"]
 
 
 def warn(msg: str) -> None:
@@ -76,14 +84,17 @@ AA_KEY = "regular A/A"  # the second measurement of regular in an interleaved gr
 
 
 def method_key(row: dict) -> str:
-    """The method as figures name it: collider rows carry their attention semantics; the A/A copy
-    of regular (run.aa_check) is its own key, so it never pools with regular."""
+    """The method as figures name it: collider rows carry their attention semantics; rows of
+    RHO-1's batch-level selection (selection "batch_topk"; rows written before the field was
+    renamed say "policy") add " batch_topk"; the A/A copy of regular (run.aa_check) is its own key,
+    so it never pools with regular."""
     m = row.get("method", "?")
     if row.get("aa_copy"):
         return AA_KEY
-    if m == "collider":
-        return f"collider {row.get('attention_grad') or 'kept_only'}"
-    return m
+    key = f"collider {row.get('attention_grad') or 'kept_only'}" if m == "collider" else m
+    if (row.get("selection") or row.get("policy")) == "batch_topk" and m in ("loss_only", "collider", "masked"):
+        key += " batch_topk"
+    return key
 
 
 def color(key: str) -> str:
@@ -170,6 +181,25 @@ def paired_changes(rows: Sequence[dict], base_rows: Sequence[dict], metric: str)
 
 def iqr_width(values: Sequence[float]) -> float:
     return quantile(values, 0.75) - quantile(values, 0.25) if values else float("nan")
+
+
+def median_interval(values: Sequence[float], level: float = 0.9) -> tuple[float, float]:
+    """A distribution-free confidence interval for the median of `values`: the order statistics
+    (k-th smallest, k-th largest) for the largest k whose coverage 1 - 2 P(Binomial(n, 1/2) < k)
+    is still >= level (k = 1, the whole range, when none reaches it). With 5 interleaved rounds
+    that is min..max, 93.75%; with 10, the 2nd and 9th, 97.9%. It assumes nothing about the shape
+    of the noise, so one round that swings widens it, where an IQR of 5 values would not."""
+    vals = sorted(v for v in values if v is not None and not math.isnan(v))
+    n = len(vals)
+    if n == 0:
+        return float("nan"), float("nan")
+    k = 1
+    while k + 1 <= (n + 1) // 2:
+        below = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n  # P(Binomial(n, 1/2) < k + 1)
+        if 1 - 2 * below < level:
+            break
+        k += 1
+    return vals[k - 1], vals[n - k]
 
 
 def group(rows: Iterable[dict], keys: Sequence[str]) -> dict[tuple, list[dict]]:
@@ -333,18 +363,18 @@ def summarize_filtering(rows: Sequence[dict], metric: str, end_to_end: bool = Fa
                "value": value, "regular": base[metric] if base else float("nan"),
                "bwd_ms": median(r.get("bwd_ms") for r in grp)}
         rec["reduction"] = 1.0 - value / rec["regular"] if base else float("nan")
-        # Spread: the rows' relative IQR over every measured step, and the IQR of the reduction
-        # over interleaved rounds paired with regular's (its 25th and 75th percentiles).
+        # Spread: the rows' relative IQR over every measured step, and the reductions of the
+        # interleaved rounds paired with regular's, with a distribution-free 90% interval for their
+        # median (median_interval: min..max of 5 rounds).
         rec["rel_iqr"] = median(r.get(f"{metric}_rel_iqr") for r in grp)
         rounds = [-c for c in paired_changes(grp, base["rows"], metric)] if base else []
-        rec["reduction_q25"] = quantile(rounds, 0.25) if rounds else float("nan")
-        rec["reduction_q75"] = quantile(rounds, 0.75) if rounds else float("nan")
+        rec["reduction_lo"], rec["reduction_hi"] = median_interval(rounds)
         rec["band"] = base["band"] if base else float("nan")
-        # The change's spread (+- in the tables, error bars in the figures): half the per-round IQR
-        # (jitter from round to round) combined with the group's A/A difference (an offset that
-        # persists through every round of a run, which the rounds cannot see but a second regular
-        # measurement of the same work shows), root of the sum of squares.
-        half = (rec["reduction_q75"] - rec["reduction_q25"]) / 2
+        # The change's spread (+- in the tables, error bars in the figures): half that interval's
+        # width (jitter from round to round) combined with the group's A/A difference (an offset
+        # that persists through every round of a run, which the rounds cannot see but a second
+        # regular measurement of the same work shows), root of the sum of squares.
+        half = (rec["reduction_hi"] - rec["reduction_lo"]) / 2
         aa = base["aa"] if base and not math.isnan(base["aa"]) else 0.0
         rec["spread"] = math.hypot(half, aa) if not math.isnan(half) else float("nan")
         rec["significant"] = (math.isnan(rec["band"]) or abs(rec["reduction"]) > rec["band"])
