@@ -172,7 +172,7 @@ TEST(Manifest, UnknownModelsMethodsAndValues) {
   expect_mentions(error_of("[run]\nmeasure_steps = 0\n"), {"run.measure_steps", ">= 1"});
   expect_mentions(error_of("[axes]\nseq_len = [64, 64]\n"), {"axes.seq_len", "twice"});
   expect_mentions(error_of("name = \"a b\"\n"), {"'name'", "a b"});
-  expect_mentions(error_of("[run]\npolicy = \"topk\"\n"), {"run.policy", "topk", "per_sequence, batch_topk"});
+  expect_mentions(error_of("[run]\nselection = \"topk\"\n"), {"run.selection", "topk", "per_sequence, batch_topk"});
 }
 
 TEST(Manifest, RatiosOutsideTheRangeOrKeepingNothing) {
@@ -347,4 +347,35 @@ TEST(TrainManifest, AcceptsForwardDropOncePerRatio) {
     ch::load_train_manifest(d / "m.toml", {"train.align=0"});
     FAIL() << "train.align = 0 accepted";
   } catch (const ch::ManifestError& e) { expect_mentions(e.what(), {"train.align", ">= 1"}); }
+}
+
+// Training manifests: axes.selection runs loss_only and collider once per selection policy
+// (batch_topk: RHO-1's top tokens of the whole batch, ragged rows); regular and forward_drop
+// select nothing and run once. per_sequence points keep their ids; batch_topk ones say so.
+TEST(TrainManifest, SelectionAxisRunsTheSelectingMethodsOncePerPolicy) {
+  TempDir d;
+  fsu::write_file(d / "m.toml",
+                  "name = \"x\"\n[train]\nmodel = \"tinyllama-mini\"\nseq_len = 64\n[axes]\n"
+                  "method = [\"regular\", \"loss_only\", \"collider\", \"forward_drop\"]\n"
+                  "attention_grad = [\"exact_query\"]\nselection = [\"per_sequence\", \"batch_topk\"]\n");
+  const auto m = ch::load_train_manifest(d / "m.toml");
+  ASSERT_EQ(m.points.size(), 1u + 2u + 2u + 1u);
+  std::vector<std::string> ids;
+  for (const auto& p : m.points) ids.push_back(p.id(m.train));
+  EXPECT_EQ(ids, (std::vector<std::string>{"tinyllama-mini/T64/B8/f0/regular/none",
+                                           "tinyllama-mini/T64/B8/f0.4/loss_only/none",
+                                           "tinyllama-mini/T64/B8/f0.4/loss_only/none/batch_topk",
+                                           "tinyllama-mini/T64/B8/f0.4/collider/exact_query",
+                                           "tinyllama-mini/T64/B8/f0.4/collider/exact_query/batch_topk",
+                                           "tinyllama-mini/T64/B8/f0.4/forward_drop/none"}));
+  EXPECT_EQ(m.points[2].spec.policy, collider::SelectPolicy::kBatchTopK);
+  EXPECT_EQ(m.points[3].spec.policy, collider::SelectPolicy::kPerSequence);
+  EXPECT_NE(m.resolved_toml.find("selection = [ 'per_sequence', 'batch_topk' ]"), std::string::npos)
+      << m.resolved_toml;
+  try {
+    ch::load_train_manifest(d / "m.toml", {"axes.selection=[\"top\"]"});
+    FAIL() << "an unknown selection accepted";
+  } catch (const ch::ManifestError& e) {
+    expect_mentions(e.what(), {"axes.selection", "top", "per_sequence, batch_topk"});
+  }
 }

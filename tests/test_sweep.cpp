@@ -279,7 +279,7 @@ TEST(Sweep, BatchTopKRunsColliderAndRecordsTheRowCounts) {
   TempDir tmp;
   fsu::write_file(tmp / "m.toml", kManifest);
   const auto r =
-      run({tmp / "m.toml", "--out", tmp / "out", "--set", "run.policy=batch_topk", "--set",
+      run({tmp / "m.toml", "--out", tmp / "out", "--set", "run.selection=batch_topk", "--set",
            "axes.method=[\"loss_only\", \"collider\"]", "--set", "axes.batch_size=3", "--set", "axes.filter_ratio=0.5",
            "--set", "axes.seq_len=32", "--set", "axes.attention_grad=[\"kept_only\", \"exact_query\"]"});
   ASSERT_EQ(r.rc, 0) << r.err;
@@ -287,7 +287,7 @@ TEST(Sweep, BatchTopKRunsColliderAndRecordsTheRowCounts) {
   ASSERT_GE(rows.size(), 3u);  // loss_only + collider x {kept_only, exact_query}
   for (const auto& row : rows) {
     ASSERT_EQ(row["status"], "ok") << row["error"];
-    EXPECT_EQ(row["policy"], "batch_topk");
+    EXPECT_EQ(row["selection"], "batch_topk");
     const auto counts = row["kept_per_row"].get<std::vector<int64_t>>();
     ASSERT_EQ(counts.size(), 3u);
     int64_t sum = 0;

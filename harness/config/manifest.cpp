@@ -69,7 +69,7 @@ class TimingSchema {
     L_.add("run.eps", &r.eps);
     L_.add("run.grad_clip", &r.grad_clip);
     L_.add("run.align", &r.align);
-    L_.add("run.policy", &r.policy);
+    L_.add("run.selection", &r.selection);
     L_.add("run.score", &r.score);
     L_.add("run.attention_impl", &r.attention_impl);
     L_.add("run.layer_timing", &r.layer_timing);
@@ -178,8 +178,8 @@ class TimingSchema {
     L_.check(r.eps > 0, "run.eps", fmt::format("{}", r.eps), "a number > 0");
     L_.check(r.grad_clip >= 0, "run.grad_clip", fmt::format("{}", r.grad_clip), "a number >= 0 (0 disables clipping)");
     L_.check(r.align >= 1, "run.align", std::to_string(r.align), "an integer >= 1");
-    // The run's selection policy and scores, parsed once; method and attention_grad per point.
-    spec_.policy = L_.parse_in("run.policy", r.policy, models::policy_names(), &collider::select_policy_from_string);
+    // The run's selection (MethodSpec.policy) and scores, parsed once; method and attention_grad per point.
+    spec_.policy = L_.parse_in("run.selection", r.selection, models::policy_names(), &collider::select_policy_from_string);
     spec_.score = L_.parse_in("run.score", r.score, {to_string(Score::kSelf), to_string(Score::kRandom)},
                               &models::score_from_string);
     L_.check_in("run.attention_impl", r.attention_impl, {"eager", "sdpa"});
@@ -340,7 +340,7 @@ class TimingSchema {
                     {"eps", r.eps},
                     {"grad_clip", r.grad_clip},
                     {"align", r.align},
-                    {"policy", r.policy},
+                    {"selection", r.selection},
                     {"score", r.score},
                     {"attention_impl", r.attention_impl},
                     {"layer_timing", r.layer_timing},
@@ -398,7 +398,7 @@ class TimingSchema {
   Manifest m_;
   Axes axes_;
   std::vector<Exclude> excludes_;
-  MethodSpec spec_;                             // run.policy and run.score, parsed
+  MethodSpec spec_;                             // run.selection and run.score, parsed
   std::vector<Method> methods_;                 // axes.method, parsed
   std::vector<collider::AttentionGrad> grads_;  // axes.attention_grad, parsed
 };

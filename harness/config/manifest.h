@@ -6,7 +6,7 @@
 //   device = "auto"                # cpu | cuda | auto (cuda when available)
 //   dtype = "auto"                 # fp32 | bf16 | auto (bf16 autocast on cuda, fp32 on cpu)
 //   warmup_steps = 2; measure_steps = 5; repetitions = 1; seed = 0; threads = 0 (torch default)
-//   lr, weight_decay, beta1, beta2, eps, grad_clip, align, policy, score, attention_impl, layer_timing
+//   lr, weight_decay, beta1, beta2, eps, grad_clip, align, selection, score, attention_impl, layer_timing
 //   aa_check = false               # measure each group's regular point twice (the A/A noise band)
 //   [axes]                         # each a scalar or an array; cartesian product in this order
 //   model = ["tinyllama-mini"]; seq_len = [512]; batch_size = [1]; filter_ratio = [0.0, 0.4]
@@ -45,7 +45,7 @@ struct RunSettings {
   int64_t threads = 0;  // torch intra-op threads; 0 = torch's default
   double lr = 3e-4, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, grad_clip = 1.0;
   int64_t align = 8;
-  std::string policy = "per_sequence";   // per_sequence | batch_topk (RHO-1: ragged rows, every method)
+  std::string selection = "per_sequence";  // per_sequence | batch_topk (RHO-1: ragged rows; loss_only, collider, masked)
   std::string score = "self";            // self | random
   std::string attention_impl = "eager";  // eager | sdpa
   bool layer_timing = true;              // per-layer marker timings in every row
@@ -60,7 +60,7 @@ struct Point {
   double filter_ratio = 0.0;
   std::string method;
   std::string attention_grad;  // "none" for regular / loss_only
-  // The method, attention_grad, run.policy and run.score, parsed at load (the strings above are
+  // The method, attention_grad, run.selection and run.score, parsed at load (the strings above are
   // the axis values as written: the point id, the row and [[exclude]] matching use them).
   models::MethodSpec spec;
   // The A/A copy of its group's regular point (run.aa_check): measured again in the same rounds.

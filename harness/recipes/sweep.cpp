@@ -73,7 +73,7 @@ nlohmann::json identity_row(const Manifest& m, const Point& p, const Provenance&
   row["group"] = p.group_id();
   row["aa_copy"] = p.aa_copy;
   row["seed"] = m.run.seed;
-  row["policy"] = collider::to_string(p.spec.policy);
+  row["selection"] = collider::to_string(p.spec.policy);
   row["score"] = to_string(p.spec.score);
   row["attention_impl"] = m.run.attention_impl;
   row["align"] = m.run.align;
