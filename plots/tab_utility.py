@@ -3,7 +3,8 @@ perplexity per eval set (the curated-domain set first if named so) with the rela
 over the regular run of the same model and seed, plus wall time, tokens seen and tokens
 back-propagated (the paper's utility table; its headline is +16.3% relative vs regular).
   python plots/tab_utility.py --results results/tab_utility/*/results.jsonl --out plots/out
-Writes tab_utility.md and .tex. Tested by tests/test_plots.cpp.
+Writes tab_utility.md and .tex (--stem NAME: NAME.md and .tex; tab_utility_selection for RHO-1's
+batch-level selection against the per-sequence one). Tested by tests/test_plots.cpp.
 """
 import math
 import os
@@ -55,7 +56,8 @@ def final_eval(rows, eval_set):
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0])
+    args = common.parse_args(__doc__.splitlines()[0], lambda p: p.add_argument(
+        "--stem", default="tab_utility", help="output file name without extension (default tab_utility)"))
     rows, runs = _utility.load_runs(args.results)
     eval_sets = sorted({r["eval_set"] for r in rows if r.get("eval_set") and r.get("val_loss") is not None},
                        key=lambda e: (0 if "curated" in e or "domain" in e else 1, e))
@@ -92,7 +94,7 @@ def main() -> None:
                "of the run without evaluation; s/step = median over the logging intervals. "
                + ("* estimated as per-step median x steps. " if any_est else "")
                + f"Device: {common.describe_device(rows)}.")
-    common.write_table(args.out, "tab_utility", headers, table, caption, align="llllrrrrrrrrr")
+    common.write_table(args.out, args.stem, headers, table, caption, align="llllrrrrrrrrr")
 
 
 if __name__ == "__main__":

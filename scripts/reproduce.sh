@@ -10,8 +10,9 @@
 # Options: --build DIR (use an existing build, skip bootstrap), --only a,b (experiment stems),
 #   --plots-only (redraw from the newest existing results of the scale), --no-bench,
 #   --set key=value (repeatable; passed to every `collider run`, e.g. --set run.threads=4),
-#   --utility quick|full (cpu scale: the utility table's training runs; quick (default, <= 10 min)
-#   is a shortened run of experiments/tab_utility.toml, full the manifest as written).
+#   --utility quick|full (cpu scale: the utility tables' training runs, experiments/tab_utility.toml
+#   and tab_utility_selection.toml; quick (default, about 10 min) is a shortened run of both, full
+#   the manifests as written).
 #   The utility data comes from scripts/prepare_data.sh (idempotent; --sample data with --quick).
 # Results: results/<experiment>/<scale>-<device>-<date>/ (results.jsonl, env.json, run.log, ...);
 # --quick writes everything under out/reproduce-quick/ (ignored by git) instead.
@@ -124,7 +125,9 @@ say "scale $SCALE, device $DEVICE$( ((QUICK)) && echo ', QUICK (tiny -debug mode
 # grid; every row carries step_ms), so its manifest is not run here.
 EXPERIMENTS=(tab_backward_time fig_filter_ratio fig_context_length fig_layer_breakdown)
 # The utility table trains models on real text (cpu scale only; no paper-scale manifest).
-[[ "$SCALE" == cpu ]] && EXPERIMENTS+=(tab_utility)
+# tab_utility_selection: RHO-1's batch-level selection against the per-sequence one (same data).
+[[ "$SCALE" == cpu ]] && EXPERIMENTS+=(tab_utility tab_utility_selection)
+is_utility() { [[ "$1" == tab_utility || "$1" == tab_utility_selection ]]; }
 wanted() {  # wanted STEM: honours --only
   [[ -z "$ONLY" ]] && return 0
   local s; IFS=',' read -ra s <<<"$ONLY"
@@ -178,17 +181,17 @@ if ((!PLOTS_ONLY)); then
     manifest="$MANIFEST_DIR/$e.toml"
     out="$RESULTS_ROOT/$e/$RUN_NAME"
     # The shortened utility run keeps apart from the full table's results and plots.
-    [[ "$e" == tab_utility && "$UTILITY" == quick ]] && ((!QUICK)) && out="$RESULTS_ROOT/tab_utility_quick/$RUN_NAME"
+    is_utility "$e" && [[ "$UTILITY" == quick ]] && ((!QUICK)) && out="$RESULTS_ROOT/${e}_quick/$RUN_NAME"
     mkdir -p "$out"
     mapfile -t sets < <(quick_sets "$e")
-    if [[ "$e" == tab_utility ]]; then
+    if is_utility "$e"; then
       mapfile -t sets < <(utility_sets)
       if ((QUICK)); then
         ./scripts/prepare_data.sh --out "$ROOT/out/reproduce-quick/data" --sample 2>&1 | tail -2 | sed "s/^/    /"
       else
         ./scripts/prepare_data.sh 2>&1 | tail -2 | sed "s/^/    /"
       fi
-      [[ ${PIPESTATUS[0]} == 0 ]] || { say "tab_utility: FAILED: scripts/prepare_data.sh"; FAILED+=(tab_utility); continue; }
+      [[ ${PIPESTATUS[0]} == 0 ]] || { say "$e: FAILED: scripts/prepare_data.sh"; FAILED+=("$e"); continue; }
     fi
     sets+=("${USER_SETS[@]}")
     npts=$("$COLLIDER" run "$manifest" --dry-run "${sets[@]}" 2>/dev/null | head -1 | sed -n 's/^[^:]*: \([0-9]*\) points.*/\1/p;s/^[^:]*: training manifest, \([0-9]*\) runs.*/\1/p')
@@ -245,7 +248,7 @@ else
   for e in "${EXPERIMENTS[@]}" fig_sparse_gemm; do
     wanted "$e" || continue
     file=results.jsonl; [[ "$e" == fig_sparse_gemm ]] && file=bm_backward_gemm.json
-    stem_dir=$e; [[ "$e" == tab_utility && "$UTILITY" == quick ]] && ((!QUICK)) && stem_dir=tab_utility_quick
+    stem_dir=$e; is_utility "$e" && [[ "$UTILITY" == quick ]] && ((!QUICK)) && stem_dir=${e}_quick
     d=$(newest_run_dir "$stem_dir" "$file")
     if [[ -z "$d" ]]; then say "$e: no results under ${RESULTS_ROOT#"$ROOT"/}/$e/$SCALE-*/"; continue; fi
     RESULT_FILE[$e]="$d/$file"
@@ -295,6 +298,7 @@ if [[ "$SCALE" == cpu ]]; then
   [[ "$UTILITY" == quick ]] && ((!QUICK)) && PLOT_SUB=utility-quick && PLOT_DIR="$PLOT_DIR/$PLOT_SUB" && mkdir -p "$PLOT_DIR"
   plot tab_utility tab_utility.py
   plot tab_utility fig_utility_curves.py
+  plot tab_utility_selection tab_utility.py --stem tab_utility_selection
   PLOT_DIR=$MAIN_PLOT_DIR; PLOT_SUB=""
 fi
 

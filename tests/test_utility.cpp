@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
 
@@ -360,6 +361,59 @@ filter_ratio = [0.5]
       }
     }
   }
+}
+
+// RHO-1's own selection in a training run (axes.selection = batch_topk): the top 60% of the
+// whole batch by excess loss, so rows keep different counts, through Collider's backward and
+// loss_only's. The total kept count per step is fixed by the batch, so both back-propagate the
+// same tokens; rows name the selection, and per_sequence points keep their ids.
+TEST_F(Utility, BatchTopKSelectionTrainsLossOnlyAndCollider) {
+  testing::TempDir d("batch_topk");
+  const std::string bytes_dir = byte_level_data(data(), d / "bytes");
+  const std::string manifest = d / "utility.toml";
+  harness::fsutil::write_file(manifest, fmt::format(R"(name = "utility_batch_topk"
+[data]
+dir = "{}"
+[train]
+model = "tinyllama-debug"
+seq_len = 32
+batch_size = 3
+steps = 8
+warmup_steps = 2
+eval_every = 8
+eval_tokens = 128
+checkpoint_every = 4
+log_every = 4
+threads = 1
+[reference]
+steps = 4
+batch_size = 2
+[axes]
+method = ["loss_only", "collider"]
+attention_grad = ["exact_query"]
+filter_ratio = [0.4]
+selection = ["per_sequence", "batch_topk"]
+)",
+                                                    bytes_dir));
+  std::ostringstream out, err;
+  ASSERT_EQ(harness::run_train_command(manifest, {}, d / "run", false, false, out, err), 0) << err.str();
+  std::map<std::string, nlohmann::json> last;
+  for (const auto& r : rows_of(d / "run")) last[r["point_id"].get<std::string>()] = r;
+  ASSERT_EQ(last.size(), 4u);
+  const std::string base = "tinyllama-debug/T32/B3/f0.4/";
+  for (const char* pid : {"loss_only/none", "collider/exact_query"}) {
+    SCOPED_TRACE(pid);
+    const auto& per_seq = last.at(base + pid);
+    const auto& batch = last.at(base + pid + "/batch_topk");
+    EXPECT_EQ(per_seq["selection"], "per_sequence");
+    EXPECT_EQ(batch["selection"], "batch_topk");
+    EXPECT_EQ(batch["status"], "ok");
+    EXPECT_TRUE(std::isfinite(batch["val_loss"].get<double>()));
+    // batch_topk drops ceil(0.4 x 96) = 39 of the batch's 3 x 32 tokens each step, over 8 steps.
+    EXPECT_EQ(batch["tokens_backprop"].get<double>(), 8 * (3 * 32 - 39));
+  }
+  EXPECT_EQ(last.at(base + "loss_only/none/batch_topk")["tokens_backprop"],
+            last.at(base + "collider/exact_query/batch_topk")["tokens_backprop"]);
 }
 
 TEST_F(Utility, ManifestErrorsNameTheKey) {

@@ -17,8 +17,10 @@ using models::MethodSpec;
 using models::Score;
 
 std::string TrainPoint::id(const TrainSettings& s) const {
-  return fmt::format("{}/T{}/B{}/f{}/{}/{}", s.model, s.seq_len, s.batch_size, filter_ratio, to_string(spec.method),
-                     models::attention_grad_name(spec));
+  // per_sequence points keep the ids they had before the selection axis existed (resume finds them).
+  return fmt::format("{}/T{}/B{}/f{}/{}/{}{}", s.model, s.seq_len, s.batch_size, filter_ratio, to_string(spec.method),
+                     models::attention_grad_name(spec),
+                     spec.policy == collider::SelectPolicy::kBatchTopK ? "/batch_topk" : "");
 }
 
 bool is_training_manifest(const std::string& path) {
@@ -36,6 +38,7 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
   std::vector<std::string> methods = {"regular", "loss_only", "collider"};
   std::vector<std::string> grads = {"kept_only", "exact_query"};
   std::vector<double> ratios = {0.4};
+  std::vector<std::string> selections = {"per_sequence"};
 
   Loader L(path, "train.steps=40");
   L.add("name", &m.name);
@@ -75,6 +78,7 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
   L.add("axes.method", &methods);
   L.add("axes.attention_grad", &grads);
   L.add("axes.filter_ratio", &ratios);
+  L.add("axes.selection", &selections);
   L.apply(parse_manifest_toml(read_manifest_file(path), path), sets);
   m.overrides = L.overrides();
 
@@ -120,6 +124,11 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
     attention_grads.push_back(
         L.parse_in("axes.attention_grad", g, models::attention_grad_names(), &collider::attention_grad_from_string));
   }
+  std::vector<collider::SelectPolicy> policies;
+  for (const auto& p : selections) {
+    policies.push_back(L.parse_in("axes.selection", p, models::policy_names(), &collider::select_policy_from_string));
+  }
+  L.check_unique("axes.selection", selections);
   for (double r : ratios) {
     L.check(r > 0.0 && r < 1.0, "axes.filter_ratio", fmt::format("{}", r),
             "(0, 1): the fraction of tokens dropped (regular runs once, unfiltered)");
@@ -132,7 +141,8 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
     if (method == Method::kRegular) {
       m.points.push_back({MethodSpec{Method::kRegular}, 0.0});
     } else if (method == Method::kLossOnly) {
-      for (double r : ratios) m.points.push_back({MethodSpec{Method::kLossOnly, {}, {}, score}, r});
+      for (double r : ratios)
+        for (collider::SelectPolicy p : policies) m.points.push_back({MethodSpec{Method::kLossOnly, {}, p, score}, r});
     } else if (method == Method::kForwardDrop) {
       // The first and the last layer see every token: 3 layers at least.
       const int64_t num_layers = models::preset(s.model).num_layers;
@@ -153,9 +163,8 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
       }
     } else {
       for (double r : ratios)
-        for (collider::AttentionGrad g : attention_grads) {
-          m.points.push_back({MethodSpec{Method::kCollider, g, {}, score}, r});
-        }
+        for (collider::AttentionGrad g : attention_grads)
+          for (collider::SelectPolicy p : policies) m.points.push_back({MethodSpec{Method::kCollider, g, p, score}, r});
     }
   }
 
@@ -189,11 +198,12 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
                                   {"pool_windows", s.pool_windows},
                                   {"score", s.score}});
   res.insert("reference", toml::table{{"steps", s.ref_steps}, {"lr", s.ref_lr}, {"batch_size", s.ref_batch_size}});
-  toml::array am, ag, ar;
+  toml::array am, ag, ar, as;
   for (const auto& x : methods) am.push_back(x);
   for (const auto& x : grads) ag.push_back(x);
   for (double x : ratios) ar.push_back(x);
-  res.insert("axes", toml::table{{"method", am}, {"attention_grad", ag}, {"filter_ratio", ar}});
+  for (const auto& x : selections) as.push_back(x);
+  res.insert("axes", toml::table{{"method", am}, {"attention_grad", ag}, {"filter_ratio", ar}, {"selection", as}});
   os << res << "\n";
   m.resolved_toml = os.str();
   return m;

@@ -13,7 +13,9 @@
 //   [axes]   method = ["regular", "loss_only", "collider"] (or "forward_drop": the middle layers'
 //            forward on a random kept_count of the tokens, every token's loss; 3+ decoder layers);
 //            attention_grad = ["kept_only", "exact_query"] (collider only); filter_ratio = [0.4]
-//            (regular runs once at 0)
+//            (regular runs once at 0); selection = ["per_sequence"] (loss_only and collider; add
+//            "batch_topk" for RHO-1's own selection: the top tokens of the whole batch, so rows keep
+//            different counts)
 // Loaded by the shared loader (loader.h): defaults, then the file, then --set; every problem is a
 // ManifestError naming the file (or the --set), the key, the value and what is allowed.
 // Tests: tests/test_utility.cpp, tests/test_manifest.cpp, tests/test_fuzz_regressions.cpp.
@@ -57,11 +59,12 @@ struct TrainSettings {
 };
 
 struct TrainPoint {
-  // regular | loss_only | collider; attention_grad (collider); train.score (loss_only, collider);
-  // per_sequence selection. Parsed at load.
+  // regular | loss_only | collider | forward_drop; attention_grad (collider); train.score and the
+  // selection policy (loss_only, collider). Parsed at load.
   models::MethodSpec spec;
   double filter_ratio = 0.0;
-  std::string id(const TrainSettings& s) const;  // e.g. tinyllama-mini/T256/B8/f0.4/collider/kept_only
+  // e.g. tinyllama-mini/T256/B8/f0.4/collider/kept_only; batch_topk selection adds /batch_topk
+  std::string id(const TrainSettings& s) const;
 };
 
 struct TrainManifest {

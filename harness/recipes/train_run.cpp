@@ -205,6 +205,8 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
                              {"steps_total", s.steps},
                              {"num_params", cfg.num_params()},
                              {"score", models::uses_selection(p.spec.method) ? to_string(p.spec.score) : "none"},
+                             {"selection", models::uses_selection(p.spec.method) ? collider::to_string(p.spec.policy)
+                                                                                 : "none"},
                              {"reference", ref_tag},
                              {"data_dir", data_dir},
                              {"train_split", s.train_split},
