@@ -4,6 +4,8 @@
 // (-debug presets) and the GPT-2-style test model, both attention semantics, eager and SDPA,
 // B = 3 and 4, T = 97; and a loss that does not mask its dropped positions still gives none of
 // them gradient (the padding of the cut rows is excluded exactly).
+// The token-row GEMMs (x @ W of the projections, MLP and LM head) run on the packed kept rows
+// (rewrite.cpp, PackedRowsNode), so these tests check that path against the oracle too.
 // Run: build/tests/test_collider_ragged
 #include "collider_test_util.h"
 #include "gpt2_test_model.h"
@@ -113,6 +115,7 @@ TEST_P(RaggedGrad, MatchesOracle) {
   EXPECT_EQ(st.kept_min, 0);
   EXPECT_EQ(st.kept_max, kT - 1);
   EXPECT_EQ(st.kept_total, keep.sum().item<int64_t>());
+  EXPECT_GT(st.gemms_packed, 0) << "the token-row GEMMs run on the packed kept rows";
 
   zero_grads(*s.module);
   auto loss_m = masked_ce(s.logits(idx), labels, keep);
@@ -204,6 +207,7 @@ TEST(RaggedCollider, EqualCountsArePerSequence) {
     loss.backward();
     EXPECT_EQ(st.kept_min, st.kept_max);
     EXPECT_EQ(st.kept_total, 3 * st.kept);
+    EXPECT_EQ(st.gemms_packed, 0) << "no padding: the per-sequence path";
     auto g = grads_of(*m);
     if (run == 0) first = g;
     for (const auto& [name, t] : first) EXPECT_TRUE(torch::equal(t, g.at(name))) << name;

@@ -81,6 +81,68 @@ class ZeroPaddingNode final : public Node {
   ShapeSpec spec_;
 };
 
+// Ragged kept counts: the backward of a GEMM over the token rows, y = x @ W (MmBackward0) or
+// y = b + x @ W (AddmmBackward0) with x the [B*T, D] rows of the tokens, run on the S = sum_b N_b
+// packed kept rows instead of the B*N padded ones (token_index.cpp says why). The original node
+// stays as it is, its token operand and sizes cut to the S packed rows (Rewriter::Apply, packed);
+// this node stands in its place in the graph: it takes the padded gradient [B*N, Dout], keeps
+// its live rows (padding rows carry zero gradient), calls the original node, and returns its
+// token-operand gradient [S, D] in the padded layout with zero padding rows. Both GEMMs (dX =
+// dY W^T, dW = X^T dY) then cost what the kept tokens cost; the result is the padded one's.
+class PackedRowsNode final : public Node {
+ public:
+  PackedRowsNode(std::shared_ptr<Node> inner, size_t token_output, std::shared_ptr<TokenIndex> index)
+      : Node(inner->sequence_nr()), inner_(std::move(inner)), token_output_(token_output), index_(std::move(index)) {}
+  std::string name() const override { return "collider::PackedRows"; }
+  void release_variables() override { inner_->release_variables(); }
+  // The original node's edges, taken after every other edge write of the rewrite (commit).
+  void adopt_edges() {
+    next_edges_ = inner_->next_edges();
+    topological_nr_ = inner_->topological_nr();
+  }
+  variable_list apply(variable_list&& grads) override {
+    torch::Tensor g = grads.at(0);
+    if (!g.defined()) return (*inner_)(std::move(grads));
+    {
+      torch::NoGradGuard no_grad;
+      g = g.index_select(0, index_->live_rows());  // [S, Dout]
+    }
+    variable_list outs = (*inner_)({g});
+    torch::Tensor& dx = outs.at(token_output_);  // [S, D]
+    if (dx.defined()) {
+      torch::NoGradGuard no_grad;
+      dx = torch::zeros({index_->B() * index_->N(), dx.size(1)}, dx.options()).index_copy_(0, index_->live_rows(), dx);
+    }
+    return outs;
+  }
+
+ private:
+  std::shared_ptr<Node> inner_;
+  size_t token_output_;
+  std::shared_ptr<TokenIndex> index_;
+};
+
+// The next_edge of a GEMM node whose backward can run on packed rows (PackedRowsNode): the token
+// operand's, when it is the node's only token-shaped field, a plain [B*T, D] matrix; else -1.
+int packed_token_output(const NodeSpec& spec) {
+  const char* field = spec.type == "MmBackward0" ? "self_" : spec.type == "AddmmBackward0" ? "mat1_" : nullptr;
+  if (!field) return -1;
+  bool saved = false;
+  for (const auto& f : spec.fields) {
+    const ShapeSpec& s = f.shape;
+    if (s.rank != 2 || s.pad_rank != 0 || s.dims.size() != 1 || s.dims[0].dim != 0 ||
+        s.dims[0].kind != DimKind::kFlatToken || s.dims[0].mult != 1) {
+      return -1;
+    }
+    if (f.kind == FieldKind::kSaved) {
+      if (f.name != field) return -1;  // the weight operand is token-shaped: not a token-row GEMM
+      saved = true;
+    }
+  }
+  if (!saved) return -1;
+  return spec.type == "MmBackward0" ? 0 : 1;
+}
+
 // COLLIDER_DEBUG_GATHER=1: one line per gather and the rewrite's phases (read once per process).
 bool debug_gather() {
   static const bool on = std::getenv("COLLIDER_DEBUG_GATHER") != nullptr;
@@ -106,12 +168,28 @@ class Rewriter {
   // First pass: checks and computes everything, records the writes; the graph is untouched.
   void prepare(const Graph& g) {
     const auto& nodes = plan_.nodes;
+    // Ragged masks: the token-row GEMMs that run on packed rows (none of them feeding another).
+    std::vector<int> packed_output(nodes.size(), -1);
+    if (ix_->ragged() && !masked_) {
+      for (size_t i = 0; i < nodes.size(); ++i) packed_output[i] = packed_token_output(nodes[i]);
+      for (size_t i = 0; i < nodes.size(); ++i) {
+        if (packed_output[i] < 0) continue;
+        for (const auto& e : g.nodes[i]->next_edges()) {
+          auto it = e.function ? g.index.find(e.function.get()) : g.index.end();
+          if (it != g.index.end() && packed_output[it->second] >= 0) packed_output[i] = -1;
+        }
+      }
+    }
     for (size_t i = 0; i < nodes.size(); ++i) {
       if (nodes[i].fused_attention) {
         replace_fused(g, static_cast<int>(i));
         continue;
       }
       if (nodes[i].fields.empty()) continue;
+      if (packed_output[i] >= 0) {
+        pack_node(g, static_cast<int>(i), static_cast<size_t>(packed_output[i]));
+        continue;
+      }
       rewrite_node(g.nodes[i], nodes[i], static_cast<int>(i));
     }
   }
@@ -119,6 +197,12 @@ class Rewriter {
   void commit() {
     for (auto& w : writes_) w();
     writes_.clear();
+    for (auto& [inner, node] : packed_) node->adopt_edges();
+  }
+  // An edge into a GEMM that runs on packed rows leads to its PackedRowsNode instead.
+  Edge redirect(const Edge& e) const {
+    auto it = e.function ? packed_.find(e.function.get()) : packed_.end();
+    return it == packed_.end() ? e : Edge(it->second, e.input_nr);
   }
   void defer(std::function<void()> write) { writes_.push_back(std::move(write)); }
 
@@ -131,6 +215,20 @@ class Rewriter {
       defer([edges, e, node] { (*edges)[e] = Edge(node, (*edges)[e].input_nr); });
     }
     ++stats_.nodes_rewritten;
+  }
+
+  // The kept tokens' rows of a [B*T, D] GEMM operand, packed to [S, D] (one gather per tensor).
+  torch::Tensor cut_saved_packed(const torch::Tensor& t) {
+    CacheKey key{t.data_ptr(), t.numel(), static_cast<int>(t.scalar_type()), t.strides().vec(), t.sizes().vec()};
+    if (auto it = packed_cache_.find(key); it != packed_cache_.end()) return it->second;
+    const auto g0 = std::chrono::steady_clock::now();
+    torch::Tensor out = ix_->cut_packed(t);
+    stats_.gather_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - g0).count();
+    ++stats_.tensors_gathered;
+    stats_.bytes_before += static_cast<int64_t>(t.numel() * t.element_size());
+    stats_.bytes_gathered += static_cast<int64_t>(out.numel() * out.element_size());
+    packed_cache_[key] = out;
+    return out;
   }
 
   torch::Tensor cut_saved(const torch::Tensor& t, const ShapeSpec& spec) {
@@ -178,6 +276,7 @@ class Rewriter {
   class Apply;
 
   void rewrite_node(const std::shared_ptr<Node>& node, const NodeSpec& spec, int index);
+  void pack_node(const Graph& g, int index, size_t token_output);
 
   const PlanData& plan_;
   std::shared_ptr<TokenIndex> ix_;
@@ -185,14 +284,17 @@ class Rewriter {
   bool masked_;
   FilterStats& stats_;
   std::map<CacheKey, torch::Tensor> cache_;
+  std::map<CacheKey, torch::Tensor> packed_cache_;  // cut_saved_packed
   std::vector<std::function<void()>> writes_;
+  std::unordered_map<const Node*, std::shared_ptr<PackedRowsNode>> packed_;  // original node -> its stand-in
 };
 
 // Applies one node's FieldSpecs through the generated field handlers.
 class Rewriter::Apply final : public FieldVisitor {
  public:
-  Apply(Rewriter& rw, const std::shared_ptr<Node>& node, const NodeSpec& spec, int index)
-      : rw_(rw), node_(node), spec_(spec), index_(index) {}
+  // packed: the node's token fields go to the S packed kept rows (PackedRowsNode), not B*N.
+  Apply(Rewriter& rw, const std::shared_ptr<Node>& node, const NodeSpec& spec, int index, bool packed = false)
+      : rw_(rw), node_(node), spec_(spec), index_(index), packed_(packed) {}
 
   bool changed = false;
 
@@ -280,6 +382,7 @@ class Rewriter::Apply final : public FieldVisitor {
     if (!bad.empty()) mismatch(f, bad);
     if (rw_.masked_) return values;
     auto out = rw_.ix_->cut_sizes(values, f.shape, rw_.cut_keys_);
+    if (packed_) out[0] = rw_.ix_->kept_total();  // [B*T, D] -> [S, D] (packed_token_output)
     if (out != values) changed = true;
     return out;
   }
@@ -307,6 +410,8 @@ class Rewriter::Apply final : public FieldVisitor {
       } else {
         return;
       }
+    } else if (packed_) {
+      out = rw_.cut_saved_packed(t.detach());
     } else {
       out = rw_.cut_saved(t.detach(), f->shape);
       // Ragged masks: padding keys get no attention probability (kept_only), so they neither
@@ -324,6 +429,7 @@ class Rewriter::Apply final : public FieldVisitor {
   const std::shared_ptr<Node>& node_;
   const NodeSpec& spec_;
   int index_;
+  bool packed_;
   std::map<std::string, std::vector<int64_t>> cut_sizes_;
 };
 
@@ -332,6 +438,35 @@ void Rewriter::rewrite_node(const std::shared_ptr<Node>& node, const NodeSpec& s
   if (const NodeFields* nf = find_node_fields(*node)) nf->visit(node.get(), apply);
   apply.inputs();
   if (apply.changed) ++stats_.nodes_rewritten;
+}
+
+// A token-row GEMM of a ragged mask: its fields cut to the packed rows, a PackedRowsNode put in
+// its place (every edge into it leads to the stand-in; its input is the padded [B*N, Dout]).
+void Rewriter::pack_node(const Graph& g, int i, size_t token_output) {
+  const std::shared_ptr<Node>& node = g.nodes[i];
+  const NodeSpec& spec = plan_.nodes[i];
+  Apply apply(*this, node, spec, i, /*packed=*/true);
+  if (const NodeFields* nf = find_node_fields(*node)) nf->visit(node.get(), apply);
+  apply.inputs();
+  const FieldSpec* in = nullptr;
+  for (const auto& f : spec.fields)
+    if (f.kind == FieldKind::kInputMeta && f.item == 0) in = &f;
+  if (!in || node->num_inputs() != 1) {
+    throw Error(fmt::format("filter_backward: node #{} {} has no token-shaped input (plan bug)", i, spec.type));
+  }
+  const auto& meta = node->input_metadata(0);
+  auto stand_in = std::make_shared<PackedRowsNode>(node, token_output, ix_);
+  stand_in->add_input_metadata(meta.options(),
+                               to_syms(ix_->cut_sizes(to_ints(meta.shape_as_dim_vector()), in->shape, cut_keys_)),
+                               false, false, std::nullopt);
+  for (const auto& [parent, edge] : g.parents[i]) {
+    auto* edges = &const_cast<torch::autograd::edge_list&>(g.nodes[parent]->next_edges());
+    const int e = edge;
+    defer([edges, e, stand_in] { (*edges)[e] = Edge(stand_in, (*edges)[e].input_nr); });
+  }
+  packed_[node.get()] = stand_in;
+  ++stats_.nodes_rewritten;
+  ++stats_.gemms_packed;
 }
 
 Graph checked_graph(const torch::Tensor& loss, const PlanData& plan, const char* who) {
@@ -436,7 +571,7 @@ FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT,
         auto shape = ix->cut_sizes(to_ints(meta.shape_as_dim_vector()), f->shape, !exact);
         auto node = std::make_shared<ZeroPaddingNode>(ix, f->shape);
         node->add_input_metadata(meta.options(), to_syms(shape), false, false, std::nullopt);
-        node->add_next_edge(edges[e]);
+        node->add_next_edge(rw.redirect(edges[e]));
         auto* list = &const_cast<torch::autograd::edge_list&>(edges);
         rw.defer([list, e, node] { (*list)[e] = Edge(node, 0); });
       }
@@ -451,7 +586,7 @@ FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT,
     }
     auto node = std::make_shared<KeyRowsNode>(ix, p.ins->shape, masked);
     node->add_input_metadata(p.options, to_syms(p.shape), false, false, std::nullopt);
-    node->add_next_edge(p.old_edge);
+    node->add_next_edge(rw.redirect(p.old_edge));
     // Node::set_next_edge refuses nodes that already have parents (topological_nr bookkeeping,
     // used only to prune torch::autograd::grad with explicit inputs); the edge list itself is
     // plain data, replaced directly in the commit pass.

@@ -32,7 +32,11 @@ namespace collider::detail {
 // filtered, the utility experiment's reference model) rows kept [227, 325, 305, 371] of 512
 // (+21% rows over the mean) and [516, 674, 614, 653] of 1024 (+10%) for tinyllama-mini, so this
 // layout is a first step: meeting the per-sequence cost needs packed token-wise rows with the
-// attention cores alone padded per row.
+// attention cores alone padded per row. That is what the rewrite does for the GEMMs of the token
+// rows (rewrite.cpp, PackedRowsNode): the backward of every x @ W (MmBackward0, AddmmBackward0
+// with x the [B*T, D] token rows: q, k, v, o, the MLP and the LM head, most of the backward's
+// FLOPs) runs on the S = sum_b N_b packed kept rows; element-wise work and the attention cores
+// stay padded.
 TokenIndex::TokenIndex(const torch::Tensor& keep_BT) {
   if (!keep_BT.defined()) throw Error("filter_backward: the keep mask is undefined");
   if (keep_BT.dim() != 2 || keep_BT.scalar_type() != torch::kBool) {
@@ -74,10 +78,26 @@ TokenIndex::TokenIndex(const torch::Tensor& keep_BT) {
   for (int64_t b = 0; b < B_; ++b)
     for (int64_t t = 0; t < T_; ++t)
       if (sel[b * T_ + t]) *idx++ = t;
+  if (ragged_) {
+    // Packed rows: the live (kept) rows of the padded layout and their rows in [B*T].
+    const int64_t S = kept_total();
+    live_S_ = torch::empty({S}, torch::kLong);
+    packed_S_ = torch::empty({S}, torch::kLong);
+    int64_t* live = live_S_.data_ptr<int64_t>();
+    int64_t* packed = packed_S_.data_ptr<int64_t>();
+    const bool* pad = pad_BN_.const_data_ptr<bool>();
+    const int64_t* pos = idx_BN_.const_data_ptr<int64_t>();
+    for (int64_t r = 0; r < B_ * N_; ++r)
+      if (!pad[r]) *live++ = r, *packed++ = (r / N_) * T_ + pos[r];
+  }
   sel_BT_ = ragged_ ? sel_cpu.to(keep_BT.device()) : keep_BT;
   if (!keep_BT.is_cpu()) {
     idx_BN_ = idx_BN_.to(keep_BT.device());
-    if (ragged_) pad_BN_ = pad_BN_.to(keep_BT.device());
+    if (ragged_) {
+      pad_BN_ = pad_BN_.to(keep_BT.device());
+      live_S_ = live_S_.to(keep_BT.device());
+      packed_S_ = packed_S_.to(keep_BT.device());
+    }
   }
 }
 
@@ -85,6 +105,12 @@ int64_t TokenIndex::kept_total() const {
   int64_t n = 0;
   for (int64_t c : counts_) n += c;
   return n;
+}
+
+torch::Tensor TokenIndex::cut_packed(const torch::Tensor& x_TP) const {
+  TORCH_CHECK(ragged_ && x_TP.dim() == 2 && x_TP.size(0) == B_ * T_,
+              "collider: cut_packed wants the [B*T, P] rows of a ragged mask (plan bug)");
+  return gather_rows(x_TP, packed_S_);
 }
 
 torch::Tensor TokenIndex::zero_padding(const torch::Tensor& x, const ShapeSpec& spec, bool keys_only) const {

@@ -26,6 +26,13 @@ class TokenIndex {
   int64_t kept_total() const;
   const torch::Tensor& idx_BN() const { return idx_BN_; }  // int64 [B, N]: the cut positions, ascending
   const torch::Tensor& pad_BN() const { return pad_BN_; }  // bool [B, N]: padding; undefined unless ragged
+  // Ragged masks, packed rows (S = kept_total): live_rows() int64 [S], the rows of the padded
+  // [B*N] layout that are not padding; packed_rows() int64 [S], the kept tokens' rows of [B*T]
+  // in the same order (b-major, ascending positions). Undefined unless ragged.
+  const torch::Tensor& live_rows() const { return live_S_; }
+  const torch::Tensor& packed_rows() const { return packed_S_; }
+  // x: [B*T, P] token rows (a GEMM's token operand) -> [S, P], the kept tokens' rows packed.
+  torch::Tensor cut_packed(const torch::Tensor& x_TP) const;
   // x already cut ([.., N, ..] on spec's token dimensions): padding positions zeroed along every
   // token dimension (keys_only: only the key-role ones). x itself when nothing is padded.
   torch::Tensor zero_padding(const torch::Tensor& x, const ShapeSpec& spec, bool keys_only) const;
@@ -63,6 +70,7 @@ class TokenIndex {
   torch::Tensor sel_BT_;         // the cut positions: keep_BT_, plus the padding of ragged rows
   torch::Tensor idx_BN_;         // int64 [B, N], ascending per row
   torch::Tensor pad_BN_;         // bool [B, N], ragged only
+  torch::Tensor live_S_, packed_S_;  // int64 [S], ragged only (live_rows, packed_rows)
   std::vector<int64_t> counts_;  // kept per row
   bool ragged_ = false;
   std::map<int64_t, torch::Tensor> flat_cache_, seq_first_cache_, rows_cache_, square_cache_;

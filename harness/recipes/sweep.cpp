@@ -250,6 +250,7 @@ class PointMeasurements {
                            {"kept", fs.kept},
                            {"kept_total", fs.kept_total},
                            {"gather_nodes_inserted", fs.gather_nodes_inserted},
+                           {"gemms_packed", fs.gemms_packed},
                            {"rewrite_ms", fs.rewrite_ms},
                            {"gather_ms", fs.gather_ms}};
   }
@@ -276,8 +277,9 @@ class PointMeasurements {
 void write_work(nlohmann::json& row, const Manifest& m, const models::ModelConfig& cfg, const Point& p,
                 const PointMeasurements& acc, int world, double peak_flops) {
   // Collider's backward FLOPs on the actual kept counts, row by row (the FLOP ideal of ragged
-  // rows). Ragged rows are executed padded to the largest count (collider_core/src/token_index.cpp):
-  // flops_bwd_executed counts that padding; it equals flops_bwd with equal counts.
+  // rows). Of ragged rows the token-row GEMMs run on the packed kept rows and the attention cores
+  // padded to the largest count (collider_core/src/token_index.cpp): flops_bwd_executed counts that
+  // padding; it equals flops_bwd with equal counts.
   const std::vector<int64_t>& kept_per_row = acc.kept_per_row();
   models::FlopCount bwd_flops{}, bwd_executed{};
   if (p.spec.method == Method::kCollider && !kept_per_row.empty()) {
@@ -288,8 +290,11 @@ void write_work(nlohmann::json& row, const Manifest& m, const models::ModelConfi
       bwd_flops.attention += f.attention;
       bwd_flops.lm_head += f.lm_head;
     }
-    bwd_executed = models::backward_flops(cfg, p.batch_size, p.seq_len,
-                                          *std::max_element(kept_per_row.begin(), kept_per_row.end()), p.spec);
+    bwd_executed = bwd_flops;
+    bwd_executed.attention = models::backward_flops(cfg, p.batch_size, p.seq_len,
+                                                    *std::max_element(kept_per_row.begin(), kept_per_row.end()),
+                                                    p.spec)
+                                 .attention;
   } else {
     // collider: the kept count; forward_drop: its middle layers' count; the dense methods ignore N.
     const int64_t N = p.spec.method == Method::kCollider      ? acc.kept_per_seq()

@@ -95,6 +95,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("bytes_before", &collider::FilterStats::bytes_before)
       .def_readonly("bytes_gathered", &collider::FilterStats::bytes_gathered)
       .def_readonly("gather_nodes_inserted", &collider::FilterStats::gather_nodes_inserted)
+      .def_readonly("gemms_packed", &collider::FilterStats::gemms_packed)
       .def_readonly("batch", &collider::FilterStats::batch)
       .def_readonly("seq_len", &collider::FilterStats::seq_len)
       .def_readonly("kept", &collider::FilterStats::kept)

@@ -46,6 +46,7 @@ struct FilterStats {
   int64_t bytes_before = 0;            // bytes of those tensors before the cut
   int64_t bytes_gathered = 0;          // bytes of the cut copies
   int64_t gather_nodes_inserted = 0;   // exact_query: nodes that cut dK/dV to kept rows
+  int64_t gemms_packed = 0;            // ragged rows: token-row GEMMs run on the packed kept rows
   int64_t batch = 0, seq_len = 0;      // B, T
   int64_t kept = 0;                    // positions per row after the cut: T', the largest kept count
   int64_t kept_total = 0;              // kept tokens over the batch (B * T' unless ragged)
