@@ -187,6 +187,43 @@ TEST(PlotTables, InterleavedRowsGiveSpreadAndTheAaBand) {
   remove_tree(out);
 }
 
+// plots/compare_runs.py: a run agrees with itself; a second run whose Collider rounds are 10%
+// slower disagrees (exit 1), and a loss_only outside the A/A band is reported.
+TEST(PlotTables, CompareRunsChecksAgreementWithinTheSpread) {
+  const fs::path out = fresh_dir("compare_runs");
+  const fs::path a = kFixtures / "tab_backward_interleaved.jsonl";
+  const fs::path b = out / "slower.jsonl";
+  {
+    std::ifstream in(a);
+    std::ofstream o(b);
+    for (std::string line; std::getline(in, line);) {
+      auto row = nlohmann::json::parse(line);
+      if (row["method"] == "collider" || row["method"] == "loss_only") {
+        for (auto& v : row["repetition_bwd_ms"]) v = v.get<double>() * 1.1;
+        row["bwd_ms"] = row["bwd_ms"].get<double>() * 1.1;
+      }
+      o << row.dump() << "\n";
+    }
+  }
+  auto compare = [&](const fs::path& x, const fs::path& y) {
+    const fs::path log = out / "log.txt";
+    const std::string cmd = quote(find_python()) + " " + quote((kSource / "plots" / "compare_runs.py").string()) +
+                            " --results " + quote(x.string()) + " " + quote(y.string()) + " > " + quote(log.string()) +
+                            " 2>&1";
+    const int status = std::system(cmd.c_str());
+    return RunResult{WIFEXITED(status) ? WEXITSTATUS(status) : -1, read_file(log)};
+  };
+  const RunResult same = compare(a, a);
+  EXPECT_EQ(same.exit_code, 0) << same.log;
+  EXPECT_NE(same.log.find("1 of 1 changes agree"), std::string::npos) << same.log;
+  EXPECT_NE(same.log.find("loss_only inside the A/A band in 2 of 2 groups"), std::string::npos) << same.log;
+  const RunResult slower = compare(a, b);
+  EXPECT_EQ(slower.exit_code, 1) << slower.log;
+  EXPECT_NE(slower.log.find("DISAGREE tinyllama-mini T=512 B=2 Collider (kept_only)"), std::string::npos) << slower.log;
+  EXPECT_NE(slower.log.find("OUTSIDE"), std::string::npos) << slower.log;
+  remove_tree(out);
+}
+
 TEST(PlotTables, ResultsWithoutOkRowsAreAnError) {
   const fs::path out = fresh_dir("no_ok_rows");
   const fs::path bad = out / "bad.jsonl";
