@@ -411,6 +411,11 @@ selection = ["per_sequence", "batch_topk"]
     EXPECT_TRUE(std::isfinite(batch["val_loss"].get<double>()));
     // batch_topk drops ceil(0.4 x 96) = 39 of the batch's 3 x 32 tokens each step, over 8 steps.
     EXPECT_EQ(batch["tokens_backprop"].get<double>(), 8 * (3 * 32 - 39));
+    // The logged step's rows: per_sequence keeps 32 - 16 in each (drop 12.8 rounded up to 16).
+    EXPECT_EQ(per_seq["kept_per_row_min"], 16);
+    EXPECT_EQ(per_seq["kept_per_row_max"], 16);
+    EXPECT_NEAR(batch["kept_per_row_mean"].get<double>(), (3 * 32 - 39) / 3.0, 1e-9);
+    EXPECT_LE(batch["kept_per_row_min"].get<int64_t>(), batch["kept_per_row_max"].get<int64_t>());
   }
   EXPECT_EQ(last.at(base + "loss_only/none/batch_topk")["tokens_backprop"],
             last.at(base + "collider/exact_query/batch_topk")["tokens_backprop"]);

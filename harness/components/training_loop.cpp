@@ -158,6 +158,7 @@ void train_loop(const TrainSettings& s, RunSpec spec, Trainer& tr,
     st.elapsed_s += seconds_since(t0);
     st.tokens_seen += static_cast<double>(r.tokens);
     st.tokens_backprop += static_cast<double>(r.tokens_kept);
+    st.last_kept_per_row = r.kept_per_row;
     // r.loss (kept) and the token counts are over every rank already; loss_all is this rank's:
     // its share of the global mean, summed over ranks when logged.
     loss_sum += spec.dist ? r.loss_all * static_cast<double>(b.input_ids_BT.numel()) / static_cast<double>(r.tokens)

@@ -18,6 +18,7 @@
 #include <iosfwd>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace collider::harness {
 
@@ -38,6 +39,9 @@ struct RunState {
   // log_every.
   double log_loss_sum = 0.0, log_kept_sum = 0.0;
   int64_t log_steps = 0;
+  // The last step's kept count per row (this rank's rows; they differ under batch_topk). Not
+  // checkpointed: every logged row follows a step of the process that logs it.
+  std::vector<int64_t> last_kept_per_row;
   nlohmann::json to_json() const;
   static RunState from_json(const nlohmann::json& j);
 };

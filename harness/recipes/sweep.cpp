@@ -228,14 +228,8 @@ class PointMeasurements {
     row["tokens_kept"] = tokens_kept_;
     row["kept_per_seq"] = kept_per_seq_;
     // Kept counts of the rows (they differ under batch_topk), last measured step, this rank.
-    if (!kept_per_row_.empty()) {
-      double sum = 0;
-      for (int64_t n : kept_per_row_) sum += static_cast<double>(n);
-      row["kept_per_row"] = kept_per_row_;
-      row["kept_per_row_min"] = *std::min_element(kept_per_row_.begin(), kept_per_row_.end());
-      row["kept_per_row_max"] = *std::max_element(kept_per_row_.begin(), kept_per_row_.end());
-      row["kept_per_row_mean"] = sum / static_cast<double>(kept_per_row_.size());
-    }
+    if (!kept_per_row_.empty()) row["kept_per_row"] = kept_per_row_;
+    write_kept_counts(row, kept_per_row_);
     row["global_tokens_kept"] = global_tokens_kept_;
     row["peak_mem_bytes"] = peak_;
     row["peak_mem_method"] = peak_mem_method;

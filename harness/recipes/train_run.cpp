@@ -244,6 +244,7 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
           row["elapsed_s"] = st.elapsed_s;
           row["tokens_seen"] = st.tokens_seen;
           row["tokens_backprop"] = st.tokens_backprop;
+          write_kept_counts(row, st.last_kept_per_row);  // the logged step's rows (ragged under batch_topk)
           row["lr"] = lr;
           row["final"] = st.step == s.steps;
           row["timestamp"] = utc_timestamp();

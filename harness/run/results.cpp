@@ -93,6 +93,15 @@ const std::vector<RowField>& measured_row_fields() {
   return f;
 }
 
+void write_kept_counts(nlohmann::json& row, const std::vector<int64_t>& kept_per_row) {
+  if (kept_per_row.empty()) return;
+  double sum = 0;
+  for (int64_t n : kept_per_row) sum += static_cast<double>(n);
+  row["kept_per_row_min"] = *std::min_element(kept_per_row.begin(), kept_per_row.end());
+  row["kept_per_row_max"] = *std::max_element(kept_per_row.begin(), kept_per_row.end());
+  row["kept_per_row_mean"] = sum / static_cast<double>(kept_per_row.size());
+}
+
 void clear_measurements(nlohmann::json& row) {
   for (const auto& f : measured_row_fields()) {
     row[f.key] = f.type == JsonType::kArray ? nlohmann::json::array() : nlohmann::json(nullptr);

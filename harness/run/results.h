@@ -32,6 +32,10 @@ const std::vector<RowField>& measured_row_fields();
 // Sets every measured key of `row` to null (arrays: empty).
 void clear_measurements(nlohmann::json& row);
 
+// kept_per_row_min / _max / _mean of one step's kept count per row (they differ under
+// batch_topk); nothing for an empty list. Timing and training rows both carry them.
+void write_kept_counts(nlohmann::json& row, const std::vector<int64_t>& kept_per_row);
+
 // Problems of one row against the schema (empty = valid): missing keys, wrong types, bad
 // status, layers entries without {name, fwd_ms, bwd_ms}.
 std::vector<std::string> validate_row(const nlohmann::json& row);
