@@ -1,8 +1,9 @@
 // Collider's backward vs regular and loss_only, measured side by side in one process (the
 // backward benchmark of results/README.md). For each model and T: regular, loss_only, collider kept_only, collider exact_query
 // and the T' floor (regular on a batch of T' = N tokens) run interleaved, repetition by
-// repetition, so machine drift hits all methods alike; medians are reported with the FLOP ideal
-// (1 - analytic backward FLOPs / regular's), the rewrite overhead and the live-tensor peak.
+// repetition (every other round reversed), so machine drift hits all methods alike; medians
+// are reported with the FLOP ideal (1 - analytic backward FLOPs / regular's), the rewrite
+// overhead and the live-tensor peak.
 // bwd_ms is loss.backward() alone; collider's reduction and "vs floor" count bwd_ms + rewrite_ms;
 // rewrite% is rewrite_ms / collider's bwd_ms, rw/reg% rewrite_ms / regular's bwd_ms. Below each
 // table: the rewrite's copies (time, bytes, bandwidth) and a plain cold copy of the same bytes. The CPU allocator caches freed blocks like CUDA's (harness/components/memory.h;
@@ -302,7 +303,10 @@ int main(int argc, char** argv) try {
       }
       std::map<std::string, std::vector<Sample>> samples;  // by Kind::name
       for (int r = 0; r < o.warmup + o.reps; ++r) {
-        for (const Kind& k : kinds) {
+        // Serpentine order (every other round reversed), as the timing sweeps run: a method's
+        // place in the round, right after a large backward or not, evens out over the rounds.
+        for (size_t j = 0; j < kinds.size(); ++j) {
+          const Kind& k = kinds[r % 2 ? kinds.size() - 1 - j : j];
           Sample s = k.floor ? run_once(m, plan, k, idx_N, labels_N, keep_N, mem, o.bf16)
                              : run_once(m, plan, k, idx, labels, k.ragged() ? keep_ragged : keep, mem, o.bf16);
           if (k.is_collider()) s.copy_ms = cold_copy_ms(s.gathered_bytes, dev);

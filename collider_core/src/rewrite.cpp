@@ -26,6 +26,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <set>
 #include <tuple>
 #include <typeindex>
 #include <unordered_map>
@@ -52,7 +53,7 @@ class KeyRowsNode final : public Node {
     torch::NoGradGuard no_grad;
     if (zero_only_) return {index_->zero_dropped(g, spec_, true)};
     // Padding rows of ragged masks are dropped tokens: their dK/dV are discarded too.
-    return {index_->zero_padding(index_->cut(g, spec_, /*cut_keys=*/true), spec_, /*keys_only=*/false)};
+    return {index_->zero_padding_into(index_->cut(g, spec_, /*cut_keys=*/true), g, spec_, /*keys_only=*/false)};
   }
 
  private:
@@ -160,6 +161,13 @@ struct CacheKey {
   }
 };
 
+// COLLIDER_RAGGED_GEMMS_PADDED=1: ragged masks' token-row GEMMs stay on the padded [B*N] rows (no
+// PackedRowsNode), to measure what packing them gains (token_index.cpp has the numbers).
+bool gemms_padded() {
+  static const bool on = std::getenv("COLLIDER_RAGGED_GEMMS_PADDED") != nullptr;
+  return on;
+}
+
 class Rewriter {
  public:
   Rewriter(const PlanData& plan, std::shared_ptr<TokenIndex> index, bool cut_keys, bool masked, FilterStats& stats)
@@ -170,7 +178,7 @@ class Rewriter {
     const auto& nodes = plan_.nodes;
     // Ragged masks: the token-row GEMMs that run on packed rows (none of them feeding another).
     std::vector<int> packed_output(nodes.size(), -1);
-    if (ix_->ragged() && !masked_) {
+    if (ix_->ragged() && !masked_ && !gemms_padded()) {
       for (size_t i = 0; i < nodes.size(); ++i) packed_output[i] = packed_token_output(nodes[i]);
       for (size_t i = 0; i < nodes.size(); ++i) {
         if (packed_output[i] < 0) continue;
@@ -285,6 +293,7 @@ class Rewriter {
   FilterStats& stats_;
   std::map<CacheKey, torch::Tensor> cache_;
   std::map<CacheKey, torch::Tensor> packed_cache_;  // cut_saved_packed
+  std::set<const void*> keys_zeroed_;  // cut attention probabilities whose padding keys are zeroed already
   std::vector<std::function<void()>> writes_;
   std::unordered_map<const Node*, std::shared_ptr<PackedRowsNode>> packed_;  // original node -> its stand-in
 };
@@ -416,9 +425,11 @@ class Rewriter::Apply final : public FieldVisitor {
       out = rw_.cut_saved(t.detach(), f->shape);
       // Ragged masks: padding keys get no attention probability (kept_only), so they neither
       // give nor receive gradient; P is the field with a query and a key dimension.
+      // Softmax and P @ V save the same P: its one cut is zeroed once.
       if (rw_.cut_keys_ && rw_.ix_->ragged() && spec_.attention_core && f->shape.has_key() &&
-          two_token_dims(f->shape)) {
-        out = rw_.ix_->zero_padding(out, f->shape, /*keys_only=*/true);
+          two_token_dims(f->shape) && !rw_.keys_zeroed_.count(out.data_ptr())) {
+        out = rw_.ix_->zero_padding_into(out, t, f->shape, /*keys_only=*/true);
+        if (!out.is_alias_of(t)) rw_.keys_zeroed_.insert(out.data_ptr());
       }
     }
     rw_.defer([&v, out = std::move(out)] { v = SavedVariable(out, /*is_output=*/false); });

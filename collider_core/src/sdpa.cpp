@@ -183,7 +183,7 @@ class FilteredAttentionNode final : public Node {
   // zero (ZeroPadding where gradients are born), so it adds nothing to any gradient.
   torch::Tensor kept_keys(const torch::Tensor& g_BGTE) const {
     const auto spec4 = bhte_spec(4);
-    return ix_->zero_padding(ix_->cut(g_BGTE, spec4, true), spec4, false);
+    return ix_->zero_padding_into(ix_->cut(g_BGTE, spec4, true), g_BGTE, spec4, false);
   }
   variable_list kept_only_blocked(const torch::Tensor& dO_BHNE, int64_t T) const {
     const auto spec4 = bhte_spec(4), spec3 = bhte_spec(3);

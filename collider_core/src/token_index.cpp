@@ -114,7 +114,13 @@ torch::Tensor TokenIndex::cut_packed(const torch::Tensor& x_TP) const {
 }
 
 torch::Tensor TokenIndex::zero_padding(const torch::Tensor& x, const ShapeSpec& spec, bool keys_only) const {
+  return zero_padding_into(x, x, spec, keys_only);
+}
+
+torch::Tensor TokenIndex::zero_padding_into(torch::Tensor x, const torch::Tensor& source, const ShapeSpec& spec,
+                                            bool keys_only) const {
   if (!ragged_ || !x.is_floating_point()) return x;
+  bool in_place = !x.is_alias_of(source);  // after the first product, out is ours either way
   int64_t bdim = -1, mult = 1;
   for (const auto& d : spec.dims)
     if (d.kind == DimKind::kBatch) bdim = d.dim, mult = d.mult;
@@ -140,7 +146,8 @@ torch::Tensor TokenIndex::zero_padding(const torch::Tensor& x, const ShapeSpec& 
       shape[dim] = N_;
       f = f.reshape(shape);
     }
-    out = out * f;
+    out = in_place ? out.mul_(f) : out * f;
+    in_place = true;
   }
   return out;
 }
