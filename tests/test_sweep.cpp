@@ -3,11 +3,13 @@
 // failing point yields a status row, the sweep goes on, the exit code is non-zero; --resume after
 // a killed run (a real SIGKILL of the CLI, and a torn last line) completes the sweep with no
 // duplicate rows; a directory holding rows is refused without --resume; the CPU peak-memory
-// probe grows with the batch; the smoke manifest (all four methods) runs; forward_drop rows
-// count its middle layers' tokens in their FLOPs.
+// probe grows with the batch and the caching allocator stays exact past its limit; the smoke
+// manifest (all four methods) runs; forward_drop rows count its middle layers' tokens in their
+// FLOPs.
 // Run: OMP_NUM_THREADS=1 build-harness/tests/test_sweep
 #include "harness/recipes/cli.h"
 #include "base/fsutil.h"
+#include "harness/components/memory.h"
 #include "harness/run/results.h"
 #include "models/flops.h"
 
@@ -235,6 +237,33 @@ batch_size = [1, 8]
   const int64_t b1 = rows[0]["peak_mem_bytes"], b8 = rows[1]["peak_mem_bytes"];
   // Activations of B = 8 (logits alone: 8 x 64 x 256 floats = 512 KiB) on top of the same weights.
   EXPECT_GT(b8 - b1, 512 * 1024) << b1 << " vs " << b8;
+}
+
+// The caching CPU allocator under a small limit (8 MiB here, when this test installs it; ctest
+// runs each test in its own process): blocks of many sizes freed past the limit push the least
+// recently freed ones out, and every block handed out again holds what it is written, with the
+// live-byte count exact throughout.
+TEST(Sweep, CpuAllocatorCacheGivesBackTheOldestBlocksWhenFull) {
+  ::setenv("COLLIDER_CPU_CACHE_MIB", "8", 1);
+  ch::install_cpu_memory_tracking();
+  ch::MemoryProbe probe(torch::kCPU);
+  const int64_t base = probe.live_bytes();
+  for (int round = 0; round < 3; ++round) {
+    std::vector<torch::Tensor> held;
+    int64_t bytes = 0;
+    for (int64_t i = 1; i <= 12; ++i) {  // 0.25 .. 3 MiB, 19.5 MiB in all: past the limit
+      held.push_back(torch::full({i * 65536}, static_cast<float>(round * 100 + i)));
+      bytes += i * 65536 * 4;
+    }
+    EXPECT_EQ(probe.live_bytes() - base, bytes);
+    for (int64_t i = 1; i <= 12; ++i) {
+      EXPECT_EQ(held[i - 1].min().item<float>(), static_cast<float>(round * 100 + i));
+      EXPECT_EQ(held[i - 1].max().item<float>(), static_cast<float>(round * 100 + i));
+    }
+    held.clear();
+    EXPECT_EQ(probe.live_bytes() - base, 0);
+  }
+  ::unsetenv("COLLIDER_CPU_CACHE_MIB");
 }
 
 TEST(Sweep, ResumeWithoutOutPicksTheNewestRunOfTheManifest) {

@@ -12,11 +12,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace collider::harness {
 namespace {
@@ -37,10 +39,9 @@ class TrackingCpuAllocator final : public c10::Allocator {
       // Best fit among cached blocks no more than 1/8 larger than asked (bounded waste).
       auto it = free_.lower_bound(cap);
       if (it != free_.end() && it->first <= cap + cap / 8) {
-        p = it->second;
+        p = it->second.ptr;
         cap = it->first;
-        cached_ -= cap;
-        free_.erase(it);
+        uncache(it);
         note_live(p, n, cap);
       }
     }
@@ -56,9 +57,15 @@ class TrackingCpuAllocator final : public c10::Allocator {
   c10::DeleterFnPtr raw_deleter() const override { return &TrackingCpuAllocator::free; }
   void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 
+  // A freed block is cached; when the cache would outgrow its limit, the blocks cached longest
+  // ago are given back first (least recently freed): they belong to shapes no longer in use, and
+  // the block just freed is the one the next step asks for again. (Refusing the new block
+  // instead kept stale shapes forever: a benchmark interleaving seven methods at T = 1024 filled
+  // the 8 GiB cache and the last methods of each round page-faulted every block.)
   static void free(void* p) {
     if (!p) return;
     TrackingCpuAllocator* self = instance();
+    std::vector<void*> evicted;
     {
       std::lock_guard<std::mutex> lock(self->mu_);
       auto it = self->sizes_.find(p);
@@ -66,25 +73,33 @@ class TrackingCpuAllocator final : public c10::Allocator {
         const Block b = it->second;
         self->live_ -= static_cast<int64_t>(b.bytes);
         self->sizes_.erase(it);
-        if (self->caching_ && b.capacity >= kCacheMin && self->cached_ + b.capacity <= self->cache_limit_) {
-          self->free_.emplace(b.capacity, p);
+        if (self->caching_ && b.capacity >= kCacheMin && b.capacity <= self->cache_limit_) {
+          while (self->cached_ + b.capacity > self->cache_limit_) {
+            auto oldest = self->by_age_.begin()->second;
+            evicted.push_back(oldest->second.ptr);
+            self->uncache(oldest);
+          }
+          auto at = self->free_.emplace(b.capacity, Cached{p, self->next_age_});
+          self->by_age_.emplace(self->next_age_++, at);
           self->cached_ += b.capacity;
-          return;
+          p = nullptr;
         }
       }
     }
-    self->inner_free_(p);
+    for (void* e : evicted) self->inner_free_(e);
+    if (p) self->inner_free_(p);
   }
 
   // Returns every cached block to the system allocator.
   void release_cached() {
-    std::multimap<size_t, void*> blocks;
+    std::multimap<size_t, Cached> blocks;
     {
       std::lock_guard<std::mutex> lock(mu_);
       blocks.swap(free_);
+      by_age_.clear();
       cached_ = 0;
     }
-    for (auto& [cap, p] : blocks) inner_free_(p);
+    for (auto& [cap, c] : blocks) inner_free_(c.ptr);
   }
   bool caching() const { return caching_; }
 
@@ -146,13 +161,25 @@ class TrackingCpuAllocator final : public c10::Allocator {
   const size_t cache_limit_;
   mutable std::mutex mu_;
   std::unordered_map<void*, Block> sizes_;
-  std::multimap<size_t, void*> free_;  // cached blocks by capacity
+  struct Cached {
+    void* ptr;
+    uint64_t age;  // order of caching: the key of its by_age_ entry
+  };
+  using FreeList = std::multimap<size_t, Cached>;
+  void uncache(FreeList::iterator it) {  // mu_ held
+    cached_ -= it->first;
+    by_age_.erase(it->second.age);
+    free_.erase(it);
+  }
+  FreeList free_;                                 // cached blocks by capacity
+  std::map<uint64_t, FreeList::iterator> by_age_;  // the same blocks, least recently freed first
+  uint64_t next_age_ = 0;
   size_t cached_ = 0;
   int64_t live_ = 0, peak_ = 0;
 };
 
 // COLLIDER_CPU_CACHING=0 turns caching off (glibc's behaviour); COLLIDER_CPU_CACHE_MIB bounds the
-// bytes kept cached (default 8192).
+// bytes kept cached (default 8192; beyond it the least recently freed blocks go back).
 bool caching_from_env() {
   const char* v = std::getenv("COLLIDER_CPU_CACHING");
   return !(v && std::string(v) == "0");

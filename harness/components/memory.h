@@ -3,7 +3,7 @@
 // front of c10's default one that counts live tensor bytes and their peak (the same quantity:
 // bytes held by tensors, not allocator or process overhead). Each row names its method in
 // `peak_mem_method`.
-// Tests: tests/test_sweep.cpp (CPU peak grows with the batch).
+// Tests: tests/test_sweep.cpp (CPU peak grows with the batch; the cache past its limit).
 #pragma once
 
 #include <torch/torch.h>
