@@ -8,6 +8,9 @@
 // rewrite% is rewrite_ms / collider's bwd_ms, rw/reg% rewrite_ms / regular's bwd_ms. Below each
 // table: the rewrite's copies (time, bytes, bandwidth) and a plain cold copy of the same bytes. The CPU allocator caches freed blocks like CUDA's (harness/components/memory.h;
 // COLLIDER_CPU_CACHING=0 for glibc's behaviour): the allocator mode is printed in the header.
+// Its default 8 GiB holds every method's blocks at batch 1; at batch 4, T = 1024, the seven
+// methods' blocks need more (COLLIDER_CPU_CACHE_MIB=16384), or the last ones of each round
+// page-fault their gathers in.
 //   build/bench/bm_collider_backward [--models tinyllama-mini,qwen2.5-mini,phi-1.5-mini]
 //       [--seq 512,1024] [--ratio 0.4] [--batch 1] [--reps 7] [--warmup 2] [--json FILE]
 //       [--device cpu|cuda] [--bf16]

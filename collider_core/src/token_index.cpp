@@ -25,18 +25,21 @@ namespace collider::detail {
 // are excluded exactly: their incoming gradient is zeroed where gradients are born (the loss
 // side), they are zeroed as attention keys (kept_only) and their dK/dV discarded (exact_query),
 // so every padding row carries a zero gradient through every token-wise op and adds nothing.
-// Why padded and not packed [sum N_b] rows: the rewrite then touches only the kept positions'
-// bookkeeping and three zeroing points, and the per-sequence case (no padding) runs the very
-// same code. The price is (N - mean N_b) / mean N_b extra rows of token-wise work. On real
-// excess-loss selections (bench/bm_collider_backward --selection batch_topk, B = 4, 40%
-// filtered, the utility experiment's reference model) rows kept [227, 325, 305, 371] of 512
-// (+21% rows over the mean) and [516, 674, 614, 653] of 1024 (+10%) for tinyllama-mini, so this
-// layout is a first step: meeting the per-sequence cost needs packed token-wise rows with the
-// attention cores alone padded per row. That is what the rewrite does for the GEMMs of the token
-// rows (rewrite.cpp, PackedRowsNode): the backward of every x @ W (MmBackward0, AddmmBackward0
-// with x the [B*T, D] token rows: q, k, v, o, the MLP and the LM head, most of the backward's
-// FLOPs) runs on the S = sum_b N_b packed kept rows; element-wise work and the attention cores
-// stay padded.
+// On top of it, the GEMMs of the token rows run packed (rewrite.cpp, PackedRowsNode): the
+// backward of every x @ W (MmBackward0, AddmmBackward0 with x the [B*T, D] token rows: q, k, v,
+// o, the MLP and the LM head, most of the backward's FLOPs) runs on the S = sum_b N_b kept rows.
+// Element-wise work and the attention cores stay padded.
+// Why this layout: the per-sequence case (no padding) runs the very same code, the rewrite
+// touches only the kept positions' bookkeeping and three zeroing points, and the FLOP-heavy part
+// costs what the kept tokens cost. What the padding costs: on real excess-loss selections
+// (bench/bm_collider_backward --selection batch_topk, B = 4, 40% filtered) tinyllama-mini rows
+// kept [227, 325, 305, 371] of 512 (+21% element-wise rows, +42% attention scores over
+// sum N_b^2) and [516, 674, 614, 653] of 1024 (+10%, +19%). Measured on 2 CPU cores
+// (results/bm_collider_backward/cpu-cpu-20261203-ragged-{a,b}), ragged rows took 3-10% longer
+// than per-sequence rows of the same total at T = 512 and -9% to +19% at T = 1024 (median of
+// per-round ratios, on a host whose A/A noise was of that size) and 0.79-1.07 of their own
+// FLOP ideal. Packed per-row attention
+// (variable-length cores) and packed element-wise ops would remove that; they are not written.
 TokenIndex::TokenIndex(const torch::Tensor& keep_BT) {
   if (!keep_BT.defined()) throw Error("filter_backward: the keep mask is undefined");
   if (keep_BT.dim() != 2 || keep_BT.scalar_type() != torch::kBool) {
