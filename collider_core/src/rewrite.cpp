@@ -26,7 +26,6 @@
 #include <cstring>
 #include <functional>
 #include <map>
-#include <set>
 #include <tuple>
 #include <typeindex>
 #include <unordered_map>
@@ -156,17 +155,12 @@ struct CacheKey {
   int dtype;
   std::vector<int64_t> strides;  // empty for contiguous tensors (views reconciled by reshape)
   std::vector<int64_t> sizes;
+  bool padding_keys_zeroed = false;  // a cut whose padding keys are zeroed is cached apart
   bool operator<(const CacheKey& o) const {
-    return std::tie(data, numel, dtype, strides, sizes) < std::tie(o.data, o.numel, o.dtype, o.strides, o.sizes);
+    return std::tie(data, numel, dtype, strides, sizes, padding_keys_zeroed) <
+           std::tie(o.data, o.numel, o.dtype, o.strides, o.sizes, o.padding_keys_zeroed);
   }
 };
-
-// COLLIDER_RAGGED_GEMMS_PADDED=1: ragged masks' token-row GEMMs stay on the padded [B*N] rows (no
-// PackedRowsNode), to measure what packing them gains (token_index.cpp has the numbers).
-bool gemms_padded() {
-  static const bool on = std::getenv("COLLIDER_RAGGED_GEMMS_PADDED") != nullptr;
-  return on;
-}
 
 class Rewriter {
  public:
@@ -178,7 +172,7 @@ class Rewriter {
     const auto& nodes = plan_.nodes;
     // Ragged masks: the token-row GEMMs that run on packed rows (none of them feeding another).
     std::vector<int> packed_output(nodes.size(), -1);
-    if (ix_->ragged() && !masked_ && !gemms_padded()) {
+    if (ix_->ragged() && !masked_) {
       for (size_t i = 0; i < nodes.size(); ++i) packed_output[i] = packed_token_output(nodes[i]);
       for (size_t i = 0; i < nodes.size(); ++i) {
         if (packed_output[i] < 0) continue;
@@ -239,15 +233,19 @@ class Rewriter {
     return out;
   }
 
-  torch::Tensor cut_saved(const torch::Tensor& t, const ShapeSpec& spec) {
+  // zero_padding_keys: the cut's padding keys are zeroed too, before it is cached (softmax and
+  // P @ V save the same attention probabilities: one cut, zeroed once, serves both).
+  torch::Tensor cut_saved(const torch::Tensor& t, const ShapeSpec& spec, bool zero_padding_keys = false) {
     // One gather per distinct tensor; contiguous views of the same memory share it.
-    CacheKey key{t.data_ptr(), t.numel(), static_cast<int>(t.scalar_type()), {}, {}};
+    CacheKey key{t.data_ptr(), t.numel(), static_cast<int>(t.scalar_type()), {}, {}, zero_padding_keys};
     if (!t.is_contiguous()) {
       key.strides = t.strides().vec();
       key.sizes = t.sizes().vec();
     }
     auto want = ix_->cut_sizes(t.sizes(), spec, cut_keys_);
-    if (spec.pad_rank == 0 && c10::IntArrayRef(want) == t.sizes()) return t;  // nothing to cut (keys under exact_query)
+    if (spec.pad_rank == 0 && c10::IntArrayRef(want) == t.sizes()) {  // nothing to cut (keys under exact_query)
+      return zero_padding_keys ? ix_->zero_padding(t, spec, /*keys_only=*/true) : t;
+    }
     const int64_t want_numel = c10::multiply_integers(want);
     auto it = cache_.find(key);
     if (it != cache_.end() && it->second.numel() == want_numel && spec.pad_rank == 0 &&
@@ -264,6 +262,7 @@ class Rewriter {
     if (!broadcast && (!out.is_non_overlapping_and_dense() || (t.is_contiguous() && !out.is_contiguous()))) {
       out = out.contiguous();
     }
+    if (zero_padding_keys) out = ix_->zero_padding_into(out, t, spec, /*keys_only=*/true);
     const double dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - g0).count();
     stats_.gather_ms += dt;
     if (debug_gather()) {  // one line per gather, to find slow copies
@@ -293,7 +292,6 @@ class Rewriter {
   FilterStats& stats_;
   std::map<CacheKey, torch::Tensor> cache_;
   std::map<CacheKey, torch::Tensor> packed_cache_;  // cut_saved_packed
-  std::set<const void*> keys_zeroed_;  // cut attention probabilities whose padding keys are zeroed already
   std::vector<std::function<void()>> writes_;
   std::unordered_map<const Node*, std::shared_ptr<PackedRowsNode>> packed_;  // original node -> its stand-in
 };
@@ -422,15 +420,11 @@ class Rewriter::Apply final : public FieldVisitor {
     } else if (packed_) {
       out = rw_.cut_saved_packed(t.detach());
     } else {
-      out = rw_.cut_saved(t.detach(), f->shape);
       // Ragged masks: padding keys get no attention probability (kept_only), so they neither
       // give nor receive gradient; P is the field with a query and a key dimension.
-      // Softmax and P @ V save the same P: its one cut is zeroed once.
-      if (rw_.cut_keys_ && rw_.ix_->ragged() && spec_.attention_core && f->shape.has_key() &&
-          two_token_dims(f->shape) && !rw_.keys_zeroed_.count(out.data_ptr())) {
-        out = rw_.ix_->zero_padding_into(out, t, f->shape, /*keys_only=*/true);
-        if (!out.is_alias_of(t)) rw_.keys_zeroed_.insert(out.data_ptr());
-      }
+      const bool zero_keys = rw_.cut_keys_ && rw_.ix_->ragged() && spec_.attention_core && f->shape.has_key() &&
+                             two_token_dims(f->shape);
+      out = rw_.cut_saved(t.detach(), f->shape, zero_keys);
     }
     rw_.defer([&v, out = std::move(out)] { v = SavedVariable(out, /*is_output=*/false); });
     changed = true;

@@ -262,8 +262,8 @@ class FilteredAttentionNode final : public Node {
       auto ds = p * (dOf.matmul(v.transpose(-2, -1)) - d);
       dq = ds.matmul(k) * s_.scale;
       // dropped keys' gradients discarded, padding rows (dropped tokens too) included
-      dk = ix_->zero_padding(ix_->cut(to_groups(ds.transpose(-2, -1).matmul(q) * s_.scale), spec4, true), spec4, false);
-      dv = ix_->zero_padding(ix_->cut(to_groups(p.transpose(-2, -1).matmul(dOf)), spec4, true), spec4, false);
+      dk = kept_keys(to_groups(ds.transpose(-2, -1).matmul(q) * s_.scale));
+      dv = kept_keys(to_groups(p.transpose(-2, -1).matmul(dOf)));
     }
     return {dq.to(dtype), dk.to(dtype), dv.to(dtype)};
   }
