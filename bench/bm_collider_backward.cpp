@@ -306,10 +306,10 @@ int main(int argc, char** argv) try {
       }
       std::map<std::string, std::vector<Sample>> samples;  // by Kind::name
       for (int r = 0; r < o.warmup + o.reps; ++r) {
-        // Serpentine order (every other round reversed), as the timing sweeps run: a method's
-        // place in the round, right after a large backward or not, evens out over the rounds.
+        // Serpentine order, as the timing sweeps run: a method's place in the round, right after
+        // a large backward or not, evens out over the rounds.
         for (size_t j = 0; j < kinds.size(); ++j) {
-          const Kind& k = kinds[r % 2 ? kinds.size() - 1 - j : j];
+          const Kind& k = kinds[collider::stats::serpentine(r, j, kinds.size())];
           Sample s = k.floor ? run_once(m, plan, k, idx_N, labels_N, keep_N, mem, o.bf16)
                              : run_once(m, plan, k, idx, labels, k.ragged() ? keep_ragged : keep, mem, o.bf16);
           if (k.is_collider()) s.copy_ms = cold_copy_ms(s.gathered_bytes, dev);

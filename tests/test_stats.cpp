@@ -28,3 +28,10 @@ TEST(Stats, RelativeIqrIsTheQuartileDistanceOverTheMedian) {
   EXPECT_DOUBLE_EQ(cs::rel_iqr({}), 0.0);
   EXPECT_DOUBLE_EQ(cs::rel_iqr({0, 0, 0}), 0.0);  // no centre, no relative spread
 }
+
+TEST(Stats, SerpentineRunsOddRoundsInReverse) {
+  std::vector<size_t> order;
+  for (long long round = 0; round < 3; ++round)
+    for (size_t j = 0; j < 3; ++j) order.push_back(cs::serpentine(round, j, 3));
+  EXPECT_EQ(order, (std::vector<size_t>{0, 1, 2, 2, 1, 0, 0, 1, 2}));
+}

@@ -507,14 +507,8 @@ GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& poin
   if (trainer) {
     for (auto& mb : members) guarded_block(mb, -1);
     for (int64_t rep = 0; rep < m.run.repetitions && !stopped(); ++rep) {
-      // Serpentine order: odd rounds run the points in reverse. A drift inside a round (the machine
-      // speeding up or slowing down while the round runs) then favours the late points in one round
-      // and the early ones in the next, instead of the same points every round.
-      if (rep % 2 == 0) {
-        for (auto& mb : members) guarded_block(mb, rep);
-      } else {
-        for (auto it = members.rbegin(); it != members.rend(); ++it) guarded_block(*it, rep);
-      }
+      // Serpentine order (base/stats.h): odd rounds run the points in reverse.
+      for (size_t j = 0; j < members.size(); ++j) guarded_block(members[stats::serpentine(rep, j, members.size())], rep);
       std::string line;  // in manifest order, whatever the round's order was
       for (auto& mb : members) {
         line +=
