@@ -217,7 +217,7 @@ def describe_device(rows: Sequence[dict]) -> str:
     if not scales:
         # Rows do not name their scale: CPU runs use the -mini presets (CPU scale).
         is_cpu = all(d.startswith("cpu") for d in devices) or all(
-            str(r.get("model", "")).endswith(("-mini", "-debug")) for r in rows)
+            str(r.get("model", "")).endswith(("-mini", "-micro", "-debug")) for r in rows)
         scales = ["CPU scale" if is_cpu else "paper scale"]
     else:
         scales = [f"{s} scale" for s in scales]
