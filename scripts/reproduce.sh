@@ -6,13 +6,14 @@
 #   ./scripts/reproduce.sh                  # cpu scale (-mini models; about 25 min on 2 quiet cores)
 #   ./scripts/reproduce.sh --scale paper    # full-size models, bf16, needs a CUDA GPU
 #   ./scripts/reproduce.sh --quick          # seconds-to-a-minute smoke version (tests this script)
-#   ./scripts/reproduce.sh --only tab_utility --utility full   # the full utility table (cpu; ~1 h)
+#   ./scripts/reproduce.sh --only tab_utility --utility full   # the full utility table (cpu; ~1.5-2 h)
 # Options: --build DIR (use an existing build, skip bootstrap), --only a,b (experiment stems),
 #   --plots-only (redraw from the newest existing results of the scale), --no-bench,
 #   --set key=value (repeatable; passed to every `collider run`, e.g. --set run.threads=4),
-#   --utility quick|full (cpu scale: the utility tables' training runs, experiments/tab_utility.toml
-#   and tab_utility_selection.toml; quick (default, about 10 min) is a shortened run of both, full
-#   the manifests as written).
+#   --utility quick|full (cpu scale: the utility table's training runs, experiments/tab_utility.toml,
+#   3 seeds as parallel 1-thread processes, then its step times interleaved in one process,
+#   experiments/tab_utility_step_time.toml; quick (default, under 10 min) is a shortened run,
+#   full the manifest as written).
 #   The utility data comes from scripts/prepare_data.sh (idempotent; --sample data with --quick).
 # Results: results/<experiment>/<scale>-<device>-<date>/ (results.jsonl, env.json, run.log, ...);
 # --quick writes everything under out/reproduce-quick/ (ignored by git) instead.
@@ -125,9 +126,9 @@ say "scale $SCALE, device $DEVICE$( ((QUICK)) && echo ', QUICK (tiny -debug mode
 # grid; every row carries step_ms), so its manifest is not run here.
 EXPERIMENTS=(tab_backward_time fig_filter_ratio fig_context_length fig_layer_breakdown)
 # The utility table trains models on real text (cpu scale only; no paper-scale manifest).
-# tab_utility_selection: RHO-1's batch-level selection against the per-sequence one (same data).
-[[ "$SCALE" == cpu ]] && EXPERIMENTS+=(tab_utility tab_utility_selection)
-is_utility() { [[ "$1" == tab_utility || "$1" == tab_utility_selection ]]; }
+# It holds RHO-1's batch-level selection beside the per-sequence one (axes.selection).
+[[ "$SCALE" == cpu ]] && EXPERIMENTS+=(tab_utility)
+is_utility() { [[ "$1" == tab_utility ]]; }
 wanted() {  # wanted STEM: honours --only
   [[ -z "$ONLY" ]] && return 0
   local s; IFS=',' read -ra s <<<"$ONLY"
@@ -153,7 +154,7 @@ quick_sets() {  # quick_sets STEM -> --set arguments
   esac
 }
 # tab_utility: --quick = a few steps on the --sample data; --utility quick = a shortened run
-# (T 128, 60 steps, reference 40 steps: <= 10 min on 2 quiet cores); full = the manifest.
+# (T 128, 60 steps, reference 40 steps, 3 seeds: under 10 min on 2 quiet cores); full = the manifest.
 utility_sets() {
   if ((QUICK)); then
     printf '%s\n' --set "data.dir=$ROOT/out/reproduce-quick/data" --set train.seq_len=64 --set train.batch_size=2 \
@@ -161,8 +162,59 @@ utility_sets() {
       --set reference.steps=2 --set reference.batch_size=2
   elif [[ "$UTILITY" == quick ]]; then
     printf '%s\n' --set train.seq_len=128 --set train.steps=60 --set train.eval_every=20 \
-      --set train.checkpoint_every=20 --set train.eval_tokens=4096 --set reference.steps=40
+      --set train.checkpoint_every=20 --set train.eval_tokens=4096 --set train.warmup_steps=10 \
+      --set train.log_every=10 --set reference.steps=40
   fi
+}
+
+# The utility table's seeds: each a process of one thread (the manifest's train.threads), run side
+# by side; their clocks overlap, so the table's step times come from run_utility_step_time.
+UTILITY_SEEDS=(0 1 2)
+# run_utility MANIFEST OUT [--set ...]: every seed into OUT/seed<S>/ (resumable there with
+# `collider run MANIFEST --out OUT/seed<S> --set train.seed=<S> --resume`), a progress line per
+# seed every minute, then the rows merged into OUT/results.jsonl. Returns non-zero if a seed failed.
+run_utility() {
+  local manifest=$1 out=$2; shift 2
+  local pids=() s i rc=0
+  for s in "${UTILITY_SEEDS[@]}"; do
+    mkdir -p "$out/seed$s"
+    "$COLLIDER" run "$manifest" --out "$out/seed$s" --set "train.seed=$s" "$@" >"$out/seed$s/run.log" 2>&1 &
+    pids+=($!)
+  done
+  while [[ -n "$(jobs -rp)" ]]; do
+    sleep "${COLLIDER_PROGRESS_S:-60}"
+    for s in "${UTILITY_SEEDS[@]}"; do
+      echo "    seed $s: $(grep -v '^ ' "$out/seed$s/run.log" 2>/dev/null | tail -1)"
+    done
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || { rc=1; say "tab_utility seed ${UTILITY_SEEDS[$i]} FAILED; the end of its log:"
+                            tail -5 "$out/seed${UTILITY_SEEDS[$i]}/run.log" | sed 's/^/    /'; }
+  done
+  cat "$out"/seed*/results.jsonl >"$out/results.jsonl" 2>/dev/null
+  return $rc
+}
+# run_utility_step_time OUT: the utility table's methods at its model and shapes (read from
+# OUT/seed<first>/manifest.resolved.toml) interleaved in one process: per-sequence methods into
+# OUT/step_time/, the batch-level selection into OUT/step_time_batch_topk/.
+run_utility_step_time() {
+  local out=$1 resolved="$1/seed${UTILITY_SEEDS[0]}/manifest.resolved.toml" sets=() rc=0
+  train_key() { awk -v k="$1" '/^\[/{t=($0=="[train]")} t && $1==k {print $3; exit}' "$resolved" | tr -d "'"; }
+  sets=(--set "axes.model=$(train_key model)" --set "axes.seq_len=$(train_key seq_len)"
+        --set "axes.batch_size=$(train_key batch_size)")
+  if ((QUICK)); then
+    sets+=(--set run.repetitions=2 --set run.measure_steps=1 --set run.warmup_steps=1)
+  elif [[ "$UTILITY" == quick ]]; then
+    sets+=(--set run.repetitions=5 --set run.measure_steps=2)
+  fi
+  mkdir -p "$out/step_time" "$out/step_time_batch_topk"
+  "$COLLIDER" run "$MANIFEST_DIR/tab_utility_step_time.toml" --out "$out/step_time" "${sets[@]}" \
+      >"$out/step_time/run.log" 2>&1 || rc=1
+  "$COLLIDER" run "$MANIFEST_DIR/tab_utility_step_time.toml" --out "$out/step_time_batch_topk" "${sets[@]}" \
+      --set run.selection=batch_topk --set 'axes.method=["regular","loss_only","collider"]' \
+      >"$out/step_time_batch_topk/run.log" 2>&1 || rc=1
+  tail -1 "$out/step_time/run.log" | sed 's/^/    /'
+  return $rc
 }
 
 newest_run_dir() {  # newest_run_dir STEM FILE -> newest results/STEM/<scale>-*/ holding FILE
@@ -197,8 +249,14 @@ if ((!PLOTS_ONLY)); then
     npts=$("$COLLIDER" run "$manifest" --dry-run "${sets[@]}" 2>/dev/null | head -1 | sed -n 's/^[^:]*: \([0-9]*\) points.*/\1/p;s/^[^:]*: training manifest, \([0-9]*\) runs.*/\1/p')
     say "($i/$n) $e: ${npts:-?} points from $manifest -> ${out#"$ROOT"/}"
     t_e=$(date +%s)
-    "$COLLIDER" run "$manifest" --out "$out" "${sets[@]}" 2>&1 | tee "$out/run.log" | sed -u "s/^/    /"
-    rc=${PIPESTATUS[0]}
+    if is_utility "$e"; then
+      say "    ${#UTILITY_SEEDS[@]} seeds side by side (logs in ${out#"$ROOT"/}/seed*/run.log), then the step times"
+      run_utility "$manifest" "$out" "${sets[@]}" && run_utility_step_time "$out"
+      rc=$?
+    else
+      "$COLLIDER" run "$manifest" --out "$out" "${sets[@]}" 2>&1 | tee "$out/run.log" | sed -u "s/^/    /"
+      rc=${PIPESTATUS[0]}
+    fi
     if ((rc != 0)); then
       say "($i/$n) $e: FAILED (exit $rc; see ${out#"$ROOT"/}/run.log); going on"
       FAILED+=("$e")
@@ -271,12 +329,15 @@ plot() {  # plot STEM SCRIPT [ARGS...]: one plot script on the results of experi
     FAILED+=("plot:$script")
     return
   fi
+  # Arguments that are files (the utility table's --step-time rows) go beside the results file.
+  local shown="" extra_files="" a
+  for a in "$@"; do if [[ -f "$a" ]]; then extra_files+=" + \`${a#"$ROOT"/}\`"; else shown+=" $a"; fi; done
   if (cd /tmp && "$PY" "$ROOT/plots/$script" --results "$f" --out "$PLOT_DIR" "$@") >"$PLOT_DIR/.plot.log" 2>&1; then
-    say "plot $script${*:+ $*}: $(grep -c '^wrote' "$PLOT_DIR/.plot.log") files"
+    say "plot $script$shown: $(grep -c '^wrote' "$PLOT_DIR/.plot.log") files"
     grep -i '^warning' "$PLOT_DIR/.plot.log" | head -5 | sed 's/^/    /'
-    local key="- \`plots/$script${*:+ $*}\`${PLOT_SUB:+ (in $PLOT_SUB/)}"
+    local key="- \`plots/$script$shown\`${PLOT_SUB:+ (in $PLOT_SUB/)}"
     OLD_SOURCES=$(grep -vF -e "$key <-" <<<"$OLD_SOURCES" || true)
-    NEW_SOURCES+="$key <- \`${f#"$ROOT"/}\` ($(date -u +%Y-%m-%dT%H:%MZ), git $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"$'\n'
+    NEW_SOURCES+="$key <- \`${f#"$ROOT"/}\`$extra_files ($(date -u +%Y-%m-%dT%H:%MZ), git $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"$'\n'
   else
     say "plot $script: FAILED:"; sed 's/^/    /' "$PLOT_DIR/.plot.log" | tail -8
     FAILED+=("plot:$script")
@@ -296,9 +357,9 @@ if [[ "$SCALE" == cpu ]]; then
   # --utility quick draws into a sub-folder so that the full table's files stay.
   MAIN_PLOT_DIR=$PLOT_DIR
   [[ "$UTILITY" == quick ]] && ((!QUICK)) && PLOT_SUB=utility-quick && PLOT_DIR="$PLOT_DIR/$PLOT_SUB" && mkdir -p "$PLOT_DIR"
-  plot tab_utility tab_utility.py
+  utility_dir=$(dirname "${RESULT_FILE[tab_utility]:-.}")
+  plot tab_utility tab_utility.py --step-time $(ls "$utility_dir"/step_time*/results.jsonl 2>/dev/null)
   plot tab_utility fig_utility_curves.py
-  plot tab_utility_selection tab_utility.py --stem tab_utility_selection
   PLOT_DIR=$MAIN_PLOT_DIR; PLOT_SUB=""
 fi
 

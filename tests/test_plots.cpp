@@ -187,6 +187,31 @@ TEST(PlotTables, InterleavedRowsGiveSpreadAndTheAaBand) {
   remove_tree(out);
 }
 
+// The utility table over seeds (make_fixtures.py utility_rows, utility_step_time_rows,
+// reference_json): loss_only's paired improvement on the curated set is +3.3% +-0.9 pt over 3
+// seeds (t = 4.303), significant; Collider's +0.1% is not; step times come from the interleaved
+// rows (Collider -20%), and the reference model's loss is set against the regular run's.
+TEST(PlotTables, UtilityTableHasMeanIntervalAndPairedImprovementOverSeeds) {
+  const fs::path out = fresh_dir("tab_utility_seeds");
+  const RunResult r = run_script("tab_utility.py", {kFixtures / "tab_utility.jsonl"}, out,
+                                 "--step-time " + quote((kFixtures / "tab_utility_step_time.jsonl").string()));
+  ASSERT_EQ(r.exit_code, 0) << r.log;
+  const std::string md = read_file(out / "tab_utility.md");
+  EXPECT_NE(md.find("| regular | 3 | curated | 3.0000 +-0.0497 |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| loss only (RHO-1), filtered 40% | 3 | curated | 2.9000 +-0.0745 | +3.3% +-0.9 pt | better |"),
+            std::string::npos)
+      << md;
+  EXPECT_NE(md.find("| Collider (kept_only), filtered 40% | 3 | curated | 2.9967 +-0.0717 | +0.1% +-1.3 pt | n.s. |"),
+            std::string::npos)
+      << md;
+  EXPECT_NE(md.find("| 0.400 +-1.0% | -20.0% [-20.0%, -20.0%] | 80.0 |"), std::string::npos) << md;
+  EXPECT_NE(read_file(out / "tab_utility_runs.md").find("| 2 | curated |"), std::string::npos)
+      << "every seed has its own line";
+  const std::string ref = read_file(out / "tab_utility_reference.md");
+  EXPECT_NE(ref.find("| curated | 2.5000 | 3.0000 | -0.5000 |"), std::string::npos) << ref;
+  remove_tree(out);
+}
+
 // plots/compare_runs.py: a run agrees with itself; a second run whose Collider rounds are 10%
 // slower disagrees (exit 1), and a loss_only outside the A/A band is reported.
 TEST(PlotTables, CompareRunsChecksAgreementWithinTheSpread) {
