@@ -100,13 +100,20 @@ def final_eval(rows, eval_set):
 
 
 def load_step_times(paths):
-    """{(model, seq_len, batch_size, method key): (step_s, rel_half_iqr, change vs regular, lo, hi)}
-    from interleaved timing rows (experiments/tab_utility_step_time.toml). A key's change is paired
-    round by round with the regular point of its own file (each file is one interleaved process);
-    a key in several files (regular) keeps the first."""
-    out = {}
+    """({(model, seq_len, batch_size, method key): (step_s, rel_half_iqr, change vs regular, lo, hi)},
+    [(A/A difference, regular's s/step) of each file]) from interleaved timing rows (experiments/tab_utility_step_time.toml).
+    A key's change is paired round by round with the regular point of its own file (each file is one
+    interleaved process); a key in several files (regular) keeps the first. The A/A difference
+    (regular's copy against regular, median per-round change) is the noise band of that file."""
+    out, aa_changes = {}, []
     for path in paths:
-        rows = [r for r in common.load_rows([path], require=["step_ms"]) if r["_key"] != common.AA_KEY]
+        all_rows = common.load_rows([path], require=["step_ms"])
+        rows = [r for r in all_rows if r["_key"] != common.AA_KEY]
+        aa = [r for r in all_rows if r["_key"] == common.AA_KEY]
+        regular = [r for r in rows if r["_key"] == "regular"]
+        if aa:
+            aa_changes.append((common.median(common.paired_changes(aa, regular, "step_ms")),
+                               common.median(r["step_ms"] for r in regular) / 1e3))
         for (model, T, B, key), grp in common.group(rows, ["model", "seq_len", "batch_size", "_key"]).items():
             if (model, T, B, key) in out:
                 continue
@@ -117,7 +124,7 @@ def load_step_times(paths):
             out[(model, T, B, key)] = (common.median(r["step_ms"] for r in grp) / 1e3,
                                        common.median(r.get("step_ms_rel_iqr") for r in grp) / 2,
                                        common.median(changes), lo, hi)
-    return out
+    return out, aa_changes
 
 
 def reference_files(result_paths):
@@ -143,7 +150,7 @@ def main() -> None:
                        key=lambda e: (0 if "curated" in e or "domain" in e else 1, e))
     if not eval_sets:
         sys.exit("error: no training rows carry val_loss with an eval_set")
-    step_times = load_step_times(args.step_time) if args.step_time else {}
+    step_times, aa_changes = load_step_times(args.step_time) if args.step_time else ({}, [])
     device = common.describe_device(rows)
 
     # Runs by (model, method key, ratio) -> {seed: rows}; the experiment name is not part of the
@@ -206,6 +213,11 @@ def main() -> None:
                + ("s/step: median of the interleaved timing run (experiments/tab_utility_step_time.toml, methods "
                   "taking turns in one process) +- half its relative IQR; step vs regular: median per-round change "
                   "with its 90% interval; Wall = steps x s/step. " if step_times else "")
+               + (f"A/A (regular against its copy in the same rounds; the noise band): "
+                  f"{', '.join(common.pct(a) for a, _ in aa_changes)}. " if aa_changes else "")
+               + (f"Each timing file is its own interleaved process, paired with its own regular, which ran at "
+                  f"{' / '.join(f'{t:.3f}' for _, t in aa_changes)} s/step: compare 'step vs regular' across "
+                  f"files, not s/step. " if len(aa_changes) > 1 else "")
                + ("* from the training runs' own clocks (overlapping runs on a shared machine: not comparable "
                   "between methods). " if any_run_clock else "")
                + ("* tokens estimated as per-step median x steps (rows without cumulative counts). " if any_est else "")

@@ -205,6 +205,7 @@ TEST(PlotTables, UtilityTableHasMeanIntervalAndPairedImprovementOverSeeds) {
             std::string::npos)
       << md;
   EXPECT_NE(md.find("| 0.400 +-1.0% | -20.0% [-20.0%, -20.0%] | 80.0 |"), std::string::npos) << md;
+  EXPECT_NE(md.find("the noise band): +0.4%."), std::string::npos) << "the A/A difference in the caption: " << md;
   EXPECT_NE(read_file(out / "tab_utility_runs.md").find("| 2 | curated |"), std::string::npos)
       << "every seed has its own line";
   const std::string ref = read_file(out / "tab_utility_reference.md");
