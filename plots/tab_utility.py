@@ -197,7 +197,7 @@ def main() -> None:
             if key != "regular" and model in regular:
                 rel = []
                 for s, loss in finals.items():
-                    reg = final_eval(regular[model].get(s, []), e) if s in regular[model] else None
+                    reg = final_eval(regular[model][s], e) if s in regular[model] else None
                     if reg:
                         rel.append((reg[0] - loss) / reg[0])
                 rm, rh = mean_ci(rel)
@@ -245,9 +245,9 @@ def write_runs_table(args, runs, eval_sets, device):
                 continue
             loss, ppl = fe
             rel = float("nan")
-            if reg_key and reg_key != run_key and final_eval(runs[reg_key], e):
-                reg_loss = final_eval(runs[reg_key], e)[0]
-                rel = (reg_loss - loss) / reg_loss
+            reg = final_eval(runs[reg_key], e) if reg_key and reg_key != run_key else None
+            if reg:
+                rel = (reg[0] - loss) / reg[0]
             label = common.label(key) + (f", filtered {ratio:.0%}" if ratio else "")
             table.append([model, label, seed, e, steps, f"{loss:.4f}", common.pct(rel), f"{ppl:.2f}",
                           f"{wall_s:.1f}{mark}", f"{median_step_s(runs[run_key]):.2f}", f"{seen:,.0f}{mark}",
