@@ -6,7 +6,8 @@
 // overhead and the live-tensor peak.
 // bwd_ms is loss.backward() alone; collider's reduction and "vs floor" count bwd_ms + rewrite_ms;
 // rewrite% is rewrite_ms / collider's bwd_ms, rw/reg% rewrite_ms / regular's bwd_ms. Below each
-// table: the rewrite's copies (time, bytes, bandwidth) and a plain cold copy of the same bytes. The CPU allocator caches freed blocks like CUDA's (harness/components/memory.h;
+// table: the rewrite's copies (time, bytes, bandwidth) and a plain cold copy of the same bytes;
+// with --selection batch_topk, each ragged variant against per-sequence round by round. The CPU allocator caches freed blocks like CUDA's (harness/components/memory.h;
 // COLLIDER_CPU_CACHING=0 for glibc's behaviour): the allocator mode is printed in the header.
 // Its default 8 GiB holds every method's blocks at batch 1; at batch 4, T = 1024, the seven
 // methods' blocks need more (COLLIDER_CPU_CACHE_MIB=16384), or the last ones of each round
@@ -388,7 +389,36 @@ int main(int argc, char** argv) try {
                            std::vector<double> v;
                            for (auto& s : samples[k.name]) v.push_back(s.bwd_ms);
                            return v;
+                         }()},
+                        {"samples_rewrite_ms", [&] {
+                           std::vector<double> v;
+                           for (auto& s : samples[k.name]) v.push_back(s.rewrite_ms);
+                           return v;
                          }()}});
+      }
+      // Ragged against per-sequence at the same total kept count, round by round (the two ran
+      // in the same round, minutes apart at most): median and range of the per-round ratios of
+      // backward + rewrite, and of the ragged reductions over their own FLOP ideal.
+      for (const auto& [ragged, same] : {std::pair{kRaggedKeptOnly, kKeptOnly}, std::pair{kRaggedExactQuery, kExactQuery}}) {
+        if (ragged_rows.empty()) break;
+        std::vector<double> ratio, of_ideal;
+        const auto &a = samples[ragged.name], &b = samples[same.name], &r = samples[kRegular.name];
+        for (size_t i = 0; i < a.size(); ++i) {
+          ratio.push_back((a[i].bwd_ms + a[i].rewrite_ms) / (b[i].bwd_ms + b[i].rewrite_ms));
+          of_ideal.push_back((1 - (a[i].bwd_ms + a[i].rewrite_ms) / r[i].bwd_ms) / ideal_of(ragged));
+        }
+        const double q = collider::stats::median(ratio), f = collider::stats::median(of_ideal);
+        std::printf("  %-24s / per-sequence: median %.3f (rounds %.3f..%.3f); of its FLOP ideal: median %.3f (%.3f..%.3f)\n",
+                    ragged.name, q, *std::min_element(ratio.begin(), ratio.end()),
+                    *std::max_element(ratio.begin(), ratio.end()), f,
+                    *std::min_element(of_ideal.begin(), of_ideal.end()),
+                    *std::max_element(of_ideal.begin(), of_ideal.end()));
+        for (auto& row : rows) {
+          if (row["model"] == name && row["seq_len"] == T && row["method"] == ragged.name) {
+            row["ratio_to_per_sequence"] = q;
+            row["of_ideal_per_round"] = f;
+          }
+        }
       }
       // Where the rewrite's time goes: copies (bandwidth) vs the graph walk and bookkeeping, and
       // what a plain copy of the same bytes costs here (the floor of a copying rewrite).

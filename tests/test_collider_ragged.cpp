@@ -6,6 +6,7 @@
 // them gradient (the padding of the cut rows is excluded exactly).
 // The token-row GEMMs (x @ W of the projections, MLP and LM head) run on the packed kept rows
 // (rewrite.cpp, PackedRowsNode), so these tests check that path against the oracle too.
+// Eager attention cores run row by row (row_attention.h): every one is replaced, checked here.
 // Run: build/tests/test_collider_ragged
 #include "collider_test_util.h"
 #include "gpt2_test_model.h"
@@ -14,6 +15,8 @@
 #include "models/model.h"
 
 #include <gtest/gtest.h>
+
+#include <set>
 
 using namespace collider;
 using namespace collider::testing;
@@ -59,6 +62,21 @@ struct Subject {
   torch::nn::Module* module;
   int64_t vocab;
 };
+
+// Nodes named `name` reachable from the loss.
+int count_nodes(const torch::Tensor& loss, const std::string& name) {
+  std::vector<torch::autograd::Node*> stack = {loss.grad_fn().get()};
+  std::set<torch::autograd::Node*> seen;
+  int n = 0;
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    if (!node || !seen.insert(node).second) continue;
+    n += node->name() == name;
+    for (const auto& e : node->next_edges()) stack.push_back(e.function.get());
+  }
+  return n;
+}
 
 class RaggedGrad : public ::testing::TestWithParam<Case> {};
 
@@ -109,6 +127,12 @@ TEST_P(RaggedGrad, MatchesOracle) {
   zero_grads(*s.module);
   auto loss = masked_ce(s.logits(idx), labels, keep);
   FilterStats st = filter_backward(loss, keep, plan, {c.attention});
+  // Eager attention cores run row by row (row_attention.h), every one of them: no softmax
+  // backward is left in the graph.
+  if (!c.sdpa) {
+    EXPECT_GT(count_nodes(loss, "collider::RowAttention"), 0);
+    EXPECT_EQ(count_nodes(loss, "SoftmaxBackward0"), 0);
+  }
   loss.backward();
   auto g_collider = grads_of(*s.module);
   EXPECT_EQ(st.kept, kT - 1);  // rows are cut to the largest count

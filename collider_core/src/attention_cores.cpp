@@ -29,6 +29,45 @@ bool is_sdpa(const std::string& t) { return t.rfind("ScaledDotProduct", 0) == 0 
 
 }  // namespace
 
+AttentionCoreNodes locate_attention_core(const Graph& g, const PlanData& plan, int s) {
+  auto type = [&](int i) -> const std::string& { return plan.nodes[i].type; };
+  AttentionCoreNodes core;
+  core.softmax = s;
+  // Down (toward the inputs): the score chain to the QK^T matmul.
+  int cur = s;
+  for (int steps = 0; steps < 16; ++steps) {
+    int next = -1;
+    for (const auto& e : g.nodes[cur]->next_edges()) {
+      if (e.function) {
+        next = g.index.at(e.function.get());
+        break;
+      }
+    }
+    if (next < 0) break;
+    if (is_bmm(type(next))) {
+      core.qk = next;
+      break;
+    }
+    if (!is_shape_or_scale(type(next))) break;
+    core.down.push_back(next);
+    cur = next;
+  }
+  // Up (toward the loss): the probability chain to the PV matmul (P is its first operand).
+  cur = s;
+  for (int steps = 0; steps < 16 && core.pv < 0; ++steps) {
+    if (g.parents[cur].size() != 1) break;
+    auto [p, edge] = g.parents[cur][0];
+    if (is_bmm(type(p))) {
+      if (edge == 0) core.pv = p;
+      break;
+    }
+    if (!is_shape_or_scale(type(p))) break;
+    core.up.push_back(p);
+    cur = p;
+  }
+  return core;
+}
+
 // Locates attention cores: softmax over a [.., Tq, Tk] score tensor, the batched matmul that
 // made the scores (Q K^T) and the one that consumes the probabilities (P V).
 void find_attention_cores(const Graph& g, PlanData& plan) {
@@ -42,40 +81,8 @@ void find_attention_cores(const Graph& g, PlanData& plan) {
   std::vector<std::string> problems;
   for (int s = 0; s < n; ++s) {
     if (!is_softmax(type(s)) || !two_token_field(s)) continue;
-    std::vector<int> core = {s};
-    // Down (toward the inputs): the score chain to the QK^T matmul.
-    int cur = s, qk = -1;
-    for (int steps = 0; steps < 16; ++steps) {
-      int next = -1;
-      for (const auto& e : g.nodes[cur]->next_edges()) {
-        if (e.function) {
-          next = g.index.at(e.function.get());
-          break;
-        }
-      }
-      if (next < 0) break;
-      if (is_bmm(type(next))) {
-        qk = next;
-        break;
-      }
-      if (!is_shape_or_scale(type(next))) break;
-      core.push_back(next);
-      cur = next;
-    }
-    // Up (toward the loss): the probability chain to the PV matmul (P is its first operand).
-    cur = s;
-    int pv = -1;
-    for (int steps = 0; steps < 16 && pv < 0; ++steps) {
-      if (g.parents[cur].size() != 1) break;
-      auto [p, edge] = g.parents[cur][0];
-      if (is_bmm(type(p))) {
-        if (edge == 0) pv = p;
-        break;
-      }
-      if (!is_shape_or_scale(type(p))) break;
-      core.push_back(p);
-      cur = p;
-    }
+    const AttentionCoreNodes found = locate_attention_core(g, plan, s);
+    const int qk = found.qk, pv = found.pv;
     if (qk < 0 || pv < 0) {
       problems.push_back(
           fmt::format("softmax node #{} over a [.., T, T] score tensor is not between two batched "
@@ -83,6 +90,9 @@ void find_attention_cores(const Graph& g, PlanData& plan) {
                       s));
       continue;
     }
+    std::vector<int> core = {s};
+    core.insert(core.end(), found.down.begin(), found.down.end());
+    core.insert(core.end(), found.up.begin(), found.up.end());
     core.push_back(qk);
     core.push_back(pv);
     for (int c : core) plan.nodes[c].attention_core = true;

@@ -6,7 +6,18 @@
 #include "graph.h"
 #include "plan_impl.h"
 
+#include <vector>
+
 namespace collider::detail {
+
+// The nodes of one attention core around the softmax node `softmax`: the QK^T and PV batched
+// matmuls and the shape/scale nodes between them (down: softmax -> QK^T, up: softmax -> PV, in
+// walking order). qk / pv are -1 when the softmax is not between two batched matmuls.
+struct AttentionCoreNodes {
+  int softmax = -1, qk = -1, pv = -1;
+  std::vector<int> down, up;
+};
+AttentionCoreNodes locate_attention_core(const Graph& g, const PlanData& plan, int softmax);
 
 // Marks the nodes of every attention core (NodeSpec::attention_core), gives their key-side token
 // dimensions Role::kKey, adds the key-row edge inserts, counts the cores and sets

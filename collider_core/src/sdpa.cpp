@@ -112,14 +112,7 @@ class FilteredAttentionNode final : public Node {
     torch::Tensor dO = grads.at(0);
     if (masked_) dO = ix_->cut(dO, bhte_spec(4), true);  // full-size in, cut here
     const int64_t T = s_.q.size(2);
-    variable_list out;
-    if (!exact_ && s_.q.device().is_cpu()) {
-      out = kept_only_blocked(dO, T);
-    } else if (exact_ && s_.cpu_flash) {
-      out = exact_query_fused_cpu(dO, T);
-    } else {
-      out = unfused(dO, T);
-    }
+    variable_list out = ix_->ragged() && !masked_ ? per_row(dO, T) : dispatch(*ix_, s_, dO, T);
     if (masked_) {
       for (auto& g : out) g = scatter_full(g, T);
     }
@@ -128,43 +121,71 @@ class FilteredAttentionNode final : public Node {
   }
 
  private:
+  variable_list dispatch(TokenIndex& ix, const Saved& s, const torch::Tensor& dO, int64_t T) const {
+    if (!exact_ && s.q.device().is_cpu()) return kept_only_blocked(ix, s, dO, T);
+    if (exact_ && s.cpu_flash) return exact_query_fused_cpu(ix, s, dO, T);
+    return unfused(ix, s, dO, T);
+  }
+
+  // Ragged masks: each sequence row on its own kept count, with its own index (no padding; the
+  // padded [B, H, N, N] work of the largest row is what row_attention.cpp measures for eager
+  // attention), its gradients put back in the padded layout with zero padding rows.
+  variable_list per_row(const torch::Tensor& dO_BHNE, int64_t T) const {
+    const int64_t B = ix_->B(), N = ix_->N();
+    variable_list out(3);
+    for (int64_t b = 0; b < B; ++b) {
+      TokenIndex* row = ix_->row(b);
+      if (!row) continue;  // keeps nothing: no gradient from this row
+      Saved sb = s_;
+      for (auto* t : {&sb.q, &sb.k, &sb.v, &sb.out, &sb.lse}) *t = t->narrow(0, b, 1);
+      auto live = ix_->live_slots(b);
+      auto g = dispatch(*row, sb, dO_BHNE.narrow(0, b, 1).index_select(2, live), T);
+      for (size_t i = 0; i < 3; ++i) {
+        if (!g[i].defined()) continue;
+        if (!out[i].defined()) out[i] = torch::zeros({B, g[i].size(1), N, g[i].size(3)}, g[i].options());
+        out[i].narrow(0, b, 1).index_copy_(2, live, g[i]);
+      }
+    }
+    return out;
+  }
+
   // exact_query: torch's CPU flash backward on the kept queries (header). dO_BHNE: their output gradient.
-  variable_list exact_query_fused_cpu(const torch::Tensor& dO_BHNE, int64_t T) const {
+  variable_list exact_query_fused_cpu(TokenIndex& ix, const Saved& s, const torch::Tensor& dO_BHNE, int64_t T) const {
     const auto spec4 = bhte_spec(4), spec3 = bhte_spec(3);
     auto dO = dO_BHNE.contiguous();
-    auto q = ix_->cut(s_.q, spec4, true).contiguous();                      // [B, H, N, E]
-    auto lse = ix_->cut(s_.lse.narrow(2, 0, T), spec3, true).contiguous();  // [B, H, N]
-    const std::optional<double> scale = s_.scale;
-    auto o = ix_->cut(s_.out, spec4, true).contiguous();
-    if (!s_.causal) {
-      auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(dO, q, s_.k, s_.v, o, lse, 0.0,
+    auto q = ix.cut(s.q, spec4, true).contiguous();                      // [B, H, N, E]
+    auto lse = ix.cut(s.lse.narrow(2, 0, T), spec3, true).contiguous();  // [B, H, N]
+    const std::optional<double> scale = s.scale;
+    auto o = ix.cut(s.out, spec4, true).contiguous();
+    if (!s.causal) {
+      auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(dO, q, s.k, s.v, o, lse, 0.0,
                                                                                    false, std::nullopt, scale);
-      return {dq, kept_keys(dk), kept_keys(dv)};
+      return {dq, kept_keys(ix, dk), kept_keys(ix, dv)};
     }
     // Causal by original positions needs an explicit mask, and with a mask the kernel visits
     // every key block (it skips the blocks above the diagonal only under is_causal). So the
     // kept queries go in chunks of ascending positions, each against the keys up to its last
     // position: 8 chunks visit ~56% of the [N, T] blocks instead of all of them.
-    const int64_t N = ix_->N(), chunks = std::clamp<int64_t>(N / 64, 1, 8);
-    auto pos = ix_->idx_BN().view({ix_->B(), 1, N, 1});
-    auto last = std::get<0>(ix_->idx_BN().max(0));  // [N]: per cut row, the largest position over the batch
+    const int64_t N = ix.N(), chunks = std::clamp<int64_t>(N / 64, 1, 8);
+    auto pos = ix.idx_BN().view({ix.B(), 1, N, 1});
+    auto last = std::get<0>(ix.idx_BN().max(0));  // [N]: per cut row, the largest position over the batch
     auto last_acc = last.accessor<int64_t, 1>();
-    auto dk = torch::zeros_like(s_.k), dv = torch::zeros_like(s_.v);
+    auto dk = torch::zeros_like(s.k), dv = torch::zeros_like(s.v);
     std::vector<torch::Tensor> dqs;
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t r0 = N * c / chunks, r1 = N * (c + 1) / chunks, keys = last_acc[r1 - 1] + 1;
       auto cols = torch::arange(keys, pos.options()).view({1, 1, 1, keys});
-      auto mask = torch::zeros({ix_->B(), 1, r1 - r0, keys}, q.options())
+      auto mask = torch::zeros({ix.B(), 1, r1 - r0, keys}, q.options())
                       .masked_fill_(cols > pos.narrow(2, r0, r1 - r0),
                                     -INFINITY);  // additive, in q's dtype (what the kernel takes)
       auto [dq_c, dk_c, dv_c] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-          dO.narrow(2, r0, r1 - r0), q.narrow(2, r0, r1 - r0), s_.k.narrow(2, 0, keys), s_.v.narrow(2, 0, keys),
+          dO.narrow(2, r0, r1 - r0), q.narrow(2, r0, r1 - r0), s.k.narrow(2, 0, keys), s.v.narrow(2, 0, keys),
           o.narrow(2, r0, r1 - r0), lse.narrow(2, r0, r1 - r0), 0.0, false, mask, scale);
       dqs.push_back(dq_c);
       dk.narrow(2, 0, keys).add_(dk_c);
       dv.narrow(2, 0, keys).add_(dv_c);
     }
-    return {chunks == 1 ? dqs[0] : torch::cat(dqs, 2), kept_keys(dk), kept_keys(dv)};
+    return {chunks == 1 ? dqs[0] : torch::cat(dqs, 2), kept_keys(ix, dk), kept_keys(ix, dv)};
   }
 
   // kept_only on the CPU: the backward of the header's formulas in blocks of kQueryBlock cut query
@@ -181,33 +202,33 @@ class FilteredAttentionNode final : public Node {
   // exact_query's dK / dV over all T keys cut to the kept ones: dropped keys' gradients discarded,
   // ragged rows' padding (dropped tokens too) included. A padding query row needs no care: its dO is
   // zero (ZeroPadding where gradients are born), so it adds nothing to any gradient.
-  torch::Tensor kept_keys(const torch::Tensor& g_BGTE) const {
+  static torch::Tensor kept_keys(TokenIndex& ix, const torch::Tensor& g_BGTE) {
     const auto spec4 = bhte_spec(4);
-    return ix_->zero_padding_into(ix_->cut(g_BGTE, spec4, true), g_BGTE, spec4, false);
+    return ix.zero_padding_into(ix.cut(g_BGTE, spec4, true), g_BGTE, spec4, false);
   }
-  variable_list kept_only_blocked(const torch::Tensor& dO_BHNE, int64_t T) const {
+  variable_list kept_only_blocked(TokenIndex& ix, const Saved& s, const torch::Tensor& dO_BHNE, int64_t T) const {
     const auto spec4 = bhte_spec(4), spec3 = bhte_spec(3);
-    const int64_t B = ix_->B(), N = ix_->N(), H = s_.q.size(1), G = s_.k.size(1), rep = H / G, E = s_.q.size(3);
-    const auto dtype = s_.q.scalar_type();
+    const int64_t B = ix.B(), N = ix.N(), H = s.q.size(1), G = s.k.size(1), rep = H / G, E = s.q.size(3);
+    const auto dtype = s.q.scalar_type();
     const auto acc = dtype == torch::kDouble ? torch::kDouble : torch::kFloat;
     // [B, G, rep, N, E]: query head h = g * rep + r reads key/value head g (SDPA's enable_gqa)
-    auto q = ix_->cut(s_.q, spec4, true).to(acc).view({B, G, rep, N, E});
+    auto q = ix.cut(s.q, spec4, true).to(acc).view({B, G, rep, N, E});
     auto dO = dO_BHNE.to(acc).reshape({B, G, rep, N, E});
-    auto lse = ix_->cut(s_.lse.narrow(2, 0, T), spec3, true).to(acc).view({B, G, rep, N});
-    auto k = ix_->cut(s_.k, spec4, true).to(acc).reshape({B * G, N, E});
-    auto v = ix_->cut(s_.v, spec4, true).to(acc).reshape({B * G, N, E});
+    auto lse = ix.cut(s.lse.narrow(2, 0, T), spec3, true).to(acc).view({B, G, rep, N});
+    auto k = ix.cut(s.k, spec4, true).to(acc).reshape({B * G, N, E});
+    auto v = ix.cut(s.v, spec4, true).to(acc).reshape({B * G, N, E});
     torch::Tensor pad_keys;  // [B * G, 1, N]
-    if (ix_->ragged()) pad_keys = ix_->pad_BN().view({B, 1, 1, N}).expand({B, G, 1, N}).reshape({B * G, 1, N});
+    if (ix.ragged()) pad_keys = ix.pad_BN().view({B, 1, 1, N}).expand({B, G, 1, N}).reshape({B * G, 1, N});
     auto dq = torch::empty({B, G, rep, N, E}, q.options());
     auto dk = torch::zeros({B * G, N, E}, q.options()), dv = torch::zeros({B * G, N, E}, q.options());
     for (int64_t r0 = 0; r0 < N; r0 += kQueryBlock) {
-      const int64_t n = std::min(kQueryBlock, N - r0), keys = s_.causal ? r0 + n : N;
+      const int64_t n = std::min(kQueryBlock, N - r0), keys = s.causal ? r0 + n : N;
       auto rows = [&](const torch::Tensor& t) { return t.narrow(3, r0, n).reshape({B * G, rep * n, E}); };
       auto Qb = rows(q), dOb = rows(dO);
       auto Kb = k.narrow(1, 0, keys), Vb = v.narrow(1, 0, keys);
       auto Lb = lse.narrow(3, r0, n).reshape({B * G, rep * n, 1});
-      auto p = at::baddbmm(Lb, Qb, Kb.transpose(1, 2), -1.0, s_.scale).exp_();  // [B*G, rep*n, keys]
-      if (s_.causal) {  // the diagonal block: cut row r0 + i sees keys up to r0 + i
+      auto p = at::baddbmm(Lb, Qb, Kb.transpose(1, 2), -1.0, s.scale).exp_();  // [B*G, rep*n, keys]
+      if (s.causal) {  // the diagonal block: cut row r0 + i sees keys up to r0 + i
         auto above = torch::ones({n, n}, p.options().dtype(torch::kBool)).triu_(1);
         p.view({B * G, rep, n, keys}).narrow(3, r0, n).masked_fill_(above, 0.0);
       }
@@ -216,23 +237,23 @@ class FilteredAttentionNode final : public Node {
       auto ds = at::bmm(dOb, Vb.transpose(1, 2));  // dP, then dS = P (dP - rowsum(dP P)) in place
       auto d = (ds * p).sum(-1, true);
       ds.sub_(d).mul_(p);
-      dq.narrow(3, r0, n).copy_(at::bmm(ds, Kb).mul_(s_.scale).view({B, G, rep, n, E}));
-      dk.narrow(1, 0, keys).baddbmm_(ds.transpose(1, 2), Qb, 1.0, s_.scale);
+      dq.narrow(3, r0, n).copy_(at::bmm(ds, Kb).mul_(s.scale).view({B, G, rep, n, E}));
+      dk.narrow(1, 0, keys).baddbmm_(ds.transpose(1, 2), Qb, 1.0, s.scale);
     }
     return {dq.view({B, H, N, E}).to(dtype), dk.view({B, G, N, E}).to(dtype), dv.view({B, G, N, E}).to(dtype)};
   }
 
-  variable_list unfused(const torch::Tensor& dO, int64_t T) const {
+  variable_list unfused(TokenIndex& ix, const Saved& s, const torch::Tensor& dO, int64_t T) const {
     const auto spec4 = bhte_spec(4), spec3 = bhte_spec(3);
-    const auto dtype = s_.q.scalar_type();
+    const auto dtype = s.q.scalar_type();
     const auto f32 = [](const torch::Tensor& t) { return t.to(torch::kFloat); };
-    auto q = f32(ix_->cut(s_.q, spec4, true));
-    auto lse = f32(ix_->cut(s_.lse.narrow(2, 0, T), spec3, true)).unsqueeze(-1);  // [B, H, N, 1]
+    auto q = f32(ix.cut(s.q, spec4, true));
+    auto lse = f32(ix.cut(s.lse.narrow(2, 0, T), spec3, true)).unsqueeze(-1);  // [B, H, N, 1]
     auto dOf = f32(dO);
-    auto pos = ix_->idx_BN().view({ix_->B(), 1, ix_->N(), 1});  // [B, 1, N, 1]: original positions
+    auto pos = ix.idx_BN().view({ix.B(), 1, ix.N(), 1});  // [B, 1, N, 1]: original positions
     // Grouped-query attention (SDPA's enable_gqa): K and V carry G = H / rep heads; query head h
     // reads kv head h / rep. They are repeated to H heads here and their gradients summed back.
-    const int64_t H = s_.q.size(1), G = s_.k.size(1), rep = H / G;
+    const int64_t H = s.q.size(1), G = s.k.size(1), rep = H / G;
     auto to_heads = [&](const torch::Tensor& t) { return rep == 1 ? t : t.repeat_interleave(rep, 1); };
     auto to_groups = [&](const torch::Tensor& g_BHTE) {
       if (rep == 1) return g_BHTE;
@@ -240,30 +261,30 @@ class FilteredAttentionNode final : public Node {
     };
     torch::Tensor dq, dk, dv;
     if (!exact_) {
-      auto k = to_heads(f32(ix_->cut(s_.k, spec4, true))), v = to_heads(f32(ix_->cut(s_.v, spec4, true)));
-      auto p = (q.matmul(k.transpose(-2, -1)) * s_.scale - lse).exp_();  // [B, H, N, N]
-      if (s_.causal) p.masked_fill_(pos.transpose(-2, -1) > pos, 0.0);
-      if (ix_->ragged()) p.masked_fill_(ix_->pad_BN().view({ix_->B(), 1, 1, ix_->N()}), 0.0);  // padding keys
+      auto k = to_heads(f32(ix.cut(s.k, spec4, true))), v = to_heads(f32(ix.cut(s.v, spec4, true)));
+      auto p = (q.matmul(k.transpose(-2, -1)) * s.scale - lse).exp_();  // [B, H, N, N]
+      if (s.causal) p.masked_fill_(pos.transpose(-2, -1) > pos, 0.0);
+      if (ix.ragged()) p.masked_fill_(ix.pad_BN().view({ix.B(), 1, 1, ix.N()}), 0.0);  // padding keys
       dv = p.transpose(-2, -1).matmul(dOf);
       auto dp = dOf.matmul(v.transpose(-2, -1));
       auto ds = p * (dp - (dp * p).sum(-1, true));
-      dq = ds.matmul(k) * s_.scale;
-      dk = to_groups(ds.transpose(-2, -1).matmul(q) * s_.scale);
+      dq = ds.matmul(k) * s.scale;
+      dk = to_groups(ds.transpose(-2, -1).matmul(q) * s.scale);
       dv = to_groups(dv);
     } else {
-      auto k = to_heads(f32(s_.k)), v = to_heads(f32(s_.v));
-      auto o = f32(ix_->cut(s_.out, spec4, true));
-      auto p = (q.matmul(k.transpose(-2, -1)) * s_.scale - lse).exp_();  // [B, H, N, T]
-      if (s_.causal) {
+      auto k = to_heads(f32(s.k)), v = to_heads(f32(s.v));
+      auto o = f32(ix.cut(s.out, spec4, true));
+      auto p = (q.matmul(k.transpose(-2, -1)) * s.scale - lse).exp_();  // [B, H, N, T]
+      if (s.causal) {
         auto cols = torch::arange(T, pos.options()).view({1, 1, 1, T});
         p.masked_fill_(cols > pos, 0.0);
       }
       auto d = (dOf * o).sum(-1, true);  // rowsum(dO O): the exact softmax correction
       auto ds = p * (dOf.matmul(v.transpose(-2, -1)) - d);
-      dq = ds.matmul(k) * s_.scale;
+      dq = ds.matmul(k) * s.scale;
       // dropped keys' gradients discarded, padding rows (dropped tokens too) included
-      dk = kept_keys(to_groups(ds.transpose(-2, -1).matmul(q) * s_.scale));
-      dv = kept_keys(to_groups(p.transpose(-2, -1).matmul(dOf)));
+      dk = kept_keys(ix, to_groups(ds.transpose(-2, -1).matmul(q) * s.scale));
+      dv = kept_keys(ix, to_groups(p.transpose(-2, -1).matmul(dOf)));
     }
     return {dq.to(dtype), dk.to(dtype), dv.to(dtype)};
   }

@@ -110,6 +110,19 @@ int64_t TokenIndex::kept_total() const {
   return n;
 }
 
+TokenIndex* TokenIndex::row(int64_t b) {
+  TORCH_CHECK(b >= 0 && b < B_, "collider: TokenIndex::row out of range (bug)");
+  if (counts_[b] == 0) return nullptr;
+  if (rows_.empty()) rows_.resize(B_);
+  if (!rows_[b]) rows_[b] = std::make_unique<TokenIndex>(keep_BT_.narrow(0, b, 1));
+  return rows_[b].get();
+}
+
+torch::Tensor TokenIndex::live_slots(int64_t b) const {
+  if (!ragged_) return torch::arange(N_, idx_BN_.options());
+  return (~pad_BN_[b]).nonzero().view({-1});
+}
+
 torch::Tensor TokenIndex::cut_packed(const torch::Tensor& x_TP) const {
   TORCH_CHECK(ragged_ && x_TP.dim() == 2 && x_TP.size(0) == B_ * T_,
               "collider: cut_packed wants the [B*T, P] rows of a ragged mask (plan bug)");
@@ -122,8 +135,17 @@ torch::Tensor TokenIndex::zero_padding(const torch::Tensor& x, const ShapeSpec& 
 
 torch::Tensor TokenIndex::zero_padding_into(torch::Tensor x, const torch::Tensor& source, const ShapeSpec& spec,
                                             bool keys_only) const {
+  return zero_padding_impl(x, !x.is_alias_of(source), spec, keys_only);
+}
+
+torch::Tensor TokenIndex::zero_padding_in_place(torch::Tensor x, const ShapeSpec& spec) const {
+  return zero_padding_impl(x, true, spec, false);
+}
+
+torch::Tensor TokenIndex::zero_padding_impl(torch::Tensor x, bool in_place, const ShapeSpec& spec,
+                                            bool keys_only) const {
   if (!ragged_ || !x.is_floating_point()) return x;
-  bool in_place = !x.is_alias_of(source);  // after the first product, out is ours either way
+  // in_place: after the first product, out is ours either way
   int64_t bdim = -1, mult = 1;
   for (const auto& d : spec.dims)
     if (d.kind == DimKind::kBatch) bdim = d.dim, mult = d.mult;

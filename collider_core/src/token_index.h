@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <memory>
 #include <vector>
 
 namespace collider::detail {
@@ -31,6 +32,11 @@ class TokenIndex {
   // in the same order (b-major, ascending positions). Undefined unless ragged.
   const torch::Tensor& live_rows() const { return live_S_; }
   const torch::Tensor& packed_rows() const { return packed_S_; }
+  // Ragged masks, one sequence row at a time (row_attention.h): row b's own index (its kept
+  // positions, no padding), nullptr when the row keeps nothing; live_slots(b) int64 [N_b], the
+  // slots of row b in the padded [N] layout that are not padding.
+  TokenIndex* row(int64_t b);
+  torch::Tensor live_slots(int64_t b) const;
   // x: [B*T, P] token rows (a GEMM's token operand) -> [S, P], the kept tokens' rows packed.
   torch::Tensor cut_packed(const torch::Tensor& x_TP) const;
   // x already cut ([.., N, ..] on spec's token dimensions): padding positions zeroed along every
@@ -42,6 +48,8 @@ class TokenIndex {
   // 250 ms more rewrite (B = 4) than in place.
   torch::Tensor zero_padding_into(torch::Tensor x, const torch::Tensor& source, const ShapeSpec& spec,
                                   bool keys_only) const;
+  // The same, written into x, which the caller owns (a gradient nobody else holds).
+  torch::Tensor zero_padding_in_place(torch::Tensor x, const ShapeSpec& spec) const;
 
   // Cuts every token dimension of `x` that `spec` marks (key-role dimensions only when
   // cut_keys). x has the sizes the plan expects (checked by the caller).
@@ -54,6 +62,7 @@ class TokenIndex {
   std::string mismatch(c10::IntArrayRef sizes, const ShapeSpec& spec) const;
 
  private:
+  torch::Tensor zero_padding_impl(torch::Tensor x, bool in_place, const ShapeSpec& spec, bool keys_only) const;
   torch::Tensor cut_dim(const torch::Tensor& x, int64_t batch_dim, int64_t token_dim);
   torch::Tensor cut_in_memory_order(const torch::Tensor& x, const ShapeSpec& spec, bool cut_keys);
   const torch::Tensor& flat_rows(int64_t rows_per_batch);   // [B*rpb*N] row indices into [B*rpb*T]
@@ -81,6 +90,7 @@ class TokenIndex {
   bool ragged_ = false;
   std::map<int64_t, torch::Tensor> flat_cache_, seq_first_cache_, rows_cache_, square_cache_;
   ChunkTables chunks_;
+  std::vector<std::unique_ptr<TokenIndex>> rows_;  // row(b), built on first use
 };
 
 }  // namespace collider::detail

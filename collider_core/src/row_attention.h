@@ -1,0 +1,61 @@
+// Internal: ragged kept counts under eager attention. One node that stands in for a whole
+// attention core (QK^T -> scale/mask -> softmax -> PV) and computes its backward one sequence row
+// at a time on that row's own kept count, instead of on [B, H, N, N] padded to the largest count.
+// Used by the rewrite (rewrite.cpp) for ragged masks; row_attention.cpp says why and what it costs.
+#pragma once
+
+#include "attention_cores.h"
+#include "graph.h"
+#include "plan_impl.h"
+#include "token_index.h"
+
+#include <torch/csrc/autograd/function.h>
+
+#include <memory>
+#include <string>
+
+namespace collider::detail {
+
+// The stand-in for `core`, or nullptr with *why_not set when this core cannot run per row (an op
+// in its chains that the stand-in does not replay, a probability used elsewhere, ...): the
+// padded path then runs it, with the same gradients. Reads and cuts the saved tensors it needs;
+// changes nothing in the graph. Its input is the PV output's gradient in the padded layout; its
+// next edges, taken by adopt_edges() once the rewrite is written, are QK^T's two and PV's second.
+class RowAttentionNode;
+std::shared_ptr<RowAttentionNode> make_row_attention(const Graph& g, const PlanData& plan,
+                                                     const AttentionCoreNodes& core, TokenIndex& index,
+                                                     const std::shared_ptr<TokenIndex>& shared_index, bool exact,
+                                                     std::string* why_not);
+
+class RowAttentionNode final : public torch::autograd::Node {
+ public:
+  struct Row {
+    torch::Tensor live;             // int64 [N_b]: the row's slots in the padded layout
+    torch::Tensor p, r, v, q, k_t;  // [H, N_b, N_b or T] (PV's P, softmax's result), [H, ., E] x2, [H, E, .]
+  };
+  struct Scale {  // one step of the score chain, softmax -> QK^T, applied to the gradient in order
+    enum Kind { kMul, kDiv, kCast } kind;
+    torch::Tensor factor;  // kMul, kDiv: one element
+    c10::ScalarType dtype;  // kCast
+  };
+
+  RowAttentionNode(std::shared_ptr<TokenIndex> index, std::vector<Row> rows, std::vector<Scale> chain,
+                   c10::ScalarType softmax_input_dtype, c10::ScalarType prob_dtype, int64_t heads, bool exact,
+                   std::shared_ptr<Node> qk, std::shared_ptr<Node> pv);
+  std::string name() const override { return "collider::RowAttention"; }
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
+  const std::vector<Row>& rows() const { return rows_; }
+  // QK^T's next edges (Q, K^T) and PV's second (V), read after every other edge write.
+  void adopt_edges();
+
+ private:
+  std::shared_ptr<TokenIndex> ix_;
+  std::vector<Row> rows_;
+  std::vector<Scale> chain_;
+  c10::ScalarType softmax_input_dtype_, prob_dtype_;
+  int64_t H_;
+  bool exact_;
+  std::shared_ptr<Node> qk_, pv_;
+};
+
+}  // namespace collider::detail
