@@ -27,7 +27,14 @@ bool have_avx512();
 #endif
 
 // out_NP[i] = x_MP[idx_N[i]]: the row copy kernels for contiguous CPU tensors, index_select for
-// anything else.
-torch::Tensor gather_rows(const torch::Tensor& x_MP, const torch::Tensor& idx_N);
+// anything else. stream: write around the cache (for copies read much later, like the cut saved
+// tensors); false for a gradient the backward reads next: a packed gradient written with streaming
+// stores slowed the GEMM right after it by ~30% (qwen2.5-mini MLP shapes, 2 CPU cores).
+torch::Tensor gather_rows(const torch::Tensor& x_MP, const torch::Tensor& idx_N, bool stream = true);
+// Its inverse into M rows: out_MP[idx_N[i]] = x_NP[i] and out_MP[zero_Z[j]] = 0, where idx and
+// zero together name every row once (ragged masks: packed rows back to the padded layout). One
+// memcpy or memset per row for contiguous CPU tensors, index_copy_ / index_fill_ elsewhere.
+torch::Tensor scatter_rows(const torch::Tensor& x_NP, const torch::Tensor& idx_N, const torch::Tensor& zero_Z,
+                           int64_t M);
 
 }  // namespace collider::detail

@@ -10,6 +10,7 @@
 // the graph is as the forward left it, and a plain backward gives the loss_only gradient.
 #include <collider/collider.h>
 
+#include "cpu_kernels.h"
 #include "graph.h"
 #include "node_fields.h"
 #include "nvtx.h"
@@ -110,13 +111,14 @@ class PackedRowsNode final : public Node {
     if (!g.defined()) return (*inner_)(std::move(grads));
     {
       torch::NoGradGuard no_grad;
-      g = g.index_select(0, index_->live_rows());  // [S, Dout]
+      g = gather_rows(g, index_->live_rows(), /*stream=*/false);  // [S, Dout], read by the GEMM next
     }
     variable_list outs = (*inner_)({g});
     torch::Tensor& dx = outs.at(token_output_);  // [S, D]
     if (dx.defined()) {
       torch::NoGradGuard no_grad;
-      dx = torch::zeros({index_->B() * index_->N(), dx.size(1)}, dx.options()).index_copy_(0, index_->live_rows(), dx);
+      // live rows copied, padding rows zeroed: one pass over the output, not a memset and a copy
+      dx = scatter_rows(dx.contiguous(), index_->live_rows(), index_->padding_rows(), index_->B() * index_->N());
     }
     return outs;
   }

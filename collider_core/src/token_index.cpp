@@ -28,18 +28,21 @@ namespace collider::detail {
 // On top of it, the GEMMs of the token rows run packed (rewrite.cpp, PackedRowsNode): the
 // backward of every x @ W (MmBackward0, AddmmBackward0 with x the [B*T, D] token rows: q, k, v,
 // o, the MLP and the LM head, most of the backward's FLOPs) runs on the S = sum_b N_b kept rows.
-// Element-wise work and the attention cores stay padded.
+// The attention cores run row by row on each row's own count (row_attention.h for eager
+// attention, sdpa.cpp's per_row for the fused one). Element-wise work stays padded.
 // Why this layout: the per-sequence case (no padding) runs the very same code, the rewrite
-// touches only the kept positions' bookkeeping and three zeroing points, and the FLOP-heavy part
-// costs what the kept tokens cost. What the padding costs: on real excess-loss selections
+// touches only the kept positions' bookkeeping and three zeroing points, and the FLOP-heavy parts
+// cost what the kept tokens cost. What the padding costs: on real excess-loss selections
 // (bench/bm_collider_backward --selection batch_topk, B = 4, 40% filtered) tinyllama-mini rows
-// kept [227, 325, 305, 371] of 512 (+21% element-wise rows, +42% attention scores over
-// sum N_b^2) and [516, 674, 614, 653] of 1024 (+10%, +19%). Measured on 2 CPU cores
-// (results/bm_collider_backward/cpu-cpu-20261203-ragged-{a,b}), ragged rows took 3-10% longer
-// than per-sequence rows of the same total at T = 512 and -9% to +19% at T = 1024 (median of
-// per-round ratios, on a host whose A/A noise was of that size) and 0.79-1.07 of their own
-// FLOP ideal. Packed per-row attention
-// (variable-length cores) and packed element-wise ops would remove that; they are not written.
+// kept [227, 325, 305, 371] of 512 (+21% element-wise rows; the attention cores padded to 371
+// did 42% more scores than sum N_b^2, which is why they run per row) and [516, 674, 614, 653] of
+// 1024 (+10% rows). Measured on 2 CPU cores (results/bm_collider_backward/
+// cpu-cpu-20261203-ragged-{c,d,e}; median of per-round ratios on a host whose per-round noise
+// was +-25%), ragged rows took 0-3% longer than per-sequence rows of the same total for
+// tinyllama-mini and 2-11% for qwen2.5-mini (FFN 2800 wide: more padded element-wise work);
+// with the cores padded it was 3-10% at T = 512. Packing the element-wise ops too would need the
+// packed and padded layouts converted where the attention heads' [B, H, T, E] views begin and
+// end; not written.
 TokenIndex::TokenIndex(const torch::Tensor& keep_BT) {
   if (!keep_BT.defined()) throw Error("filter_backward: the keep mask is undefined");
   if (keep_BT.dim() != 2 || keep_BT.scalar_type() != torch::kBool) {
@@ -90,8 +93,14 @@ TokenIndex::TokenIndex(const torch::Tensor& keep_BT) {
     int64_t* packed = packed_S_.data_ptr<int64_t>();
     const bool* pad = pad_BN_.const_data_ptr<bool>();
     const int64_t* pos = idx_BN_.const_data_ptr<int64_t>();
-    for (int64_t r = 0; r < B_ * N_; ++r)
-      if (!pad[r]) *live++ = r, *packed++ = (r / N_) * T_ + pos[r];
+    pad_rows_ = torch::empty({B_ * N_ - S}, torch::kLong);
+    int64_t* padding = pad_rows_.data_ptr<int64_t>();
+    for (int64_t r = 0; r < B_ * N_; ++r) {
+      if (pad[r])
+        *padding++ = r;
+      else
+        *live++ = r, *packed++ = (r / N_) * T_ + pos[r];
+    }
   }
   sel_BT_ = ragged_ ? sel_cpu.to(keep_BT.device()) : keep_BT;
   if (!keep_BT.is_cpu()) {
@@ -100,6 +109,7 @@ TokenIndex::TokenIndex(const torch::Tensor& keep_BT) {
       pad_BN_ = pad_BN_.to(keep_BT.device());
       live_S_ = live_S_.to(keep_BT.device());
       packed_S_ = packed_S_.to(keep_BT.device());
+      pad_rows_ = pad_rows_.to(keep_BT.device());
     }
   }
 }

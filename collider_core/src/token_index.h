@@ -31,6 +31,7 @@ class TokenIndex {
   // [B*N] layout that are not padding; packed_rows() int64 [S], the kept tokens' rows of [B*T]
   // in the same order (b-major, ascending positions). Undefined unless ragged.
   const torch::Tensor& live_rows() const { return live_S_; }
+  const torch::Tensor& padding_rows() const { return pad_rows_; }  // int64 [B*N - S]: the other rows
   const torch::Tensor& packed_rows() const { return packed_S_; }
   // Ragged masks, one sequence row at a time (row_attention.h): row b's own index (its kept
   // positions, no padding), nullptr when the row keeps nothing; live_slots(b) int64 [N_b], the
@@ -86,6 +87,7 @@ class TokenIndex {
   torch::Tensor idx_BN_;         // int64 [B, N], ascending per row
   torch::Tensor pad_BN_;         // bool [B, N], ragged only
   torch::Tensor live_S_, packed_S_;  // int64 [S], ragged only (live_rows, packed_rows)
+  torch::Tensor pad_rows_;           // int64 [B*N - S], ragged only (padding_rows)
   std::vector<int64_t> counts_;  // kept per row
   bool ragged_ = false;
   std::map<int64_t, torch::Tensor> flat_cache_, seq_first_cache_, rows_cache_, square_cache_;

@@ -271,11 +271,12 @@ class PointMeasurements {
 void write_work(nlohmann::json& row, const Manifest& m, const models::ModelConfig& cfg, const Point& p,
                 const PointMeasurements& acc, int world, double peak_flops) {
   // Collider's backward FLOPs on the actual kept counts, row by row (the FLOP ideal of ragged
-  // rows). Of ragged rows the token-row GEMMs run on the packed kept rows and the attention cores
-  // padded to the largest count (collider_core/src/token_index.cpp): flops_bwd_executed counts that
-  // padding; it equals flops_bwd with equal counts.
+  // rows). Ragged rows execute just that: the token-row GEMMs run on the packed kept rows and the
+  // attention cores row by row (collider_core/src/row_attention.h; a core whose ops the stand-in
+  // cannot replay would run padded, none of this suite's models has one). flops_bwd_executed
+  // stays in the rows for the schema; it equals flops_bwd.
   const std::vector<int64_t>& kept_per_row = acc.kept_per_row();
-  models::FlopCount bwd_flops{}, bwd_executed{};
+  models::FlopCount bwd_flops{};
   if (p.spec.method == Method::kCollider && !kept_per_row.empty()) {
     for (int64_t n : kept_per_row) {
       if (n == 0) continue;  // a row that keeps nothing has no backward
@@ -284,21 +285,16 @@ void write_work(nlohmann::json& row, const Manifest& m, const models::ModelConfi
       bwd_flops.attention += f.attention;
       bwd_flops.lm_head += f.lm_head;
     }
-    bwd_executed = bwd_flops;
-    bwd_executed.attention = models::backward_flops(cfg, p.batch_size, p.seq_len,
-                                                    *std::max_element(kept_per_row.begin(), kept_per_row.end()),
-                                                    p.spec)
-                                 .attention;
   } else {
     // collider: the kept count; forward_drop: its middle layers' count; the dense methods ignore N.
     const int64_t N = p.spec.method == Method::kCollider      ? acc.kept_per_seq()
                       : p.spec.method == Method::kForwardDrop ? middle_tokens_per_seq(m, p)
                                                               : p.seq_len;
-    bwd_flops = bwd_executed = models::backward_flops(cfg, p.batch_size, p.seq_len, N, p.spec);
+    bwd_flops = models::backward_flops(cfg, p.batch_size, p.seq_len, N, p.spec);
   }
   const auto bwd_dense = models::backward_flops(cfg, p.batch_size, p.seq_len, p.seq_len, MethodSpec{});  // regular
   row["flops_bwd"] = bwd_flops.total();
-  row["flops_bwd_executed"] = bwd_executed.total();
+  row["flops_bwd_executed"] = bwd_flops.total();
   row["flops_bwd_dense"] = bwd_dense.total();
   row["flop_ideal_bwd_reduction"] = 1.0 - bwd_flops.total() / bwd_dense.total();
   const double step_s = acc.step_ms() / 1e3;
