@@ -5,8 +5,11 @@
 // core's backward (two batched matmul backwards and the softmax backward on [B*H, N, N]) works on
 // B N^2 probabilities where the kept tokens have sum_b N_b^2. On real excess-loss selections
 // (tinyllama-mini, B = 4, 40% filtered, rows [227, 325, 305, 371] of 512) that is 42% more; the
-// core's backward alone measured 26.1 ms padded against 19.4 ms row by row per layer (2 CPU
-// cores, fp32, 8 heads of 64). Row by row, every GEMM is [H, N_b, N_b] and nothing is padded.
+// core's ops alone (bmm, masked_fill, softmax, bmm; their backward timed with torch, 2 CPU cores,
+// fp32, 8 heads of 64) took 26.1 ms per layer padded to 371 against 19.4 ms row by row. Row by
+// row, every GEMM is [H, N_b, N_b] and nothing is padded; in the whole backward the ragged rows
+// went from 3-10% over per-sequence ones to within a few percent (results/README.md, "Ragged
+// kept counts").
 // The row's probabilities, Q, K^T and V are cut from the forward's full tensors with the row's
 // own index (the fast per-sequence cut kernels); only the small [H, N_b, E] gradients move
 // between the padded layout and the row (index_select / index_copy_ of the live slots).

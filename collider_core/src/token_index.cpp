@@ -37,12 +37,11 @@ namespace collider::detail {
 // kept [227, 325, 305, 371] of 512 (+21% element-wise rows; the attention cores padded to 371
 // did 42% more scores than sum N_b^2, which is why they run per row) and [516, 674, 614, 653] of
 // 1024 (+10% rows). Measured on 2 CPU cores (results/bm_collider_backward/
-// cpu-cpu-20261203-ragged-{c,d,e}; median of per-round ratios on a host whose per-round noise
-// was +-25%), ragged rows took 0-3% longer than per-sequence rows of the same total for
-// tinyllama-mini and 2-11% for qwen2.5-mini (FFN 2800 wide: more padded element-wise work);
-// with the cores padded it was 3-10% at T = 512. Packing the element-wise ops too would need the
-// packed and padded layouts converted where the attention heads' [B, H, T, E] views begin and
-// end; not written.
+// cpu-cpu-20261203-ragged-{d,f}; median of per-round ratios on a host whose rounds spread over
+// +-25%), ragged rows took 1-2% longer than per-sequence rows of the same total at T = 1024 and
+// -4% to +6% at T = 512 (with the cores padded: 3-10% at T = 512, up to 19% at 1024). Packing
+// the element-wise ops too would need the packed and padded layouts converted where the
+// attention heads' [B, H, T, E] views begin and end; not written.
 TokenIndex::TokenIndex(const torch::Tensor& keep_BT) {
   if (!keep_BT.defined()) throw Error("filter_backward: the keep mask is undefined");
   if (keep_BT.dim() != 2 || keep_BT.scalar_type() != torch::kBool) {
