@@ -243,6 +243,11 @@ void RowAttentionNode::adopt_edges() {
 variable_list RowAttentionNode::apply(variable_list&& grads) {
   torch::Tensor dO = grads.at(0);  // [B*H, N, E], padded layout
   if (!dO.defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  if (rows_.empty()) {
+    throw Error(
+        "collider: backward through a filtered graph a second time; its saved tensors are freed "
+        "(pass retain_graph=true to the first backward)");
+  }
   torch::NoGradGuard no_grad;
   const int64_t B = ix_->B(), N = ix_->N(), T = ix_->T(), E = dO.size(2), H = H_;
   const Row* any = nullptr;

@@ -44,6 +44,9 @@ class RowAttentionNode final : public torch::autograd::Node {
                    std::shared_ptr<Node> qk, std::shared_ptr<Node> pv);
   std::string name() const override { return "collider::RowAttention"; }
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
+  // After its backward (unless the graph is retained): the rows' cut tensors are freed, as the
+  // replaced nodes would have freed theirs.
+  void release_variables() override { rows_.clear(); }
   const std::vector<Row>& rows() const { return rows_; }
   // QK^T's next edges (Q, K^T) and PV's second (V), read after every other edge write.
   void adopt_edges();
