@@ -76,6 +76,13 @@ struct NodeSpec {
   bool attention_core = false;
   bool fused_attention = false;   // an SDPA backward node: replaced, not rewritten (sdpa.h)
   std::vector<FieldSpec> fields;  // only fields with token dimensions
+
+  // The field of this kind and item (and name, unless null); input metadata fields are named "input".
+  const FieldSpec* find(FieldKind kind, int32_t item, const char* name = nullptr) const {
+    for (const auto& f : fields)
+      if (f.kind == kind && f.item == item && (!name || f.name == name)) return &f;
+    return nullptr;
+  }
 };
 
 // exact_query: the gradient reaching a key/value input of an attention core carries all T

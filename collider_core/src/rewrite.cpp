@@ -252,9 +252,8 @@ class Rewriter {
     nodes.insert(nodes.end(), core.up.begin(), core.up.end());
     for (int c : nodes) {
       replaced[c] = 1;
-      if (c != core.pv) defer([n = g.nodes[c]] { n->release_variables(); });
+      defer([n = g.nodes[c]] { n->release_variables(); });
     }
-    defer([n = g.nodes[core.pv]] { n->release_variables(); });
     for (const auto& [parent, edge] : g.parents[core.pv]) {
       auto* edges = &const_cast<torch::autograd::edge_list&>(g.nodes[parent]->next_edges());
       const int e = edge;
@@ -426,11 +425,7 @@ class Rewriter::Apply final : public FieldVisitor {
       st[d] = st[d + 1] * std::max<int64_t>(sizes[d + 1], 1);
     return st;
   }
-  const FieldSpec* find(const char* name, int32_t item, FieldKind kind) const {
-    for (const auto& f : spec_.fields)
-      if (f.kind == kind && f.item == item && f.name == name) return &f;
-    return nullptr;
-  }
+  const FieldSpec* find(const char* name, int32_t item, FieldKind kind) const { return spec_.find(kind, item, name); }
   [[noreturn]] void mismatch(const FieldSpec& f, const std::string& what) const {
     throw Error(
         fmt::format("filter_backward: the graph does not match the plan at node #{} {} field {}: {}. "
@@ -506,9 +501,7 @@ void Rewriter::pack_node(const Graph& g, int i, size_t token_output) {
   Apply apply(*this, node, spec, i, /*packed=*/true);
   if (const NodeFields* nf = find_node_fields(*node)) nf->visit(node.get(), apply);
   apply.inputs();
-  const FieldSpec* in = nullptr;
-  for (const auto& f : spec.fields)
-    if (f.kind == FieldKind::kInputMeta && f.item == 0) in = &f;
+  const FieldSpec* in = spec.find(FieldKind::kInputMeta, 0);
   if (!in || node->num_inputs() != 1) {
     throw Error(fmt::format("filter_backward: node #{} {} has no token-shaped input (plan bug)", i, spec.type));
   }

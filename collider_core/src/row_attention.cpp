@@ -122,17 +122,6 @@ bool chain_step(const std::shared_ptr<Node>& n, const std::string& type, std::ve
   return false;
 }
 
-const FieldSpec* saved_field(const PlanData& plan, int node, const char* name) {
-  for (const auto& f : plan.nodes[node].fields)
-    if (f.kind == FieldKind::kSaved && f.name == name) return &f;
-  return nullptr;
-}
-const FieldSpec* input_field(const PlanData& plan, int node) {
-  for (const auto& f : plan.nodes[node].fields)
-    if (f.kind == FieldKind::kInputMeta && f.item == 0) return &f;
-  return nullptr;
-}
-
 // [B*H, T, ..] with the batch dimension first: H, the rows per sequence; 0 otherwise.
 int64_t heads_of(const FieldSpec* f) {
   if (!f || f->shape.pad_rank != 0 || f->shape.rank != 3) return 0;
@@ -176,10 +165,12 @@ std::shared_ptr<RowAttentionNode> make_row_attention(const Graph& g, const PlanD
     *why = "unexpected node classes";
     return nullptr;
   }
-  const FieldSpec *p_f = saved_field(plan, core.pv, "self_"), *v_f = saved_field(plan, core.pv, "mat2_"),
-                  *q_f = saved_field(plan, core.qk, "self_"), *k_f = saved_field(plan, core.qk, "mat2_");
+  const NodeSpec &pv_spec = plan.nodes[core.pv], &qk_spec = plan.nodes[core.qk];
+  const FieldSpec *p_f = pv_spec.find(FieldKind::kSaved, 0, "self_"), *v_f = pv_spec.find(FieldKind::kSaved, 0, "mat2_"),
+                  *q_f = qk_spec.find(FieldKind::kSaved, 0, "self_"), *k_f = qk_spec.find(FieldKind::kSaved, 0, "mat2_");
+  const FieldSpec* pv_input = pv_spec.find(FieldKind::kInputMeta, 0);
   const int64_t H = heads_of(p_f);
-  if (H == 0 || heads_of(v_f) != H || heads_of(q_f) != H || heads_of(k_f) != H || !input_field(plan, core.pv)) {
+  if (H == 0 || heads_of(v_f) != H || heads_of(q_f) != H || heads_of(k_f) != H || !pv_input) {
     *why = "the matmuls' operands are not [B*H, T, ..]";
     return nullptr;
   }
@@ -208,26 +199,25 @@ std::shared_ptr<RowAttentionNode> make_row_attention(const Graph& g, const PlanD
     row.q = rb->cut(heads(q), q_f->shape, cut_keys);
     row.k_t = rb->cut(heads(k_t), k_f->shape, cut_keys);
   }
-  auto node = std::make_shared<RowAttentionNode>(shared_index, std::move(rows), std::move(chain), sm->self_scalar_type,
-                                                 p.scalar_type(), H, exact, g.nodes[core.qk], g.nodes[core.pv]);
+  auto node = std::make_shared<RowAttentionNode>(shared_index, std::move(rows), std::move(chain), sm->self_scalar_type, H,
+                                                 exact, g.nodes[core.qk], g.nodes[core.pv]);
   const auto& meta = g.nodes[core.pv]->input_metadata(0);
   std::vector<int64_t> full;
   for (const auto& d : meta.shape_as_dim_vector()) full.push_back(d.expect_int());
-  auto shape = ix.cut_sizes(full, input_field(plan, core.pv)->shape, cut_keys);
+  auto shape = ix.cut_sizes(full, pv_input->shape, cut_keys);
   node->add_input_metadata(meta.options(), std::vector<c10::SymInt>(shape.begin(), shape.end()), false, false,
                            std::nullopt);
   return node;
 }
 
 RowAttentionNode::RowAttentionNode(std::shared_ptr<TokenIndex> index, std::vector<Row> rows, std::vector<Scale> chain,
-                                   c10::ScalarType softmax_input_dtype, c10::ScalarType prob_dtype, int64_t heads,
-                                   bool exact, std::shared_ptr<Node> qk, std::shared_ptr<Node> pv)
+                                   c10::ScalarType softmax_input_dtype, int64_t heads, bool exact,
+                                   std::shared_ptr<Node> qk, std::shared_ptr<Node> pv)
     : Node(pv->sequence_nr()),
       ix_(std::move(index)),
       rows_(std::move(rows)),
       chain_(std::move(chain)),
       softmax_input_dtype_(softmax_input_dtype),
-      prob_dtype_(prob_dtype),
       H_(heads),
       exact_(exact),
       qk_(std::move(qk)),
@@ -260,7 +250,7 @@ variable_list RowAttentionNode::apply(variable_list&& grads) {
   for (int64_t b = 0; b < B; ++b) {
     const Row& r = rows_[b];
     if (!r.p.defined()) continue;
-    auto dO_b = dO.narrow(0, b * H, H).index_select(1, r.live).to(prob_dtype_);  // [H, N_b, E]
+    auto dO_b = dO.narrow(0, b * H, H).index_select(1, r.live).to(r.p.scalar_type());  // [H, N_b, E]
     auto dv_b = at::bmm(r.p.transpose(1, 2), dO_b);                               // [H, keys_b, E]
     auto dp_b = at::bmm(dO_b, r.v.transpose(1, 2)).to(r.r.scalar_type());         // [H, N_b, keys_b]
     auto ds_b = at::_softmax_backward_data(dp_b, r.r, 2, softmax_input_dtype_);

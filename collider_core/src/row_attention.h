@@ -40,8 +40,8 @@ class RowAttentionNode final : public torch::autograd::Node {
   };
 
   RowAttentionNode(std::shared_ptr<TokenIndex> index, std::vector<Row> rows, std::vector<Scale> chain,
-                   c10::ScalarType softmax_input_dtype, c10::ScalarType prob_dtype, int64_t heads, bool exact,
-                   std::shared_ptr<Node> qk, std::shared_ptr<Node> pv);
+                   c10::ScalarType softmax_input_dtype, int64_t heads, bool exact, std::shared_ptr<Node> qk,
+                   std::shared_ptr<Node> pv);
   std::string name() const override { return "collider::RowAttention"; }
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
   // After its backward (unless the graph is retained): the rows' cut tensors are freed, as the
@@ -55,7 +55,7 @@ class RowAttentionNode final : public torch::autograd::Node {
   std::shared_ptr<TokenIndex> ix_;
   std::vector<Row> rows_;
   std::vector<Scale> chain_;
-  c10::ScalarType softmax_input_dtype_, prob_dtype_;
+  c10::ScalarType softmax_input_dtype_;
   int64_t H_;
   bool exact_;
   std::shared_ptr<Node> qk_, pv_;

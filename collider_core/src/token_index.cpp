@@ -111,6 +111,13 @@ TokenIndex::TokenIndex(const torch::Tensor& keep_BT) {
       pad_rows_ = pad_rows_.to(keep_BT.device());
     }
   }
+  if (ragged_) {  // per row, its live slots: live_rows() is b-major, row b's run offset by b * N
+    int64_t offset = 0;
+    for (int64_t b = 0; b < B_; ++b) {
+      live_slots_.push_back(live_S_.narrow(0, offset, counts_[b]) - b * N_);
+      offset += counts_[b];
+    }
+  }
 }
 
 int64_t TokenIndex::kept_total() const {
@@ -127,9 +134,9 @@ TokenIndex* TokenIndex::row(int64_t b) {
   return rows_[b].get();
 }
 
-torch::Tensor TokenIndex::live_slots(int64_t b) const {
-  if (!ragged_) return torch::arange(N_, idx_BN_.options());
-  return (~pad_BN_[b]).nonzero().view({-1});
+const torch::Tensor& TokenIndex::live_slots(int64_t b) const {
+  TORCH_CHECK(ragged_, "collider: live_slots of a mask that is not ragged (bug)");
+  return live_slots_.at(b);
 }
 
 torch::Tensor TokenIndex::cut_packed(const torch::Tensor& x_TP) const {

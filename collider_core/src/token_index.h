@@ -37,7 +37,7 @@ class TokenIndex {
   // positions, no padding), nullptr when the row keeps nothing; live_slots(b) int64 [N_b], the
   // slots of row b in the padded [N] layout that are not padding.
   TokenIndex* row(int64_t b);
-  torch::Tensor live_slots(int64_t b) const;
+  const torch::Tensor& live_slots(int64_t b) const;
   // x: [B*T, P] token rows (a GEMM's token operand) -> [S, P], the kept tokens' rows packed.
   torch::Tensor cut_packed(const torch::Tensor& x_TP) const;
   // x already cut ([.., N, ..] on spec's token dimensions): padding positions zeroed along every
@@ -93,6 +93,7 @@ class TokenIndex {
   std::map<int64_t, torch::Tensor> flat_cache_, seq_first_cache_, rows_cache_, square_cache_;
   ChunkTables chunks_;
   std::vector<std::unique_ptr<TokenIndex>> rows_;  // row(b), built on first use
+  std::vector<torch::Tensor> live_slots_;          // [B] x int64 [N_b], ragged only
 };
 
 }  // namespace collider::detail
