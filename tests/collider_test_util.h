@@ -38,6 +38,15 @@ inline std::string grad_case_name(const ::testing::TestParamInfo<GradCase>& info
          std::to_string(c.B) + "_T" + std::to_string(c.T);
 }
 
+// The message of the exception f() throws, "(no error)" when it throws none.
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) { return e.what(); }
+  return "(no error)";
+}
+
 inline torch::Tensor random_keep(int64_t B, int64_t T, double ratio, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   auto scores = at::rand({B, T}, gen);

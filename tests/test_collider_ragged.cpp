@@ -2,8 +2,7 @@
 // row a single token, one all but one, one none. After filter_backward every parameter gradient
 // equals the DESIGN.md section-3 oracle (max|diff| / max|ref| <= 1e-4) on the three families
 // (-debug presets) and the GPT-2-style test model, both attention semantics, eager and SDPA,
-// B = 3 and 4, T = 97; and a loss that does not mask its dropped positions still gives none of
-// them gradient (the padding of the cut rows is excluded exactly).
+// B = 3 and 4, T = 97; and a loss that does not mask its dropped positions is refused.
 // The token-row GEMMs (x @ W of the projections, MLP and LM head) run on the packed kept rows
 // (rewrite.cpp, PackedRowsNode), so these tests check that path against the oracle too.
 // Eager attention cores run row by row (row_attention.h): every one is replaced, checked here.
@@ -173,38 +172,29 @@ std::vector<Case> all_cases() {
 
 INSTANTIATE_TEST_SUITE_P(BatchTopK, RaggedGrad, ::testing::ValuesIn(all_cases()), name_of);
 
-// The cut rows of a ragged mask include dropped positions as padding. A loss that does not mask
-// them (the mean over every position) must still give them no gradient: Collider's gradient is
-// that of the kept positions' terms, exactly as with equal counts, where they are cut away.
-TEST(RaggedCollider, UnmaskedLossGivesPaddingNoGradient) {
+// The cut rows of a ragged mask include dropped positions as padding. A loss that does not mask the
+// dropped positions (the mean over every position) is refused before the graph is touched: filtering
+// would drop their terms silently. A plain backward afterwards is the dense one.
+TEST(RaggedCollider, UnmaskedLossIsRefused) {
   torch::manual_seed(0);
   Gpt2 m(97, 32, 4, 2, 128);
-  auto make_plan = [&](double scale) {
-    return trace_plan([&, scale](int64_t B, int64_t T) {
-      auto loss = masked_ce(m->forward(torch::randint(97, {B, T})), torch::randint(97, {B, T}),
-                            torch::ones({B, T}, torch::kBool));
-      return scale == 1.0 ? loss : loss * scale;
-    });
-  };
-  Plan plan_k = make_plan(1.0), plan = make_plan(2.0);
+  Plan plan = trace_plan([&](int64_t B, int64_t T) {
+    return masked_ce(m->forward(torch::randint(97, {B, T})), torch::randint(97, {B, T}), torch::ones({B, T}, torch::kBool));
+  });
   auto idx = torch::randint(97, {3, kT});
   auto labels = torch::randint(97, {3, kT});
   auto keep = very_unequal_keep(3, 29);
   const auto all = torch::ones_like(keep);
+  zero_grads(*m);
+  masked_ce(m->forward(idx), labels, all).backward();
+  auto dense = grads_of(*m);
   for (auto a : {AttentionGrad::kKeptOnly, AttentionGrad::kExactQuery}) {
-    // The same graph shape (a mean over every position), scaled to the kept positions' mean.
     zero_grads(*m);
-    auto loss =
-        masked_ce(m->forward(idx), labels, all) * (static_cast<double>(keep.numel()) / keep.sum().item<double>());
-    filter_backward(loss, keep, plan, {a});
+    auto loss = masked_ce(m->forward(idx), labels, all);
+    auto msg = error_of([&] { filter_backward(loss, keep, plan, {a}); });
+    EXPECT_NE(msg.find("the loss counts positions the keep mask drops"), std::string::npos) << msg;
     loss.backward();
-    auto g_unmasked = grads_of(*m);
-    zero_grads(*m);
-    auto loss_k = masked_ce(m->forward(idx), labels, keep);
-    filter_backward(loss_k, keep, plan_k, {a});
-    loss_k.backward();
-    std::string worst;
-    EXPECT_LE(max_rel_diff(g_unmasked, grads_of(*m), &worst), 1e-4) << to_string(a) << " worst parameter: " << worst;
+    EXPECT_EQ(max_rel_diff(grads_of(*m), dense), 0.0) << to_string(a);
   }
 }
 

@@ -2,6 +2,7 @@
 #include "graph.h"
 
 #include <deque>
+#include <string>
 
 namespace collider::detail {
 
@@ -33,6 +34,35 @@ Graph collect_graph(const std::shared_ptr<torch::autograd::Node>& root, size_t e
     }
   }
   return g;
+}
+
+std::shared_ptr<torch::autograd::Node> loss_root(const std::shared_ptr<torch::autograd::Node>& grad_fn) {
+  static const char* const kScalings[] = {"MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1",
+                                          "NegBackward0", "ToCopyBackward0"};
+  auto one_number = [](const torch::autograd::InputMetadata& m) {
+    if (m.is_nested_tensor() || m.is_cpp_nested_tensor()) return false;
+    int64_t n = 1;
+    for (const auto& s : m.shape_as_dim_vector()) n *= s.expect_int();
+    return n == 1;
+  };
+  std::shared_ptr<torch::autograd::Node> node = grad_fn;
+  while (node && node->num_inputs() == 1 && one_number(node->input_metadata(0))) {
+    const std::string name = node->name();
+    bool scaling = false;
+    for (const char* s : kScalings) scaling = scaling || name == s;
+    if (!scaling) break;
+    const torch::autograd::Edge* live = nullptr;
+    int num_live = 0;
+    for (const auto& e : node->next_edges()) {
+      if (e.function) {
+        live = &e;
+        ++num_live;
+      }
+    }
+    if (num_live != 1 || !one_number(live->function->input_metadata(live->input_nr))) break;
+    node = live->function;
+  }
+  return node;
 }
 
 }  // namespace collider::detail

@@ -21,4 +21,10 @@ struct Graph {
 // expected_nodes: a size hint (a plan's node count), so replaying a plan does not regrow tables.
 Graph collect_graph(const std::shared_ptr<torch::autograd::Node>& root, size_t expected_nodes = 0);
 
+// The node a plan starts at: loss.grad_fn() below any scaling of the scalar loss by a constant
+// (loss / n for gradient accumulation or a token count, loss * w, a loss scaler's multiply, -loss,
+// a cast): one operand needs no gradient and the input and output are one number. A plan traced on
+// the unscaled loss then serves the scaled one, and the reverse; the scaling itself runs unchanged.
+std::shared_ptr<torch::autograd::Node> loss_root(const std::shared_ptr<torch::autograd::Node>& grad_fn);
+
 }  // namespace collider::detail

@@ -4,6 +4,7 @@
 #include <collider/collider.h>
 
 #include "node_fields.h"
+#include "passthrough.h"
 
 #include <fmt/format.h>
 
@@ -85,6 +86,10 @@ ObservedNode observe(const std::shared_ptr<torch::autograd::Node>& node) {
     out.described = nf->described_fields;
     RecordVisitor rec(out, node);
     nf->visit(node.get(), rec);
+  } else if (auto* saved = custom_saved(*node)) {  // a Python custom Function: ctx.save_for_backward's tensors
+    out.described = "ctx.saved_tensors";
+    RecordVisitor rec(out, node);
+    rec.saved_list("ctx.saved_tensors", *saved);
   }
   for (uint32_t i = 0; i < node->num_inputs(); ++i) {
     const auto& meta = node->input_metadata(i);

@@ -1,13 +1,35 @@
-// Internal: the registry of non-ATen autograd nodes declared passthrough (they map gradients row for
-// row and save nothing token-shaped), filled by collider::register_passthrough_node (collider.h)
-// and read by trace_plan. Tests: tests/test_core_plan.cpp, python/tests/test_api.py.
+// Internal: what the core knows of autograd nodes that Functions.h does not declare (custom
+// autograd Functions, torch.compile graphs, reentrant checkpointing). Two things:
+//   - the registry of nodes declared passthrough (they map gradients row for row and save nothing
+//     token-shaped), filled by collider::register_passthrough_node (collider.h);
+//   - the saved tensors of a Python torch.autograd.Function node (what ctx.save_for_backward
+//     kept): the core has no Python, so the Python module installs a reader
+//     (python/src/bindings.cpp); without it they are unknown.
+// trace_plan uses both to refuse a node whose backward would read full-length rows (plan checks
+// in trace.cpp), filter_backward checks a registered node again. Tests: tests/test_core_plan.cpp,
+// python/tests/test_api.py, python/tests/test_checkpointing.py.
 #pragma once
 
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/saved_variable.h>
+
 #include <string>
+#include <vector>
 
 namespace collider::detail {
 
 // Whether register_passthrough_node(name) was called. Thread-safe.
 bool is_passthrough(const std::string& name);
+
+// nullptr when the node is not a Python custom Function or no reader is installed.
+using CustomSavedReader = std::vector<torch::autograd::SavedVariable>* (*)(torch::autograd::Node& node);
+void set_custom_saved_reader(CustomSavedReader reader);
+std::vector<torch::autograd::SavedVariable>* custom_saved(torch::autograd::Node& node);
+
+// Reentrant activation checkpointing's node (torch.utils.checkpoint with use_reentrant=True): it
+// recomputes its block inside the backward, in a graph the plan never saw.
+bool is_reentrant_checkpoint(const std::string& name);
+// The refusal for it: what to use instead.
+std::string reentrant_checkpoint_advice();
 
 }  // namespace collider::detail

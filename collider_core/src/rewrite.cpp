@@ -10,12 +10,18 @@
 // the graph is as the forward left it, and a plain backward gives the loss_only gradient.
 #include <collider/collider.h>
 
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/variable.h>
+
 #include "cpu_kernels.h"
 #include "graph.h"
+#include "loss_checks.h"
 #include "node_fields.h"
 #include "nvtx.h"
+#include "passthrough.h"
 #include "plan_impl.h"
 #include "row_attention.h"
+#include "saved_cut.h"
 #include "sdpa.h"
 #include "token_index.h"
 
@@ -24,10 +30,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <map>
+#include <mutex>
+#include <optional>
 #include <tuple>
 #include <typeindex>
 #include <unordered_map>
@@ -41,6 +50,13 @@ using torch::autograd::Node;
 using torch::autograd::variable_list;
 
 std::vector<c10::SymInt> to_syms(const std::vector<int64_t>& v) { return {v.begin(), v.end()}; }
+
+// c10::Error's what() carries a C++ backtrace after the message; the message is its first line.
+std::string first_line(const char* what) {
+  std::string s(what);
+  const auto nl = s.find('\n');
+  return nl == std::string::npos ? s : s.substr(0, nl);
+}
 
 // Cuts (or zeroes, for the masked method) the gradient flowing into a key/value operand.
 class KeyRowsNode final : public Node {
@@ -85,6 +101,30 @@ class ZeroPaddingNode final : public Node {
  private:
   std::shared_ptr<TokenIndex> index_;
   ShapeSpec spec_;
+};
+
+// A leaf tensor with token dimensions (inputs_embeds that require grad; the embedding output that
+// transformers' enable_input_require_grads marks when checkpointing a PEFT model): its gradient
+// arrives cut and is accumulated full-size, zero at every position the cut left out (the filtered
+// semantics give dropped positions no gradient). Stands on every edge into the leaf's
+// AccumulateGrad, whose expected shape stays the leaf's.
+class FullRowsNode final : public Node {
+ public:
+  FullRowsNode(std::shared_ptr<TokenIndex> index, ShapeSpec spec, bool cut_keys, std::vector<int64_t> full)
+      : index_(std::move(index)), spec_(std::move(spec)), cut_keys_(cut_keys), full_(std::move(full)) {}
+  std::string name() const override { return "collider::FullRows"; }
+  variable_list apply(variable_list&& grads) override {
+    torch::Tensor g = grads.at(0);
+    if (!g.defined()) return {g};
+    torch::NoGradGuard no_grad;
+    return {index_->uncut(g, spec_, cut_keys_, full_)};
+  }
+
+ private:
+  std::shared_ptr<TokenIndex> index_;
+  ShapeSpec spec_;
+  bool cut_keys_;
+  std::vector<int64_t> full_;
 };
 
 // Ragged kept counts: the backward of a GEMM over the token rows, y = x @ W (MmBackward0) or
@@ -156,23 +196,60 @@ bool debug_gather() {
   return on;
 }
 
+// A saved tensor's identity while the rewrite is prepared (every tensor it keys is held alive by
+// the graph and by its SavedCut until the rewrite ends, so an address is never reused meanwhile),
+// and what is made of it: tensors with the same key share one cut.
 struct CacheKey {
   const void* data;
   int64_t numel;
   int dtype;
-  std::vector<int64_t> strides;  // empty for contiguous tensors (views reconciled by reshape)
+  std::vector<int64_t> strides;  // empty for contiguous tensors (views reconciled by their view sizes)
   std::vector<int64_t> sizes;
-  bool padding_keys_zeroed = false;  // a cut whose padding keys are zeroed is cached apart
+  bool padding_keys_zeroed = false;  // a cut whose padding keys are zeroed is shared apart
+  int64_t cut_numel = -1;            // what it is cut to; -1: packed rows (cut_saved_packed)
   bool operator<(const CacheKey& o) const {
-    return std::tie(data, numel, dtype, strides, sizes, padding_keys_zeroed) <
-           std::tie(o.data, o.numel, o.dtype, o.strides, o.sizes, o.padding_keys_zeroed);
+    return std::tie(data, numel, dtype, strides, sizes, padding_keys_zeroed, cut_numel) <
+           std::tie(o.data, o.numel, o.dtype, o.strides, o.sizes, o.padding_keys_zeroed, o.cut_numel);
   }
 };
 
+CacheKey key_of(const torch::Tensor& t, bool with_strides, bool padding_keys_zeroed, int64_t cut_numel) {
+  CacheKey key{t.data_ptr(), t.numel(), static_cast<int>(t.scalar_type()), {}, {}, padding_keys_zeroed, cut_numel};
+  if (with_strides) {
+    key.strides = t.strides().vec();
+    key.sizes = t.sizes().vec();
+  }
+  return key;
+}
+
+// Runs one cut (a copy of kept rows); COLLIDER_DEBUG_GATHER=1 prints it, to find slow copies.
+template <typename Fn>
+torch::Tensor timed_gather(const torch::Tensor& t, Fn&& fn) {
+  if (!debug_gather()) return fn();
+  const auto g0 = std::chrono::steady_clock::now();
+  torch::Tensor out = fn();
+  const double dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - g0).count();
+  fmt::print(stderr, "collider gather {:7.2f} ms [{}] strides [{}] contiguous {} {} -> [{}]\n", dt,
+             fmt::join(t.sizes(), ","), fmt::join(t.strides(), ","), t.is_contiguous(),
+             std::string(c10::toString(t.scalar_type())), fmt::join(out.sizes(), ","));
+  return out;
+}
+
 class Rewriter {
  public:
-  Rewriter(const PlanData& plan, std::shared_ptr<TokenIndex> index, bool cut_keys, bool masked, FilterStats& stats)
-      : plan_(plan), ix_(std::move(index)), cut_keys_(cut_keys), masked_(masked), stats_(stats) {}
+  // keep_sources: tensors behind saved-tensor hooks stay packed after their cut (validate).
+  Rewriter(const PlanData& plan, std::shared_ptr<TokenIndex> index, bool cut_keys, bool masked, bool keep_sources,
+           FilterStats& stats)
+      : plan_(plan), ix_(std::move(index)), cut_keys_(cut_keys), masked_(masked), keep_sources_(keep_sources),
+        stats_(stats) {}
+  Rewriter(const Rewriter&) = delete;
+  Rewriter& operator=(const Rewriter&) = delete;
+  // Prepared and never written: our SavedVariables in the slots point at their SavedCut, which points
+  // at the slot; the cycle is cut here.
+  ~Rewriter() {
+    if (!committed_)
+      for (auto& slot : hooked_slots_) slot->reset_data();
+  }
 
   // First pass: checks and computes everything, records the writes; the graph is untouched.
   void prepare(const Graph& g) {
@@ -202,6 +279,10 @@ class Rewriter {
         continue;
       }
       if (nodes[i].fields.empty()) continue;
+      if (nodes[i].type == "torch::autograd::AccumulateGrad") {
+        if (!masked_) full_rows_leaf(g, static_cast<int>(i));  // the masked method's gradients are full-size
+        continue;
+      }
       if (packed_output[i] >= 0) {
         pack_node(g, static_cast<int>(i), static_cast<size_t>(packed_output[i]));
         continue;
@@ -209,27 +290,68 @@ class Rewriter {
       rewrite_node(g.nodes[i], nodes[i], static_cast<int>(i));
     }
   }
-  // Second pass: the recorded writes (moves and assignments of values computed in prepare()).
+  // Second pass: the recorded writes (swaps with values computed in prepare()).
   void commit() {
+    committed_ = true;
     for (auto& w : writes_) w();
-    writes_.clear();
     for (auto& [inner, node] : packed_) node->adopt_edges();
     for (auto& node : row_attention_) node->adopt_edges();
+  }
+  // The graph as it was before commit() (the writes swapped back), for validate: the rewrite is
+  // then discarded.
+  void revert() {
+    for (auto it = writes_.rbegin(); it != writes_.rend(); ++it) (*it)();
+    for (auto& slot : hooked_slots_) slot->reset_data();  // our SavedVariables, which point at their SavedCut
+    writes_.clear();
+  }
+  // The rewrite stays: the replaced nodes' tensors go, and so do the originals the writes hold.
+  void finish() {
+    for (auto& f : finals_) f();
+    finals_.clear();
+    writes_.clear();
   }
   // An edge into a GEMM that runs on packed rows leads to its PackedRowsNode instead.
   Edge redirect(const Edge& e) const {
     auto it = e.function ? packed_.find(e.function.get()) : packed_.end();
     return it == packed_.end() ? e : Edge(it->second, e.input_nr);
   }
-  void defer(std::function<void()> write) { writes_.push_back(std::move(write)); }
+  // A write of the commit pass: it swaps a field with the value it holds, so running it again
+  // restores the field (revert()).
+  void defer(std::function<void()> swap) { writes_.push_back(std::move(swap)); }
+  void defer_edge(const std::shared_ptr<Node>& parent, int e, std::shared_ptr<Node> node, uint32_t input_nr) {
+    auto* edges = &const_cast<torch::autograd::edge_list&>(parent->next_edges());
+    defer([edges, e, other = Edge(std::move(node), input_nr)]() mutable { std::swap((*edges)[e], other); });
+  }
+  // A SavedVariable swapped in for a saved tensor behind hooks: `slot` holds ours until commit()
+  // and the original after it, where the SavedCut reads it (saved_cut.h).
+  void defer_hooked(SavedVariable& v, std::shared_ptr<SavedVariable> slot) {
+    hooked_slots_.push_back(slot);
+    defer([&v, slot] { std::swap(v, *slot); });
+  }
+
+  // A leaf with token dimensions: every edge into its AccumulateGrad passes a FullRowsNode.
+  void full_rows_leaf(const Graph& g, int i) {
+    const FieldSpec* in = plan_.nodes[i].find(FieldKind::kInputMeta, 0);
+    if (!in || !in->shape.has_token()) return;
+    const auto& meta = g.nodes[i]->input_metadata(0);
+    auto full = to_ints(meta.shape_as_dim_vector());
+    auto bad = ix_->mismatch(full, in->shape);
+    if (!bad.empty()) {
+      throw Error(fmt::format("filter_backward: the leaf tensor of node #{} does not match the plan: {}", i, bad));
+    }
+    auto node = std::make_shared<FullRowsNode>(ix_, in->shape, cut_keys_, full);
+    node->add_input_metadata(meta.options(), to_syms(ix_->cut_sizes(full, in->shape, cut_keys_)), false, false,
+                             std::nullopt);
+    node->add_next_edge(Edge(g.nodes[i], 0));
+    for (const auto& [parent, edge] : g.parents[i]) defer_edge(g.nodes[parent], edge, node, 0);
+    ++stats_.nodes_rewritten;
+  }
 
   // Fused attention: every edge into the SDPA node will lead to its filtered replacement.
   void replace_fused(const Graph& g, int i) {
     auto node = make_filtered_attention(g.nodes[i], ix_, !cut_keys_, masked_);
     for (const auto& [parent, edge] : g.parents[i]) {
-      auto* edges = &const_cast<torch::autograd::edge_list&>(g.nodes[parent]->next_edges());
-      const int e = edge;
-      defer([edges, e, node] { (*edges)[e] = Edge(node, (*edges)[e].input_nr); });
+      defer_edge(g.nodes[parent], edge, node, g.nodes[parent]->next_edge(edge).input_nr);
     }
     ++stats_.nodes_rewritten;
   }
@@ -252,12 +374,10 @@ class Rewriter {
     nodes.insert(nodes.end(), core.up.begin(), core.up.end());
     for (int c : nodes) {
       replaced[c] = 1;
-      defer([n = g.nodes[c]] { n->release_variables(); });
+      finals_.push_back([n = g.nodes[c]] { n->release_variables(); });
     }
     for (const auto& [parent, edge] : g.parents[core.pv]) {
-      auto* edges = &const_cast<torch::autograd::edge_list&>(g.nodes[parent]->next_edges());
-      const int e = edge;
-      defer([edges, e, node] { (*edges)[e] = Edge(node, (*edges)[e].input_nr); });
+      defer_edge(g.nodes[parent], edge, node, g.nodes[parent]->next_edge(edge).input_nr);
     }
     for (const auto& row : node->rows()) {  // the cuts it made, in the gather statistics
       for (const auto* t : {&row.p, &row.r, &row.v, &row.q, &row.k_t}) {
@@ -270,64 +390,91 @@ class Rewriter {
     ++stats_.nodes_rewritten;
   }
 
+  // What the rewrite writes in place of one saved tensor: the cut it unpacks to (made when the
+  // backward first reads it, saved_cut.h) and the view of it this field wants.
+  struct CutRef {
+    std::shared_ptr<SavedCut> cut;
+    std::vector<int64_t> view;  // empty: the cut as it is
+  };
+
   // The kept tokens' rows of a [B*T, D] GEMM operand, packed to [S, D] (one gather per tensor).
-  torch::Tensor cut_saved_packed(const torch::Tensor& t) {
-    CacheKey key{t.data_ptr(), t.numel(), static_cast<int>(t.scalar_type()), t.strides().vec(), t.sizes().vec()};
-    if (auto it = packed_cache_.find(key); it != packed_cache_.end()) return it->second;
-    const auto g0 = std::chrono::steady_clock::now();
-    torch::Tensor out = ix_->cut_packed(t);
-    stats_.gather_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - g0).count();
-    ++stats_.tensors_gathered;
-    stats_.bytes_before += static_cast<int64_t>(t.numel() * t.element_size());
-    stats_.bytes_gathered += static_cast<int64_t>(out.numel() * out.element_size());
-    packed_cache_[key] = out;
-    return out;
+  CutRef cut_saved_packed(const torch::Tensor& t) {
+    CacheKey key = key_of(t, /*strides=*/true, false, -1);
+    if (auto it = cache_.find(key); it != cache_.end()) return {it->second, {}};
+    auto ix = ix_;
+    auto cut = std::make_shared<SavedCut>(t, [ix](const torch::Tensor& x) { return timed_gather(x, [&] { return ix->cut_packed(x); }); });
+    count_gather(t, ix_->kept_total() * (t.numel() / std::max<int64_t>(t.size(0), 1)));
+    cache_[key] = cut;
+    return {cut, {}};
   }
 
-  // zero_padding_keys: the cut's padding keys are zeroed too, before it is cached (softmax and
-  // P @ V save the same attention probabilities: one cut, zeroed once, serves both).
-  torch::Tensor cut_saved(const torch::Tensor& t, const ShapeSpec& spec, bool zero_padding_keys = false) {
-    // One gather per distinct tensor; contiguous views of the same memory share it.
-    CacheKey key{t.data_ptr(), t.numel(), static_cast<int>(t.scalar_type()), {}, {}, zero_padding_keys};
-    if (!t.is_contiguous()) {
-      key.strides = t.strides().vec();
-      key.sizes = t.sizes().vec();
-    }
+  // The cut of a saved tensor to the kept rows, or nothing when it has nothing to cut (keys under
+  // exact_query). zero_padding_keys: the cut's padding keys are zeroed too, before it is shared
+  // (softmax and P @ V save the same attention probabilities: one cut, zeroed once, serves both).
+  std::optional<CutRef> cut_saved(const torch::Tensor& t, const ShapeSpec& spec, bool zero_padding_keys = false) {
     auto want = ix_->cut_sizes(t.sizes(), spec, cut_keys_);
-    if (spec.pad_rank == 0 && c10::IntArrayRef(want) == t.sizes()) {  // nothing to cut (keys under exact_query)
-      return zero_padding_keys ? ix_->zero_padding(t, spec, /*keys_only=*/true) : t;
-    }
+    if (spec.pad_rank == 0 && !zero_padding_keys && c10::IntArrayRef(want) == t.sizes()) return std::nullopt;
     const int64_t want_numel = c10::multiply_integers(want);
-    auto it = cache_.find(key);
-    if (it != cache_.end() && it->second.numel() == want_numel && spec.pad_rank == 0 &&
-        (it->second.is_contiguous() || it->second.sizes().vec() == want)) {
-      return it->second.view(want);
+    // One gather per distinct tensor: contiguous views of the same memory share it (each takes
+    // its view of the contiguous cut); any other is shared only by its own sizes and strides.
+    // Broadcast fields (pad_rank > 0) are cut apart.
+    std::optional<CacheKey> key;
+    if (spec.pad_rank == 0) key = key_of(t, !t.is_contiguous(), zero_padding_keys, want_numel);
+    if (key) {
+      if (auto it = cache_.find(*key); it != cache_.end()) {
+        return CutRef{it->second, t.is_contiguous() ? want : std::vector<int64_t>{}};
+      }
     }
-    const auto g0 = std::chrono::steady_clock::now();
-    torch::Tensor out = ix_->cut(t, spec, cut_keys_);
-    const auto st = out.strides();
-    const bool broadcast = std::find(st.begin(), st.end(), 0) != st.end();  // expanded on purpose (TokenIndex::cut)
-    // Dense results keep the input's layout (TokenIndex cuts permuted views in memory order). A
-    // contiguous input stays contiguous: some backward kernels read saved tensors as flat arrays
-    // (layer norm's mean and rstd), and a sequence-first [T, B, ..] cut comes back permuted.
-    if (!broadcast && (!out.is_non_overlapping_and_dense() || (t.is_contiguous() && !out.is_contiguous()))) {
-      out = out.contiguous();
-    }
-    if (zero_padding_keys) out = ix_->zero_padding_into(out, t, spec, /*keys_only=*/true);
-    const double dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - g0).count();
-    stats_.gather_ms += dt;
-    if (debug_gather()) {  // one line per gather, to find slow copies
-      fmt::print(stderr, "collider gather {:7.2f} ms [{}] strides [{}] contiguous {} {} -> [{}]\n", dt,
-                 fmt::join(t.sizes(), ","), fmt::join(t.strides(), ","), t.is_contiguous(),
-                 std::string(c10::toString(t.scalar_type())), fmt::join(out.sizes(), ","));
-    }
+    auto cut = std::make_shared<SavedCut>(t, cut_fn(spec, zero_padding_keys, /*check=*/false));
+    count_gather(t, want_numel);
+    if (key) cache_[*key] = cut;
+    return CutRef{cut, key && t.is_contiguous() ? want : std::vector<int64_t>{}};
+  }
+
+  // The cut a saved tensor gets (TokenIndex::cut, kept in the input's layout; see cut_saved).
+  // check: compare its sizes with the plan first (tensors behind saved-tensor hooks, whose
+  // sizes filter_backward cannot see).
+  SavedCut::CutFn cut_fn(const ShapeSpec& spec, bool zero_padding_keys, bool check) const {
+    auto ix = ix_;
+    const bool cut_keys = cut_keys_;
+    return [ix, spec, zero_padding_keys, cut_keys, check](const torch::Tensor& t) {
+      if (check) {
+        auto bad = ix->mismatch(t.sizes(), spec);
+        TORCH_CHECK(bad.empty(), "collider: a saved tensor unpacked through saved-tensor hooks does not match the plan (",
+                    bad, "); re-trace the plan with the same checkpointing or offloading set-up");
+      }
+      auto want = ix->cut_sizes(t.sizes(), spec, cut_keys);
+      if (spec.pad_rank == 0 && c10::IntArrayRef(want) == t.sizes()) {
+        return zero_padding_keys ? ix->zero_padding(t, spec, /*keys_only=*/true) : t;
+      }
+      return timed_gather(t, [&] {
+        torch::Tensor out = ix->cut(t, spec, cut_keys);
+        const auto st = out.strides();
+        const bool broadcast = std::find(st.begin(), st.end(), 0) != st.end();  // expanded on purpose (TokenIndex::cut)
+        // Dense results keep the input's layout (TokenIndex cuts permuted views in memory order). A
+        // contiguous input stays contiguous: some backward kernels read saved tensors as flat arrays
+        // (layer norm's mean and rstd), and a sequence-first [T, B, ..] cut comes back permuted.
+        if (!broadcast && (!out.is_non_overlapping_and_dense() || (t.is_contiguous() && !out.is_contiguous()))) {
+          out = out.contiguous();
+        }
+        if (zero_padding_keys) out = ix->zero_padding_into(out, t, spec, /*keys_only=*/true);
+        return out;
+      });
+    };
+  }
+
+  // The masked method's kept_only oracle: attention probabilities restricted to kept rows and columns.
+  SavedCut::CutFn zero_dropped_fn(const ShapeSpec& spec) const {
+    auto ix = ix_;
+    return [ix, spec](const torch::Tensor& t) { return t.is_floating_point() ? ix->zero_dropped(t, spec, true) : t; };
+  }
+
+  void count_hooked() { ++stats_.tensors_hooked; }
+  // A distinct saved tensor to be cut to `cut_numel` elements (the copy is made in the backward).
+  void count_gather(const torch::Tensor& t, int64_t cut_numel) {
     ++stats_.tensors_gathered;
     stats_.bytes_before += static_cast<int64_t>(t.numel() * t.element_size());
-    stats_.bytes_gathered += static_cast<int64_t>(out.numel() * out.element_size());
-    // A contiguous input's entry serves every view of its memory (.view(want) above); any other
-    // is found only by its own sizes and strides, so its cut has the wanted shape already.
-    if (spec.pad_rank == 0 && (out.is_contiguous() || (!key.strides.empty() && !broadcast))) cache_[key] = out;
-    return out;
+    stats_.bytes_gathered += static_cast<int64_t>(cut_numel * t.element_size());
   }
 
  private:
@@ -340,10 +487,13 @@ class Rewriter {
   std::shared_ptr<TokenIndex> ix_;
   bool cut_keys_;
   bool masked_;
+  bool keep_sources_;
+  bool committed_ = false;
   FilterStats& stats_;
-  std::map<CacheKey, torch::Tensor> cache_;
-  std::map<CacheKey, torch::Tensor> packed_cache_;  // cut_saved_packed
-  std::vector<std::function<void()>> writes_;
+  std::map<CacheKey, std::shared_ptr<SavedCut>> cache_;  // cut_saved, cut_saved_packed
+  std::vector<std::function<void()>> writes_;  // swaps (defer)
+  std::vector<std::function<void()>> finals_;  // one-way, once the rewrite stays (finish)
+  std::vector<std::shared_ptr<SavedVariable>> hooked_slots_;
   std::unordered_map<const Node*, std::shared_ptr<PackedRowsNode>> packed_;  // original node -> its stand-in
   std::vector<std::shared_ptr<RowAttentionNode>> row_attention_;  // eager cores run row by row
 };
@@ -402,8 +552,11 @@ class Rewriter::Apply final : public FieldVisitor {
       auto out = apply_sizes(f, to_ints(node_->input_metadata(f.item).shape_as_dim_vector()));
       Node* node = node_.get();
       const uint32_t item = static_cast<uint32_t>(f.item);
-      rw_.defer([node, item, out = std::move(out)] {
-        node->mutable_input_metadata(item).mutable_shape_as_dim_vector().assign(out.begin(), out.end());
+      rw_.defer([node, item, other = std::vector<c10::SymInt>(out.begin(), out.end())]() mutable {
+        auto& shape = node->mutable_input_metadata(item).mutable_shape_as_dim_vector();
+        std::vector<c10::SymInt> current(shape.begin(), shape.end());
+        shape.assign(other.begin(), other.end());
+        other = std::move(current);
       });
     }
   }
@@ -414,10 +567,10 @@ class Rewriter::Apply final : public FieldVisitor {
     for (const auto& d : s.dims) n += d.kind != DimKind::kBatch;
     return n >= 2;
   }
-  // The field is written in the commit pass, from the value computed now.
+  // The field is written in the commit pass, from the value computed now (a swap: see defer).
   template <typename V>
   void assign(V& field, V value) {
-    rw_.defer([&field, value = std::move(value)]() mutable { field = std::move(value); });
+    rw_.defer([&field, value = std::move(value)]() mutable { std::swap(field, value); });
   }
   static std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes) {
     std::vector<int64_t> st(sizes.size(), 1);
@@ -444,6 +597,39 @@ class Rewriter::Apply final : public FieldVisitor {
   void on_saved(const char* name, int32_t item, SavedVariable& v) {
     const FieldSpec* f = find(name, item, FieldKind::kSaved);
     if (!f) return;
+    // The kept_only oracle of the masked method touches only the attention probabilities.
+    const bool masked_probabilities = rw_.cut_keys_ && spec_.attention_core && f->shape.has_key();
+    if (rw_.masked_ && !masked_probabilities) return;
+    // Ragged masks: padding keys get no attention probability (kept_only), so they neither
+    // give nor receive gradient; P is the field with a query and a key dimension.
+    const bool zero_keys = !rw_.masked_ && rw_.cut_keys_ && rw_.ix_->ragged() && spec_.attention_core &&
+                           f->shape.has_key() && two_token_dims(f->shape);
+    if (v.has_hooks()) {
+      // Behind saved-tensor hooks (checkpointing, offloading): the tensor exists only when the
+      // backward unpacks it; its cut is decided now and made then (saved_cut.h).
+      SavedCut::CutFn fn;
+      if (rw_.masked_) {
+        fn = rw_.zero_dropped_fn(f->shape);
+      } else if (packed_) {
+        auto ix = rw_.ix_;
+        auto shape = f->shape;
+        fn = [ix, shape](const torch::Tensor& t) {
+          auto bad = ix->mismatch(t.sizes(), shape);
+          TORCH_CHECK(bad.empty(), "collider: a saved tensor unpacked through saved-tensor hooks does not match the plan (",
+                      bad, "); re-trace the plan with the same checkpointing or offloading set-up");
+          return ix->cut_packed(t);
+        };
+      } else {
+        fn = rw_.cut_fn(f->shape, zero_keys, /*check=*/true);
+      }
+      auto slot = std::make_shared<SavedVariable>();
+      auto cut = std::make_shared<SavedCut>(std::weak_ptr<Node>(node_), slot, rw_.keep_sources_, std::move(fn));
+      *slot = saved_cut_variable(cut);
+      rw_.count_hooked();
+      rw_.defer_hooked(v, slot);
+      changed = true;
+      return;
+    }
     torch::Tensor t;
     try {
       t = v.unpack(node_);
@@ -451,30 +637,25 @@ class Rewriter::Apply final : public FieldVisitor {
       throw Error(
           fmt::format("filter_backward: cannot read saved tensor {} of node #{} {} ({}). Call "
                       "filter_backward once per loss, before loss.backward().",
-                      name, index_, spec_.type, e.what()));
+                      name, index_, spec_.type, first_line(e.what())));
     }
     if (!t.defined()) return;
     auto bad = rw_.ix_->mismatch(t.sizes(), f->shape);
     if (!bad.empty()) mismatch(*f, bad);
-    torch::NoGradGuard no_grad;
-    torch::Tensor out;
+    t = t.detach();
+    std::optional<CutRef> ref;
     if (rw_.masked_) {
-      // kept_only oracle: the attention probabilities restricted to kept rows and columns.
-      if (rw_.cut_keys_ && spec_.attention_core && f->shape.has_key() && t.is_floating_point()) {
-        out = rw_.ix_->zero_dropped(t.detach(), f->shape, true);
-      } else {
-        return;
-      }
+      if (!t.is_floating_point()) return;
+      ref = CutRef{std::make_shared<SavedCut>(t, rw_.zero_dropped_fn(f->shape)), {}};
     } else if (packed_) {
-      out = rw_.cut_saved_packed(t.detach());
+      ref = rw_.cut_saved_packed(t);
     } else {
-      // Ragged masks: padding keys get no attention probability (kept_only), so they neither
-      // give nor receive gradient; P is the field with a query and a key dimension.
-      const bool zero_keys = rw_.cut_keys_ && rw_.ix_->ragged() && spec_.attention_core && f->shape.has_key() &&
-                             two_token_dims(f->shape);
-      out = rw_.cut_saved(t.detach(), f->shape, zero_keys);
+      ref = rw_.cut_saved(t, f->shape, zero_keys);
     }
-    rw_.defer([&v, out = std::move(out)] { v = SavedVariable(out, /*is_output=*/false); });
+    if (!ref) return;  // nothing to cut (keys under exact_query)
+    rw_.defer([&v, other = std::make_shared<SavedVariable>(saved_cut_variable(ref->cut, ref->view))] {
+      std::swap(v, *other);
+    });
     changed = true;
   }
 
@@ -511,9 +692,7 @@ void Rewriter::pack_node(const Graph& g, int i, size_t token_output) {
                                to_syms(ix_->cut_sizes(to_ints(meta.shape_as_dim_vector()), in->shape, cut_keys_)),
                                false, false, std::nullopt);
   for (const auto& [parent, edge] : g.parents[i]) {
-    auto* edges = &const_cast<torch::autograd::edge_list&>(g.nodes[parent]->next_edges());
-    const int e = edge;
-    defer([edges, e, stand_in] { (*edges)[e] = Edge(stand_in, (*edges)[e].input_nr); });
+    defer_edge(g.nodes[parent], edge, stand_in, g.nodes[parent]->next_edge(edge).input_nr);
   }
   packed_[node.get()] = stand_in;
   ++stats_.nodes_rewritten;
@@ -526,7 +705,7 @@ Graph checked_graph(const torch::Tensor& loss, const PlanData& plan, const char*
   }
   if (loss.numel() != 1) throw Error(fmt::format("{}: the loss must be a scalar", who));
   if (plan.nodes.empty()) throw Error(fmt::format("{}: empty plan; build one with collider::trace_plan", who));
-  Graph g = collect_graph(loss.grad_fn(), plan.nodes.size());
+  Graph g = collect_graph(loss_root(loss.grad_fn()), plan.nodes.size());
   const size_t n = std::min(g.nodes.size(), plan.nodes.size());
   // Node::name() demangles the node's type on every call: one demangle per type, not per node.
   std::unordered_map<std::type_index, std::string> names;
@@ -536,6 +715,7 @@ Graph checked_graph(const torch::Tensor& loss, const PlanData& plan, const char*
     if (it == names.end()) it = names.emplace(typeid(node), node.name()).first;
     const std::string& t = it->second;
     if (t != plan.nodes[i].type) {
+      if (is_reentrant_checkpoint(t)) throw Error(fmt::format("{}: node #{} is {}: {}", who, i, t, reentrant_checkpoint_advice()));
       throw Error(
           fmt::format("{}: node #{} is {} but the plan expects {}: the graph does not match the plan "
                       "(another model, or a changed forward). Re-trace with collider::trace_plan.",
@@ -551,33 +731,77 @@ Graph checked_graph(const torch::Tensor& loss, const PlanData& plan, const char*
   return g;
 }
 
-FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT, const Plan& plan,
-                        const FilterOptions& opts, bool masked) {
-  const char* who = masked ? "mask_backward" : "filter_backward";
-  NvtxRange range(masked ? "collider/mask" : "collider/filter");
-  const auto t0 = std::chrono::steady_clock::now();
-  if (!keep_BT.defined() || keep_BT.dim() != 2) {
-    throw Error(fmt::format("{}: the keep mask must be bool [B, T]", who));
+// The [B, T] the loss was computed on, read from the first input shape the plan marks with a token
+// dimension (and a batch dimension, unless the plan is the one-row plan); -1 where unknown.
+std::pair<int64_t, int64_t> loss_tokens(const Graph& g, const PlanData& plan) {
+  const bool one_row = plan.batch_a == 1;
+  for (size_t i = 0; i < g.nodes.size(); ++i) {
+    for (const auto& f : plan.nodes[i].fields) {
+      if (f.kind != FieldKind::kInputMeta || f.shape.pad_rank != 0) continue;
+      const auto& meta = g.nodes[i]->input_metadata(f.item);
+      if (meta.is_nested_tensor() || meta.is_cpp_nested_tensor()) continue;
+      const auto shape = meta.shape_as_dim_vector();
+      int64_t B = one_row ? 1 : -1, T = -1;
+      for (const auto& d : f.shape.dims) {
+        if (d.dim >= static_cast<int32_t>(shape.size())) continue;
+        if (d.kind == DimKind::kToken) T = shape[d.dim].expect_int();
+        if (d.kind == DimKind::kBatch && d.mult > 0) B = shape[d.dim].expect_int() / d.mult;
+      }
+      if (B > 0 && T > 0) return {B, T};
+    }
   }
-  const PlanData& data = keep_BT.size(0) == 1 ? plan.impl().single : plan.impl().data;
-  const bool exact = opts.attention == AttentionGrad::kExactQuery;
-  if (exact && !data.exact_query_blocker.empty()) {
-    throw Error(
-        fmt::format("{}: exact_query needs every attention core recognised: {}", who, data.exact_query_blocker));
-  }
-  Graph g = checked_graph(loss, data, who);
-  const auto t_graph = std::chrono::steady_clock::now();
-  auto ix = std::make_shared<TokenIndex>(keep_BT.to(loss.device()));
-  const auto t_index = std::chrono::steady_clock::now();
-  FilterStats stats;
-  stats.nodes_visited = static_cast<int64_t>(g.nodes.size());
-  stats.batch = ix->B();
-  stats.seq_len = ix->T();
-  stats.kept = ix->N();
-  stats.kept_total = ix->kept_total();
-  stats.kept_min = *std::min_element(ix->kept_counts().begin(), ix->kept_counts().end());
-  stats.kept_max = *std::max_element(ix->kept_counts().begin(), ix->kept_counts().end());
+  return {-1, -1};
+}
 
+// Graphs already rewritten (by their loss's root node), so a second call is refused by name.
+class RewrittenGraphs {
+ public:
+  bool contains(const std::shared_ptr<Node>& root) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    roots_.erase(std::remove_if(roots_.begin(), roots_.end(), [](const auto& w) { return w.expired(); }), roots_.end());
+    for (const auto& w : roots_)
+      if (w.lock() == root) return true;
+    return false;
+  }
+  void add(const std::shared_ptr<Node>& root) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    roots_.push_back(root);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::weak_ptr<Node>> roots_;
+};
+RewrittenGraphs& rewritten_graphs() {
+  static RewrittenGraphs r;
+  return r;
+}
+
+// A node declared passthrough must save nothing token-shaped (checked by trace_plan too, where a
+// Python custom Function's saved tensors are visible; a plan read from text skipped that).
+void check_passthrough_nodes(const Graph& g, const PlanData& plan, const TokenIndex& ix, const char* who) {
+  for (size_t i = 0; i < g.nodes.size(); ++i) {
+    if (plan.nodes[i].fields.empty() || find_node_fields(*g.nodes[i])) continue;
+    auto* saved = custom_saved(*g.nodes[i]);
+    if (!saved) continue;
+    for (const auto& v : *saved) {
+      auto raw = v.get_raw_data();
+      if (!raw || !raw->defined()) continue;
+      for (int64_t size : raw->sizes()) {
+        if (size != ix.T() && size != ix.B() * ix.T()) continue;
+        throw Error(fmt::format(
+            "{}: node #{} {} is declared passthrough but saves a token-shaped tensor ([{}]), which its backward "
+            "would read at full length; write it with torch operations",
+            who, i, plan.nodes[i].type, fmt::join(raw->sizes(), ", ")));
+      }
+    }
+  }
+}
+
+// Everything a rewrite writes, checked and computed, nothing written yet (Rewriter::commit).
+std::unique_ptr<Rewriter> prepare_rewrite(const Graph& g, const PlanData& data, const std::shared_ptr<TokenIndex>& ix,
+                                          bool exact, bool masked, bool keep_sources, FilterStats& stats,
+                                          const char* who) {
   // exact_query: remember the key/value edges before their targets' shapes shrink.
   struct PendingInsert {
     const EdgeInsert* ins;
@@ -596,8 +820,8 @@ FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT,
     }
   }
 
-  Rewriter rw(data, ix, /*cut_keys=*/!exact, masked, stats);
-  rw.prepare(g);
+  auto rw = std::make_unique<Rewriter>(data, ix, /*cut_keys=*/!exact, masked, keep_sources, stats);
+  rw->prepare(g);
 
   // Ragged masks: where token-shaped gradients are born, padding rows are zeroed.
   if (ix->ragged() && !masked) {
@@ -622,9 +846,8 @@ FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT,
         auto shape = ix->cut_sizes(to_ints(meta.shape_as_dim_vector()), f->shape, !exact);
         auto node = std::make_shared<ZeroPaddingNode>(ix, f->shape);
         node->add_input_metadata(meta.options(), to_syms(shape), false, false, std::nullopt);
-        node->add_next_edge(rw.redirect(edges[e]));
-        auto* list = &const_cast<torch::autograd::edge_list&>(edges);
-        rw.defer([list, e, node] { (*list)[e] = Edge(node, 0); });
+        node->add_next_edge(rw->redirect(edges[e]));
+        rw->defer_edge(g.nodes[i], static_cast<int>(e), node, 0);
       }
     }
   }
@@ -637,16 +860,127 @@ FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT,
     }
     auto node = std::make_shared<KeyRowsNode>(ix, p.ins->shape, masked);
     node->add_input_metadata(p.options, to_syms(p.shape), false, false, std::nullopt);
-    node->add_next_edge(rw.redirect(p.old_edge));
+    node->add_next_edge(rw->redirect(p.old_edge));
     // Node::set_next_edge refuses nodes that already have parents (topological_nr bookkeeping,
     // used only to prune torch::autograd::grad with explicit inputs); the edge list itself is
     // plain data, replaced directly in the commit pass.
-    auto* edges = &const_cast<torch::autograd::edge_list&>(g.nodes[p.ins->node]->next_edges());
-    const int e = p.ins->edge;
-    rw.defer([edges, e, node] { (*edges)[e] = Edge(node, 0); });
+    rw->defer_edge(g.nodes[p.ins->node], p.ins->edge, node, 0);
     ++stats.gather_nodes_inserted;
   }
-  rw.commit();  // from here on nothing can fail
+  return rw;
+}
+
+// The gradients reaching the graph's leaves (the parameters' AccumulateGrad nodes) from one run of
+// the backward that keeps the graph and writes no .grad.
+torch::autograd::variable_list leaf_gradients(const torch::Tensor& loss, const torch::autograd::edge_list& leaves) {
+  return torch::autograd::Engine::get_default_engine().execute(
+      {torch::autograd::impl::gradient_edge(loss)}, {torch::ones_like(loss)}, /*keep_graph=*/true,
+      /*create_graph=*/false, /*accumulate_grad=*/false, leaves);
+}
+
+// validate: the filtered backward's gradient of every leaf against the masked method's on the same
+// graph (each rewrite written, run, and the masked one swapped back). On a difference above the
+// dtype's tolerance, or any failure, the graph is left as it was and Error says so.
+void validate_against_masked(const torch::Tensor& loss, const Graph& g, const PlanData& data,
+                             const std::shared_ptr<TokenIndex>& ix, bool exact, Rewriter& rw, const char* who) {
+  torch::autograd::edge_list leaves;
+  for (const auto& n : g.nodes)
+    if (n->num_inputs() == 1 && n->next_edges().empty() && n->name() == "torch::autograd::AccumulateGrad") leaves.emplace_back(n, 0);
+  FilterStats ref_stats;
+  auto ref = prepare_rewrite(g, data, ix, exact, /*masked=*/true, /*keep_sources=*/true, ref_stats, who);
+  torch::autograd::variable_list want, got;
+  ref->commit();
+  try {
+    want = leaf_gradients(loss, leaves);
+  } catch (...) {
+    ref->revert();
+    throw;
+  }
+  ref->revert();
+  rw.commit();
+  try {
+    got = leaf_gradients(loss, leaves);
+  } catch (...) {
+    rw.revert();
+    throw;
+  }
+  torch::NoGradGuard no_grad;
+  double worst = 0;
+  size_t worst_leaf = 0;
+  for (size_t k = 0; k < leaves.size(); ++k) {
+    if (!want[k].defined() && !got[k].defined()) continue;
+    torch::Tensor w = want[k].defined() ? want[k].to(torch::kDouble) : torch::zeros_like(got[k], torch::kDouble);
+    torch::Tensor h = got[k].defined() ? got[k].to(torch::kDouble) : torch::zeros_like(w);
+    const double scale = w.abs().max().item<double>();
+    const double diff = (h - w).abs().max().item<double>();
+    const double rel = scale > 0 ? diff / scale : diff;
+    if (!(rel <= worst)) {  // NaN counts as worst
+      worst = std::isnan(rel) ? INFINITY : rel;
+      worst_leaf = k;
+    }
+  }
+  const auto dtype = loss.scalar_type();
+  const double tol = dtype == torch::kDouble ? 1e-4 : dtype == torch::kFloat ? 1e-3 : 5e-2;
+  if (worst <= tol) return;
+  rw.revert();
+  const auto& meta = leaves[worst_leaf].function->input_metadata(0);
+  throw Error(fmt::format(
+      "{}(validate): the filtered gradient differs from mask_backward's by {:.3g} (relative, a parameter of shape "
+      "[{}]; tolerance {:.0e}); the graph is unchanged. Does the loss count dropped positions in a way the "
+      "cheap checks cannot see? Otherwise please report it with the model",
+      who, worst, fmt::join(to_ints(meta.shape_as_dim_vector()), ", "), tol));
+}
+
+FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT, const Plan& plan,
+                        const FilterOptions& opts, bool masked) {
+  const char* who = masked ? "mask_backward" : "filter_backward";
+  NvtxRange range(masked ? "collider/mask" : "collider/filter");
+  const auto t0 = std::chrono::steady_clock::now();
+  if (!keep_BT.defined() || keep_BT.dim() != 2) {
+    throw Error(fmt::format("{}: the keep mask must be bool [B, T]", who));
+  }
+  const PlanData& data = keep_BT.size(0) == 1 ? plan.impl().single : plan.impl().data;
+  const bool exact = opts.attention == AttentionGrad::kExactQuery;
+  if (exact && !data.exact_query_blocker.empty()) {
+    throw Error(
+        fmt::format("{}: exact_query needs every attention core recognised: {}", who, data.exact_query_blocker));
+  }
+  if (loss.defined() && loss.grad_fn() && rewritten_graphs().contains(loss_root(loss.grad_fn()))) {
+    throw Error(fmt::format(
+        "{}: this loss's graph was already rewritten by filter_backward or mask_backward; call one of them once "
+        "per loss, right before loss.backward()",
+        who));
+  }
+  Graph g = checked_graph(loss, data, who);
+  const auto [loss_B, loss_T] = loss_tokens(g, data);
+  if (loss_B > 0 && (loss_B != keep_BT.size(0) || loss_T != keep_BT.size(1))) {
+    throw Error(fmt::format(
+        "{}: the keep mask is [{}, {}] but the loss was computed on [{}, {}] positions; give the mask the "
+        "hidden states' [B, T] (collider.hf.keep_mask_from_labels derives it from labels)",
+        who, keep_BT.size(0), keep_BT.size(1), loss_B, loss_T));
+  }
+  const auto t_graph = std::chrono::steady_clock::now();
+  auto ix = std::make_shared<TokenIndex>(keep_BT.to(loss.device()));
+  check_passthrough_nodes(g, data, *ix, who);
+  check_loss_ignores_dropped(loss, g, data, *ix, who);
+  const auto t_index = std::chrono::steady_clock::now();
+  FilterStats stats;
+  stats.nodes_visited = static_cast<int64_t>(g.nodes.size());
+  stats.batch = ix->B();
+  stats.seq_len = ix->T();
+  stats.kept = ix->N();
+  stats.kept_total = ix->kept_total();
+  stats.kept_min = *std::min_element(ix->kept_counts().begin(), ix->kept_counts().end());
+  stats.kept_max = *std::max_element(ix->kept_counts().begin(), ix->kept_counts().end());
+
+  auto rw = prepare_rewrite(g, data, ix, exact, masked, opts.validate && !masked, stats, who);
+  if (opts.validate && !masked) {
+    validate_against_masked(loss, g, data, ix, exact, *rw, who);
+  } else {
+    rw->commit();  // from here on nothing can fail
+  }
+  rw->finish();
+  rewritten_graphs().add(g.nodes.front());
   stats.rewrite_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (debug_gather()) {
     auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
@@ -669,13 +1003,6 @@ AttentionGrad attention_grad_from_string(const std::string& s) {
   throw std::invalid_argument("unknown attention_grad '" + s + "'; allowed: kept_only, exact_query");
 }
 
-// c10::Error's what() carries a C++ backtrace after the message; the message is its first line.
-static std::string first_line(const char* what) {
-  std::string s(what);
-  const auto nl = s.find('\n');
-  return nl == std::string::npos ? s : s.substr(0, nl);
-}
-
 // The prepare pass can meet a failure of a tensor op (a TORCH_CHECK, an allocation): it leaves
 // as collider::Error too, the graph untouched.
 static FilterStats rewrite_or_refuse(const torch::Tensor& loss, const torch::Tensor& keep_BT, const Plan& plan,
@@ -684,8 +1011,15 @@ static FilterStats rewrite_or_refuse(const torch::Tensor& loss, const torch::Ten
   try {
     return detail::run_rewrite(loss, keep_BT, plan, opts, masked);
   } catch (const Error&) { throw; } catch (const std::exception& e) {
+    const std::string what = detail::first_line(e.what());
+    if (what.find("backward through the graph a second time") != std::string::npos) {
+      throw Error(fmt::format(
+          "{}: loss.backward() already ran on this loss (its saved tensors are freed); call {} before "
+          "loss.backward(), once per loss",
+          who, who));
+    }
     throw Error(fmt::format("{}: refused, the graph is unchanged (a plain backward gives the loss_only gradient): {}",
-                            who, first_line(e.what())));
+                            who, what));
   }
 }
 

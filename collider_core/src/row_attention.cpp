@@ -108,9 +108,15 @@ bool chain_step(const std::shared_ptr<Node>& n, const std::string& type, std::ve
     return true;
   }
   if (type == "MulBackward0" || type == "DivBackward0") {
+    auto* m = dynamic_cast<gen::MulBackward0*>(n.get());
+    auto* d = dynamic_cast<gen::DivBackward0*>(n.get());
+    if ((m && (m->other_.has_hooks() || m->self_.has_hooks())) || (d && d->other_.has_hooks())) {
+      *why = fmt::format("{} saves its factor behind saved-tensor hooks", type);
+      return false;
+    }
     torch::Tensor f;
-    if (auto* m = dynamic_cast<gen::MulBackward0*>(n.get())) f = one_element((edge == 0 ? m->other_ : m->self_).unpack(n));
-    if (auto* d = dynamic_cast<gen::DivBackward0*>(n.get()); d && edge == 0) f = one_element(d->other_.unpack(n));
+    if (m) f = one_element((edge == 0 ? m->other_ : m->self_).unpack(n));
+    if (d && edge == 0) f = one_element(d->other_.unpack(n));
     if (!f.defined()) {
       *why = fmt::format("{} by a tensor that is not one number", type);
       return false;
@@ -148,6 +154,20 @@ std::shared_ptr<RowAttentionNode> make_row_attention(const Graph& g, const PlanD
     *why = "the scores or probabilities are used outside the core";
     return nullptr;
   }
+  auto* sm = dynamic_cast<gen::SoftmaxBackward0*>(g.nodes[core.softmax].get());
+  auto* qk = dynamic_cast<gen::BmmBackward0*>(g.nodes[core.qk].get());
+  auto* pv = dynamic_cast<gen::BmmBackward0*>(g.nodes[core.pv].get());
+  if (!sm || !qk || !pv) {
+    *why = "unexpected node classes";
+    return nullptr;
+  }
+  // Tensors behind saved-tensor hooks (checkpointing, offloading) exist only in the backward; the
+  // padded path cuts them there (saved_cut.h).
+  if (pv->self_.has_hooks() || pv->mat2_.has_hooks() || qk->self_.has_hooks() || qk->mat2_.has_hooks() ||
+      sm->result_.has_hooks()) {
+    *why = "its saved tensors are behind saved-tensor hooks";
+    return nullptr;
+  }
   std::vector<RowAttentionNode::Scale> chain;
   for (int c : core.down)
     if (!chain_step(g.nodes[c], type(c), chain, why)) return nullptr;
@@ -157,13 +177,6 @@ std::shared_ptr<RowAttentionNode> make_row_attention(const Graph& g, const PlanD
       *why = fmt::format("{} between softmax and P V", type(c));
       return nullptr;
     }
-  }
-  auto* sm = dynamic_cast<gen::SoftmaxBackward0*>(g.nodes[core.softmax].get());
-  auto* qk = dynamic_cast<gen::BmmBackward0*>(g.nodes[core.qk].get());
-  auto* pv = dynamic_cast<gen::BmmBackward0*>(g.nodes[core.pv].get());
-  if (!sm || !qk || !pv) {
-    *why = "unexpected node classes";
-    return nullptr;
   }
   const NodeSpec &pv_spec = plan.nodes[core.pv], &qk_spec = plan.nodes[core.qk];
   const FieldSpec *p_f = pv_spec.find(FieldKind::kSaved, 0, "self_"), *v_f = pv_spec.find(FieldKind::kSaved, 0, "mat2_"),

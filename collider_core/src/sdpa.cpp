@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 namespace collider::detail {
@@ -60,18 +61,50 @@ Saved read_common(N* n, const std::shared_ptr<Node>& self, const torch::Tensor& 
                     "with H a multiple of the key/value heads (grouped-query attention)",
                     n->name(), fmt::join(s.q.sizes(), "x"), fmt::join(s.k.sizes(), "x"), fmt::join(s.v.sizes(), "x")));
   }
+  return s;
+}
+
+// A saved optional tensor is there (behind saved-tensor hooks only defined tensors are packed, so
+// no unpack, which would recompute it, is needed to tell).
+bool saved_defined(const torch::autograd::SavedVariable& v, const std::shared_ptr<Node>& node) {
+  return v.has_hooks() || v.unpack(node).defined();
+}
+
+// The checks that need no saved tensor, and whether its tensors are behind saved-tensor hooks
+// (checkpointing, offloading): then read_saved runs in the backward, where unpacking them is
+// their recomputation or copy back.
+template <typename N>
+bool check_fused(N* n, const std::shared_ptr<Node>& node, const torch::autograd::SavedVariable& mask) {
+  if (saved_defined(mask, node))
+    throw Error("collider: fused attention with an explicit mask is not supported; use is_causal");
   if (n->dropout_p != 0.0) {
     throw Error(fmt::format("collider: {} with dropout_p={} cannot be filtered (no dropout in training runs)",
                             n->name(), n->dropout_p));
   }
-  return s;
+  return n->query_.has_hooks() || n->key_.has_hooks() || n->value_.has_hooks() || n->output_.has_hooks();
+}
+
+// True when the node's saved tensors are behind saved-tensor hooks (read them in the backward).
+bool check_saved(const std::shared_ptr<Node>& node) {
+  Node* raw = node.get();
+  if (auto* n = dynamic_cast<gen::ScaledDotProductFlashAttentionForCpuBackward0*>(raw)) {
+    return check_fused(n, node, n->attn_mask_) || n->logsumexp_.has_hooks();
+  }
+  if (auto* n = dynamic_cast<gen::ScaledDotProductFlashAttentionBackward0*>(raw)) {
+    return check_fused(n, node, torch::autograd::SavedVariable()) || n->logsumexp_.has_hooks();
+  }
+  if (auto* n = dynamic_cast<gen::ScaledDotProductEfficientAttentionBackward0*>(raw)) {
+    return check_fused(n, node, n->attn_bias_) || n->log_sumexp_.has_hooks();
+  }
+  if (auto* n = dynamic_cast<gen::ScaledDotProductCudnnAttentionBackward0*>(raw)) {
+    return check_fused(n, node, n->attn_bias_) || n->logsumexp_.has_hooks();
+  }
+  throw Error(fmt::format("collider: no filtered replacement for fused attention node {}", node->name()));
 }
 
 Saved read_saved(const std::shared_ptr<Node>& node) {
   Node* raw = node.get();
   if (auto* n = dynamic_cast<gen::ScaledDotProductFlashAttentionForCpuBackward0*>(raw)) {
-    if (n->attn_mask_.unpack(node).defined())
-      throw Error("collider: fused attention with an explicit mask is not supported; use is_causal");
     Saved s = read_common(n, node, n->logsumexp_.unpack(node));
     s.cpu_flash = s.q.device().is_cpu();
     return s;
@@ -80,16 +113,11 @@ Saved read_saved(const std::shared_ptr<Node>& node) {
     return read_common(n, node, n->logsumexp_.unpack(node));
   }
   if (auto* n = dynamic_cast<gen::ScaledDotProductEfficientAttentionBackward0*>(raw)) {
-    if (n->attn_bias_.unpack(node).defined())
-      throw Error("collider: fused attention with an explicit bias is not supported; use is_causal");
     return read_common(n, node, n->log_sumexp_.unpack(node));
   }
-  if (auto* n = dynamic_cast<gen::ScaledDotProductCudnnAttentionBackward0*>(raw)) {
-    if (n->attn_bias_.unpack(node).defined())
-      throw Error("collider: fused attention with an explicit bias is not supported; use is_causal");
-    return read_common(n, node, n->logsumexp_.unpack(node));
-  }
-  throw Error(fmt::format("collider: no filtered replacement for fused attention node {}", node->name()));
+  auto* n = dynamic_cast<gen::ScaledDotProductCudnnAttentionBackward0*>(raw);
+  TORCH_CHECK(n, "collider: no filtered replacement for fused attention node ", node->name());
+  return read_common(n, node, n->logsumexp_.unpack(node));
 }
 
 ShapeSpec bhte_spec(int rank) {  // [B, H, T, (E)]: batch at 0, tokens at 2
@@ -101,18 +129,33 @@ ShapeSpec bhte_spec(int rank) {  // [B, H, T, (E)]: batch at 0, tokens at 2
 
 class FilteredAttentionNode final : public Node {
  public:
-  FilteredAttentionNode(Saved saved, std::shared_ptr<TokenIndex> ix, bool exact, bool masked)
-      : s_(std::move(saved)), ix_(std::move(ix)), exact_(exact), masked_(masked) {}
+  // saved: the forward's tensors, or none when they are behind saved-tensor hooks: then they are
+  // read from `fused` (the replaced node) when this node's backward runs.
+  FilteredAttentionNode(std::optional<Saved> saved, std::shared_ptr<Node> fused, std::shared_ptr<TokenIndex> ix,
+                        bool exact, bool masked)
+      : s_(std::move(saved)), fused_(std::move(fused)), ix_(std::move(ix)), exact_(exact), masked_(masked) {}
   std::string name() const override {
     return exact_ ? "collider::FilteredAttentionExactQuery" : "collider::FilteredAttentionKeptOnly";
   }
 
+  // After its backward (unless the graph is retained) the forward's tensors go, as the replaced
+  // node would have let them go.
+  void release_variables() override {
+    s_.reset();
+    fused_.reset();
+  }
+
   variable_list apply(variable_list&& grads) override {
     torch::NoGradGuard no_grad;
+    if (!s_) {
+      TORCH_CHECK(fused_, "collider: the filtered attention's saved tensors were released (backward twice?)");
+      s_ = read_saved(fused_);
+    }
+    const Saved& s = *s_;
     torch::Tensor dO = grads.at(0);
     if (masked_) dO = ix_->cut(dO, bhte_spec(4), true);  // full-size in, cut here
-    const int64_t T = s_.q.size(2);
-    variable_list out = ix_->ragged() && !masked_ ? per_row(dO, T) : dispatch(*ix_, s_, dO, T);
+    const int64_t T = s.q.size(2);
+    variable_list out = ix_->ragged() && !masked_ ? per_row(s, dO, T) : dispatch(*ix_, s, dO, T);
     if (masked_) {
       for (auto& g : out) g = scatter_full(g, T);
     }
@@ -130,13 +173,13 @@ class FilteredAttentionNode final : public Node {
   // Ragged masks: each sequence row on its own kept count, with its own index (no padding; the
   // padded [B, H, N, N] work of the largest row is what row_attention.cpp measures for eager
   // attention), its gradients put back in the padded layout with zero padding rows.
-  variable_list per_row(const torch::Tensor& dO_BHNE, int64_t T) const {
+  variable_list per_row(const Saved& s, const torch::Tensor& dO_BHNE, int64_t T) const {
     const int64_t B = ix_->B(), N = ix_->N();
     variable_list out(3);
     for (int64_t b = 0; b < B; ++b) {
       TokenIndex* row = ix_->row(b);
       if (!row) continue;  // keeps nothing: no gradient from this row
-      Saved sb = s_;
+      Saved sb = s;
       for (auto* t : {&sb.q, &sb.k, &sb.v, &sb.out, &sb.lse}) *t = t->narrow(0, b, 1);
       auto live = ix_->live_slots(b);
       auto g = dispatch(*row, sb, dO_BHNE.narrow(0, b, 1).index_select(2, live), T);
@@ -294,7 +337,8 @@ class FilteredAttentionNode final : public Node {
     auto idx = ix_->idx_BN().view({ix_->B(), 1, ix_->N(), 1}).expand_as(g_BHNE);
     return full.scatter_(2, idx, g_BHNE);
   }
-  Saved s_;
+  std::optional<Saved> s_;
+  std::shared_ptr<Node> fused_;
   std::shared_ptr<TokenIndex> ix_;
   bool exact_, masked_;
 };
@@ -308,11 +352,14 @@ bool is_fused_attention_node(const std::string& type) {
 
 std::shared_ptr<Node> make_filtered_attention(const std::shared_ptr<Node>& fused, std::shared_ptr<TokenIndex> index,
                                               bool exact_query, bool masked) {
-  Saved saved = read_saved(fused);
+  const bool hooked = check_saved(fused);
+  std::optional<Saved> saved;
+  if (!hooked) saved = read_saved(fused);
   const auto& meta = fused->input_metadata(0);  // the output O: [B, H, T, E]
   auto shape = meta.shape_as_dim_vector().vec();
   if (!masked) shape[2] = index->N();
-  auto node = std::make_shared<FilteredAttentionNode>(std::move(saved), index, exact_query, masked);
+  auto node = std::make_shared<FilteredAttentionNode>(std::move(saved), hooked ? fused : nullptr, index, exact_query,
+                                                      masked);
   node->add_input_metadata(meta.options(), shape, false, false, std::nullopt);
   for (uint32_t i = 1; i < fused->num_inputs(); ++i) {
     node->add_input_metadata(torch::autograd::Node::undefined_input());  // logsumexp etc.: no gradient

@@ -1,8 +1,11 @@
 // Token selection (DESIGN.md section 4): the keep mask from per-token scores.
 // per_sequence: same kept count N in every row, drop count rounded up to a multiple of align.
-// batch_topk: RHO-1's global top-k over the batch (ragged rows; for loss_only).
-// Tests: tests/test_select.cpp.
+// batch_topk: RHO-1's global top-k over the batch (ragged rows, which filter_backward accepts).
+// Tests: python/tests/test_api.py (selection, messages), tests/test_collider_ragged.cpp.
 #include <collider/select.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cmath>
 #include <stdexcept>
@@ -69,10 +72,15 @@ static torch::Tensor select_tokens_impl(const torch::Tensor& scores_BT, double f
   if (opts.policy == SelectPolicy::kPerSequence) {
     auto n_valid = valid.sum(1);  // [B]
     const int64_t nv0 = n_valid[0].item<int64_t>();
-    TORCH_CHECK((n_valid == nv0).all().item<bool>(),
-                "select_tokens(per_sequence): every row needs the same number of labelled positions "
-                "so that every row keeps the same count; got ",
-                n_valid, ". Pack sequences to equal length or use batch_topk with loss_only.");
+    if (!(n_valid == nv0).all().item<bool>()) {
+      auto counts = n_valid.to(torch::kCPU).contiguous();
+      const auto* c = counts.data_ptr<int64_t>();
+      throw std::invalid_argument(fmt::format(
+          "select_tokens(per_sequence): every row needs the same number of labelled positions to keep the same "
+          "count, and these rows have [{}] (padded rows?). Use policy=\"batch_topk\": rows then keep different "
+          "counts, which filter_backward accepts",
+          fmt::format("{}", fmt::join(c, c + std::min<int64_t>(B, 16), ", ")) + (B > 16 ? ", ..." : "")));
+    }
     const int64_t N = nv0 - drop_count(nv0, filter_ratio, opts.align);
     if (N <= 0) {
       throw std::invalid_argument("select_tokens: filter_ratio " + std::to_string(filter_ratio) + " with align " +

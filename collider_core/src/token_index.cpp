@@ -60,7 +60,11 @@ TokenIndex::TokenIndex(const torch::Tensor& keep_BT) {
   for (int64_t b = 0; b < B_; ++b)
     for (int64_t t = 0; t < T_; ++t) counts_[b] += k[b * T_ + t];
   N_ = *std::max_element(counts_.begin(), counts_.end());
-  if (N_ == 0) throw Error("filter_backward: the keep mask keeps no token");
+  if (N_ == 0) {
+    throw Error(
+        "filter_backward: the keep mask keeps no token (True = kept), so the filtered loss has no gradient: "
+        "skip this step's backward, or check that the mask is not inverted");
+  }
   ragged_ = std::any_of(counts_.begin(), counts_.end(), [&](int64_t c) { return c != N_; });
   idx_BN_ = torch::empty({B_, N_}, torch::kLong);
   int64_t* idx = idx_BN_.data_ptr<int64_t>();
@@ -405,6 +409,19 @@ torch::Tensor TokenIndex::cut_in_memory_order(const torch::Tensor& x, const Shap
   std::vector<int64_t> inv(r);
   for (int64_t i = 0; i < r; ++i) inv[i] = pos[i];
   return out.permute(inv);
+}
+
+torch::Tensor TokenIndex::uncut(const torch::Tensor& x, const ShapeSpec& spec, bool cut_keys,
+                                c10::IntArrayRef full_sizes) {
+  // Where each element of the cut sits in the full tensor: the cut of the full tensor's element
+  // numbers (int64, so this costs 8 bytes per full element; used for leaves, which are rare).
+  auto where = cut(torch::arange(c10::multiply_integers(full_sizes), x.options().dtype(torch::kLong)).view(full_sizes),
+                   spec, cut_keys);
+  TORCH_CHECK(where.sizes() == x.sizes(), "collider: a leaf's gradient is [", x.sizes(), "], its cut layout [",
+              where.sizes(), "]");
+  auto full = torch::zeros(full_sizes, x.options());
+  full.view(-1).index_put_({where.reshape(-1)}, x.reshape(-1));
+  return full;
 }
 
 torch::Tensor TokenIndex::zero_dropped(const torch::Tensor& x, const ShapeSpec& spec, bool keys_too) {

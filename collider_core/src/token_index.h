@@ -55,6 +55,9 @@ class TokenIndex {
   // Cuts every token dimension of `x` that `spec` marks (key-role dimensions only when
   // cut_keys). x has the sizes the plan expects (checked by the caller).
   torch::Tensor cut(const torch::Tensor& x, const ShapeSpec& spec, bool cut_keys);
+  // The inverse of cut: a tensor of `full_sizes` holding x at the cut positions and zeros at every
+  // other (a leaf's gradient, accumulated full-size). Any layout cut() takes.
+  torch::Tensor uncut(const torch::Tensor& x, const ShapeSpec& spec, bool cut_keys, c10::IntArrayRef full_sizes);
   // Zeroes the dropped positions along every marked token dimension (the `masked` method).
   torch::Tensor zero_dropped(const torch::Tensor& x, const ShapeSpec& spec, bool keys_too);
   // The sizes a cut gives: T -> N, B*T -> B*N; broadcast fields are padded and batch-expanded.

@@ -11,12 +11,14 @@
 #include "attention_cores.h"
 #include "classify.h"
 #include "graph.h"
+#include "node_fields.h"
 #include "observe.h"
 #include "passthrough.h"
 #include "plan_impl.h"
 #include "sdpa.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <deque>
 #include <optional>
@@ -46,6 +48,36 @@ std::vector<int> topological_order(const Graph& g) {
     }
   }
   return order;
+}
+
+// A node without a field handler (a custom Function, a torch.compile graph) whose gradients go into
+// token-shaped inputs must take a token-shaped gradient itself (a passthrough maps rows one to
+// one): one that makes them from a gradient without token dimensions (a compiled loss, a custom
+// reduction) would hand full-length rows to nodes whose rows were cut.
+void refuse_token_gradients_born_opaque(const Graph& g, const PlanData& plan) {
+  for (size_t i = 0; i < plan.nodes.size(); ++i) {
+    const NodeSpec& ns = plan.nodes[i];
+    if (find_node_fields(*g.nodes[i]) || ns.type == "torch::autograd::AccumulateGrad") continue;
+    bool token_input = false;
+    for (const auto& f : ns.fields) token_input = token_input || (f.kind == FieldKind::kInputMeta && f.shape.has_token());
+    if (token_input) continue;
+    for (const auto& e : g.nodes[i]->next_edges()) {
+      if (!e.function) continue;
+      const NodeSpec& c = plan.nodes[g.index.at(e.function.get())];
+      const FieldSpec* in = c.find(FieldKind::kInputMeta, static_cast<int32_t>(e.input_nr));
+      if (!in || !in->shape.has_token()) continue;
+      if (ns.type.find("CompiledFunction") != std::string::npos) {
+        throw Error(fmt::format(
+            "collider cannot filter through node {} (#{}): a torch.compile (AOTAutograd) graph whose backward makes "
+            "full-length token gradients. Build the loss (and the model) without torch.compile for the filtered step",
+            ns.type, i));
+      }
+      throw Error(fmt::format(
+          "collider cannot filter through node {} (#{}): not an ATen op, and it makes token-shaped gradients (for "
+          "{} #{}) from a gradient without token dimensions, at full length. Write it with torch operations",
+          ns.type, i, c.type, g.index.at(e.function.get())));
+    }
+  }
 }
 
 }  // namespace
@@ -84,6 +116,10 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
       ns.fused_attention = true;  // replaced whole at filter time
       continue;
     }
+    if (is_reentrant_checkpoint(ns.type)) {
+      throw Error(fmt::format("collider cannot filter through node {} (#{}): {}", ns.type, i,
+                              reentrant_checkpoint_advice()));
+    }
     for (size_t k = 0; k < oa[i].fields.size(); ++k) {
       const Observed& a = oa[i].fields[k];
       const Observed& b = ob[i].fields[k];
@@ -96,6 +132,21 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
                                 a.name, why, oa[i].described.empty() ? "(none)" : oa[i].described));
       }
       if (!spec.has_token()) continue;
+      if (!oa[i].generated && ns.type.find("CompiledFunction") != std::string::npos) {
+        throw Error(
+            fmt::format("collider cannot rewrite node {} (#{}): it is a torch.compile (AOTAutograd) graph, "
+                        "whose saved activations live inside compiled code the rewriter cannot cut. Trace "
+                        "and filter the model and loss without torch.compile.",
+                        ns.type, i));
+      }
+      if (!oa[i].generated && a.kind == FieldKind::kSaved) {
+        throw Error(fmt::format(
+            "collider cannot filter through node {} (#{}): a custom autograd Function that saves a token-shaped "
+            "tensor (ctx.save_for_backward, [{}]), which its backward would read at full length{}. Write the op "
+            "with torch operations, or save nothing token-shaped",
+            ns.type, i, fmt::join(a.values, ", "),
+            is_passthrough(ns.type) ? "; registering it as a passthrough node does not make that safe" : ""));
+      }
       if (a.scalar) {
         if (a.name.find("numel") != std::string::npos) continue;  // a divisor fixed by the forward (mean)
         throw Error(
@@ -109,22 +160,18 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
                         "dimensions",
                         ns.type, i, a.name.substr(9)));
       }
-      if (!oa[i].generated && a.kind == FieldKind::kInputMeta &&
-          ns.type.find("CompiledFunction") != std::string::npos) {
-        throw Error(
-            fmt::format("collider cannot rewrite node {} (#{}): it is a torch.compile (AOTAutograd) graph, "
-                        "whose saved activations live inside compiled code the rewriter cannot cut. Trace "
-                        "and filter the model without torch.compile.",
-                        ns.type, i));
-      }
       if (!oa[i].generated && a.kind == FieldKind::kInputMeta && !is_passthrough(ns.type) &&
           ns.type != "torch::autograd::AccumulateGrad") {
-        throw Error(
-            fmt::format("collider cannot rewrite node {} (#{}): it is not an ATen op (no field handler "
-                        "generated from Functions.h) and its input has token dimensions. If it maps "
-                        "gradients row for row and saves nothing token-shaped, declare it with "
-                        "collider::register_passthrough_node(\"{}\").",
-                        ns.type, i, ns.type));
+        // Advice to register it only where the process can see that it saves nothing token-shaped
+        // (a Python custom Function); otherwise the contract is the user's to check.
+        const bool seen = custom_saved(*ga.nodes[i]) != nullptr;
+        throw Error(fmt::format(
+            "collider cannot rewrite node {} (#{}): not an ATen op, and its input has token dimensions. {}"
+            "collider.register_passthrough_node(\"{}\") declares it safe",
+            ns.type, i,
+            seen ? "It saves nothing token-shaped; if its backward maps gradient rows one to one, "
+                 : "Only if it saves nothing token-shaped and its backward maps gradient rows one to one, ",
+            ns.type));
       }
       if (token_mixing_nodes().count(ns.type) && along_token_dim(oa[i], a, spec) &&
           !is_cat_onto_empty(oa[i], ob[i], sa, sb)) {
@@ -137,6 +184,7 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
       values[i].push_back(a.values);
     }
   }
+  refuse_token_gradients_born_opaque(ga, plan);
   resolve_flat_order(ga, plan);
   // Broadcast layouts, resolved parents-first. With B = 1 a batch-less token field is cut as it
   // is (every row belongs to the one sequence).
@@ -193,8 +241,8 @@ static Plan trace_plan_impl(const LossOnBatchFn& loss_on_random_batch, const Tra
   auto plan_for = [&](int64_t Ba, int64_t Bb) {
     torch::Tensor la = build(Ba, opts.seq_a);
     torch::Tensor lb = build(Bb, opts.seq_b);
-    detail::Graph ga = detail::collect_graph(la.grad_fn());
-    detail::Graph gb = detail::collect_graph(lb.grad_fn());
+    detail::Graph ga = detail::collect_graph(detail::loss_root(la.grad_fn()));
+    detail::Graph gb = detail::collect_graph(detail::loss_root(lb.grad_fn()));
     return detail::build_plan(ga, gb, {Ba, opts.seq_a}, {Bb, opts.seq_b});
   };
   Plan plan;

@@ -11,9 +11,12 @@ Tests: python/tests/ (run by ./scripts/test.sh).
 """
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import Callable, Optional
 
 import torch
+import torch.utils.checkpoint
 
 try:
     from . import _C
@@ -50,8 +53,8 @@ FilterStats = _C.FilterStats
 FilterStats.__module__ = "collider"
 
 _STATS_FIELDS = ("nodes_visited", "nodes_rewritten", "tensors_gathered", "bytes_before", "bytes_gathered",
-                 "gather_nodes_inserted", "batch", "seq_len", "kept", "kept_total", "kept_min", "kept_max",
-                 "rewrite_ms", "gather_ms")
+                 "tensors_hooked", "gather_nodes_inserted", "gemms_packed", "batch", "seq_len", "kept", "kept_total",
+                 "kept_min", "kept_max", "rewrite_ms", "gather_ms")
 
 
 def _stats_to_dict(self: FilterStats) -> dict:
@@ -122,7 +125,7 @@ def trace_plan(loss_on_random_batch: Callable[[int, int], torch.Tensor]) -> Plan
         return loss
 
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), _one_recomputation():
             return _C.trace_plan(call, *_TRACE_SHAPES)
     except Exception as e:
         if failure:
@@ -136,8 +139,30 @@ def trace_plan(loss_on_random_batch: Callable[[int, int], torch.Tensor]) -> Plan
         raise Error(f"trace_plan: {type(e).__name__}: {e}") from e
 
 
+def _one_recomputation():
+    """While tracing, reading the sizes of tensors saved under non-reentrant activation checkpointing
+    recomputes their block: outside a backward, torch recomputes it once per tensor read unless the
+    reads share a GraphExecGroup, under which each block is recomputed once."""
+    group = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
+    if group is None or torch._C._get_graph_exec_group() is not None:
+        return contextlib.nullcontext()
+    return group()
+
+
+def _refuse_compiled_autograd(who: str) -> None:
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:  # never imported: nothing compiles the backward
+        return
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    if getattr(dynamo.config, "compiled_autograd", False) or getattr(ca, "compiled_autograd_enabled", False):
+        raise Error(f"{who}: compiled autograd is on (torch._dynamo.config.compiled_autograd); it compiles the backward "
+                    "graph ahead of running it and cannot run Collider's rewritten nodes. Turn it off for the "
+                    "filtered steps (the forward may stay compiled only if the model is traced and filtered "
+                    "uncompiled)")
+
+
 def filter_backward(loss: torch.Tensor, keep_mask: torch.Tensor, plan: Plan,
-                    attention: str = "kept_only") -> FilterStats:
+                    attention: str = "kept_only", validate: bool = False) -> FilterStats:
     """The one added line: rewrites the autograd graph of `loss` in place so that the next
     loss.backward() runs on the kept positions only.
 
@@ -147,9 +172,20 @@ def filter_backward(loss: torch.Tensor, keep_mask: torch.Tensor, plan: Plan,
     `kept` is the largest kept count per row, `kept_total` the batch's. attention: "kept_only" (paper v1) or
     "exact_query" (v2). All or nothing: on a collider.Error the graph is unchanged, so a plain
     loss.backward() still gives the loss_only gradient.
+
+    Every call checks, cheaply, that the loss gives dropped positions no gradient (a cross-entropy's
+    targets there must be ignore_index, a per-position loss must be masked there). validate=True also
+    runs this step's backward through the rewrite and through mask_backward inside the call (two extra
+    backwards, on the same graph) and raises collider.Error, graph unchanged, unless every parameter's
+    gradient agrees: use it on a first step. Works under activation checkpointing (use_reentrant=False)
+    and saved-tensor hooks (offloading): such tensors are cut when the backward unpacks them. The loss
+    may be scaled by a constant after filter_backward or before it (loss / accumulation_steps).
     """
     _check_keep_mask(loss, keep_mask, plan, attention, "filter_backward")
-    return _C.filter_backward(loss, keep_mask, plan, attention)
+    if not isinstance(validate, bool):
+        raise Error(f"filter_backward: validate must be True or False, got {validate!r}")
+    _refuse_compiled_autograd("filter_backward")
+    return _C.filter_backward(loss, keep_mask, plan, attention, validate)
 
 
 def mask_backward(loss: torch.Tensor, keep_mask: torch.Tensor, plan: Plan,
@@ -157,6 +193,7 @@ def mask_backward(loss: torch.Tensor, keep_mask: torch.Tensor, plan: Plan,
     """The oracle of filter_backward: the same gradients, computed on full-size tensors with the
     dropped rows (and attention columns) zeroed. No speed-up; for tests and references."""
     _check_keep_mask(loss, keep_mask, plan, attention, "mask_backward")
+    _refuse_compiled_autograd("mask_backward")
     return _C.mask_backward(loss, keep_mask, plan, attention)
 
 
@@ -189,7 +226,9 @@ def kept_count(seq_len: int, filter_ratio: float, align: int = 8) -> int:
 def register_passthrough_node(name: str) -> None:
     """Declares a custom autograd node (by its grad_fn name, e.g. a torch.autograd.Function's
     "MyOpBackward") safe to pass through: it saves nothing token-shaped and maps gradients row for
-    row. Without it such nodes are refused by trace_plan."""
+    row. Without it such nodes are refused by trace_plan. trace_plan still refuses a Python custom
+    Function that saves a token-shaped tensor, and nodes known not to be passthrough (reentrant
+    checkpointing's CheckpointFunctionBackward, torch.compile graphs) are refused here."""
     if not isinstance(name, str) or not name:
         raise Error(f"register_passthrough_node: name must be a non-empty str, got {name!r}")
     _C.register_passthrough_node(name)

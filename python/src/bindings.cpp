@@ -11,14 +11,18 @@
 #include <collider/collider.h>
 #include <collider/select.h>
 
+#include "collider_core/src/passthrough.h"
 #include "harness/components/memory.h"
 
+#include <torch/csrc/autograd/python_function.h>
 #include <torch/extension.h>
 
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <exception>
+#include <typeinfo>
 #include <optional>
 #include <string>
 #include <utility>
@@ -69,6 +73,18 @@ PYBIND11_MODULE(_C, m) {
   // Module-local, so it is tried before torch's global translators.
   py::register_local_exception<collider::Error>(m, "Error", PyExc_RuntimeError);
 
+  // What ctx.save_for_backward kept in a Python custom Function's node, so that trace_plan can
+  // refuse one that saves token-shaped tensors (collider_core/src/passthrough.h).
+  collider::detail::set_custom_saved_reader(
+      [](torch::autograd::Node& node) -> std::vector<torch::autograd::SavedVariable>* {
+        // By the type's (Itanium ABI) name: libtorch_python does not export PyNode's type info, which a
+        // dynamic_cast or typeid(PyNode) would need.
+        if (std::strcmp(typeid(node).name(), "N5torch8autograd6PyNodeE") != 0) return nullptr;
+        auto& py_node = static_cast<torch::autograd::PyNode&>(node);
+        if (!py_node.obj) return nullptr;
+        return &reinterpret_cast<THPFunction*>(py_node.obj)->saved_variables;
+      });
+
   py::class_<collider::Plan>(m, "Plan")
       .def(py::init<>())
       .def("to_string", &collider::Plan::to_string, "The plan as text (Plan.from_string reads it back).")
@@ -94,6 +110,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("tensors_gathered", &collider::FilterStats::tensors_gathered)
       .def_readonly("bytes_before", &collider::FilterStats::bytes_before)
       .def_readonly("bytes_gathered", &collider::FilterStats::bytes_gathered)
+      .def_readonly("tensors_hooked", &collider::FilterStats::tensors_hooked)
       .def_readonly("gather_nodes_inserted", &collider::FilterStats::gather_nodes_inserted)
       .def_readonly("gemms_packed", &collider::FilterStats::gemms_packed)
       .def_readonly("batch", &collider::FilterStats::batch)
@@ -120,20 +137,26 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("loss_on_random_batch"), py::arg("batch_a"), py::arg("seq_a"), py::arg("batch_b"), py::arg("seq_b"));
 
+  // The GIL is released while the graph is rewritten: the rewrite runs the autograd engine on the
+  // loss's reduction (loss_checks.h), which refuses to start with the GIL held, and Python hooks it
+  // meets take the GIL themselves.
   m.def(
       "filter_backward",
       [](const torch::Tensor& loss, const torch::Tensor& keep_mask, const collider::Plan& plan,
-         const std::string& attention) {
-        const auto opts = options_for(attention);
+         const std::string& attention, bool validate) {
+        auto opts = options_for(attention);
+        opts.validate = validate;
+        py::gil_scoped_release no_gil;
         return guarded("filter_backward", [&] { return collider::filter_backward(loss, keep_mask, plan, opts); });
       },
-      py::arg("loss"), py::arg("keep_mask"), py::arg("plan"), py::arg("attention"));
+      py::arg("loss"), py::arg("keep_mask"), py::arg("plan"), py::arg("attention"), py::arg("validate"));
 
   m.def(
       "mask_backward",
       [](const torch::Tensor& loss, const torch::Tensor& keep_mask, const collider::Plan& plan,
          const std::string& attention) {
         const auto opts = options_for(attention);
+        py::gil_scoped_release no_gil;
         return guarded("mask_backward", [&] { return collider::mask_backward(loss, keep_mask, plan, opts); });
       },
       py::arg("loss"), py::arg("keep_mask"), py::arg("plan"), py::arg("attention"));

@@ -104,6 +104,11 @@ def tiny_config(family: str, attn: str, **overrides):
     if family == "phi":  # partial rotary (half the head dim), parallel attention + MLP block, LayerNorm
         from transformers import PhiConfig
         return PhiConfig(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0, **common, attn_implementation=attn)
+    if family == "phi3":  # fused QKV and gate/up projections, GQA
+        from transformers import Phi3Config
+        return Phi3Config(num_key_value_heads=2, resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0, bos_token_id=1,
+                          eos_token_id=2, **common,
+                          attn_implementation=attn)
     raise ValueError(family)
 
 

@@ -37,6 +37,13 @@ AttentionGrad attention_grad_from_string(const std::string& s);  // "kept_only" 
 
 struct FilterOptions {
   AttentionGrad attention = AttentionGrad::kKeptOnly;
+  // Check this step against mask_backward (the same semantics on full-size tensors): both
+  // backwards run inside the call, on the same graph, and every parameter's gradient must agree
+  // (relative to its largest entry: 1e-4 in double, 1e-3 in float, 5e-2 in half precision), else
+  // Error with the graph unchanged. It costs two extra backwards: for a first step, not every step.
+  // Always on, and cheap: the loss must give dropped positions no gradient (a cross-entropy's
+  // targets there are ignore_index, a per-position loss is masked there).
+  bool validate = false;
 };
 
 struct FilterStats {
@@ -45,6 +52,9 @@ struct FilterStats {
   int64_t tensors_gathered = 0;        // distinct saved tensors cut to kept rows (one gather each)
   int64_t bytes_before = 0;            // bytes of those tensors before the cut
   int64_t bytes_gathered = 0;          // bytes of the cut copies
+  int64_t tensors_hooked = 0;          // saved tensors behind saved-tensor hooks (checkpointing,
+                                       // offloading), cut when the backward unpacks them; their
+                                       // bytes are not known before then (not in the two above)
   int64_t gather_nodes_inserted = 0;   // exact_query: nodes that cut dK/dV to kept rows
   int64_t gemms_packed = 0;            // ragged rows: token-row GEMMs run on the packed kept rows
   int64_t batch = 0, seq_len = 0;      // B, T
@@ -52,7 +62,9 @@ struct FilterStats {
   int64_t kept_total = 0;              // kept tokens over the batch (B * T' unless ragged)
   int64_t kept_min = 0, kept_max = 0;  // kept counts of the rows (differ under batch_topk)
   double rewrite_ms = 0.0;             // whole call
-  double gather_ms = 0.0;              // of which: copying saved tensors to kept rows
+  double gather_ms = 0.0;              // of which: copies made inside the call (ragged attention
+                                       // rows); saved tensors are cut in the backward, each when
+                                       // its first reader unpacks it
 };
 
 // Per-node record of which dimensions of which fields are token dimensions, found by tracing.
