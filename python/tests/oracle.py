@@ -127,10 +127,13 @@ def grads(model) -> dict:
 
 
 def max_rel_diff(got: dict, ref: dict) -> float:
-    """max over parameters of max|got - ref| / max|ref|."""
+    """max over parameters of max|got - ref| / max|ref|; infinite where either side is not finite
+    (a NaN would otherwise compare as no difference at all)."""
     assert got.keys() == ref.keys(), f"different gradient sets: {sorted(set(got) ^ set(ref))}"
     worst = 0.0
     for k in ref:
+        if not (bool(torch.isfinite(got[k]).all()) and bool(torch.isfinite(ref[k]).all())):
+            return float("inf")
         denom = ref[k].abs().max().item()
         diff = (got[k] - ref[k]).abs().max().item()
         worst = max(worst, diff / denom if denom > 0 else diff)
