@@ -4,9 +4,11 @@
 // repetition (every other round reversed), so machine drift hits all methods alike; medians
 // are reported with the FLOP ideal (1 - analytic backward FLOPs / regular's), the rewrite
 // overhead and the live-tensor peak.
-// bwd_ms is loss.backward() alone; collider's reduction and "vs floor" count bwd_ms + rewrite_ms;
-// rewrite% is rewrite_ms / collider's bwd_ms, rw/reg% rewrite_ms / regular's bwd_ms. Below each
-// table: the rewrite's copies (time, bytes, bandwidth) and a plain cold copy of the same bytes;
+// bwd_ms is loss.backward() alone (it includes cutting the saved tensors, which happens when the
+// backward reads them); collider's reduction and "vs floor" count bwd_ms + rewrite_ms; rewrite% is
+// rewrite_ms / collider's bwd_ms, rw/reg% rewrite_ms / regular's bwd_ms; peak_MiB the step's live
+// tensors at their most (forward, rewrite and backward). Below each table: the saved tensors the
+// rewrite cuts (count, bytes) and a plain cold copy of the same bytes;
 // with --selection batch_topk, each ragged variant against per-sequence round by round. The CPU allocator caches freed blocks like CUDA's (harness/components/memory.h;
 // COLLIDER_CPU_CACHING=0 for glibc's behaviour): the allocator mode is printed in the header.
 // Its default 8 GiB holds every method's blocks at batch 1; at batch 4, T = 1024, the seven
@@ -420,18 +422,20 @@ int main(int argc, char** argv) try {
           }
         }
       }
-      // Where the rewrite's time goes: copies (bandwidth) vs the graph walk and bookkeeping, and
-      // what a plain copy of the same bytes costs here (the floor of a copying rewrite).
+      // The rewrite's time, and the copies it decides: each saved tensor is cut when the backward
+      // first reads it (collider_core/src/saved_cut.h), so those copies are inside bwd_ms; what a
+      // plain copy of the same bytes costs here is their floor. Copies made inside the call
+      // (ragged attention rows) are timed apart.
       for (const Kind& k : kinds) {
         if (!k.is_collider()) continue;
         const double rw = med(k, &Sample::rewrite_ms), g = med(k, &Sample::gather_ms);
         const int64_t bytes = samples[k.name].front().gathered_bytes;
         const double copy_ms = med(k, &Sample::copy_ms), b = med(k, &Sample::bwd_ms);
         std::printf(
-            "  rewrite %-20s %6.2f ms: %ld gathers %6.2f ms (%.1f MB written, %.1f GB/s), rest %5.2f ms; "
+            "  rewrite %-20s %6.2f ms (of which copies %5.2f ms); %ld saved tensors cut in the backward, %.1f MB; "
             "plain copy of those bytes %5.2f ms = %.2f%% of the backward\n",
-            k.name, rw, static_cast<long>(samples[k.name].front().tensors_gathered), g, bytes / 1e6,
-            g > 0 ? bytes / 1e6 / g : 0.0, rw - g, copy_ms, 100 * copy_ms / b);
+            k.name, rw, g, static_cast<long>(samples[k.name].front().tensors_gathered), bytes / 1e6, copy_ms,
+            100 * copy_ms / b);
         for (auto& r : rows)
           if (r["model"] == name && r["seq_len"] == T && r["method"] == k.name) r["copy_floor_ms"] = copy_ms;
       }

@@ -13,9 +13,14 @@ Medians with IQR; Collider's time includes the Python call of filter_backward. F
 1 - backward GEMM FLOPs of the method / regular's, counted as models/flops.h does (eager-style
 full T x T attention scores). Python overhead = the filter_backward call's time from Python minus
 the C++ rewrite_ms it reports. The CPU allocator is the C++ harness's caching one (as
-bm_collider_backward uses); --allocator system keeps glibc's. CPU numbers are CPU scale.
+bm_collider_backward uses); --allocator system keeps glibc's. peak_MiB: the step's live tensors at
+their most (forward, filter_backward and backward; the caching allocator's count, as
+bm_collider_backward's). --checkpointing layers: transformers' gradient_checkpointing_enable()
+(non-reentrant) on every decoder layer, so each backward recomputes the layers' forward at full
+length; the FLOP ideal then counts that recomputation, dense, on both sides. CPU numbers are CPU scale.
   python python/bench/bench_hf_backward.py                       # T 512,1024, eager+sdpa, 5 reps
   python python/bench/bench_hf_backward.py --seq 512 --reps 3 --json out.jsonl
+  python python/bench/bench_hf_backward.py --seq 1024 --attn sdpa --checkpointing none,layers
 Not a test: nothing here asserts a speed.
 """
 from __future__ import annotations
@@ -63,12 +68,16 @@ def forward_flops(c: dict, B: int, T: int) -> dict:
             "lm_head": 2.0 * B * T * c["hidden_size"] * c["vocab_size"]}
 
 
-def backward_flops(c: dict, B: int, T: int, N: int, mode: str) -> float:
+def backward_flops(c: dict, B: int, T: int, N: int, mode: str, recompute: bool = False) -> float:
+    """recompute: activation checkpointing of every decoder layer, whose forward (full length,
+    dense: the recomputation is not filtered) the backward runs again."""
+    full = forward_flops(c, B, T)
+    again = full["linear"] + full["attention"] if recompute else 0.0
     if mode == "dense":
-        return 2 * sum(forward_flops(c, B, T).values())
+        return 2 * sum(full.values()) + again
     kept = forward_flops(c, B, N)
     attention = 4 * attention_gemm_flops(c, B, N, N if mode == "kept_only" else T)
-    return 2 * kept["linear"] + 2 * kept["lm_head"] + attention
+    return 2 * kept["linear"] + 2 * kept["lm_head"] + attention + again
 
 
 # ---- provenance ---------------------------------------------------------------------------------
@@ -108,12 +117,16 @@ def median_iqr(xs):
     return statistics.median(xs), q[2] - q[0]
 
 
-def bench_point(attn: str, T: int, B: int, filter_ratio: float, reps: int, warmup: int, seed: int) -> dict:
+def bench_point(attn: str, T: int, B: int, filter_ratio: float, reps: int, warmup: int, seed: int,
+                checkpointing: str = "none") -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
     cfg = LlamaConfig(**MINI, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
                       attention_dropout=0.0, use_cache=False, attn_implementation=attn)
     model = LlamaForCausalLM(cfg).train()
+    recompute = checkpointing == "layers"
+    if recompute:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     plan = chf.trace_plan(model, loss="per_token")
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, MINI["vocab_size"], (B, T), generator=gen)
@@ -127,11 +140,13 @@ def bench_point(attn: str, T: int, B: int, filter_ratio: float, reps: int, warmu
         return chf.masked_mean(chf.token_losses(model(input_ids=x, use_cache=False).logits, x), mask)
 
     samples = {m: [] for m in METHODS}
+    peak = {m: 0 for m in METHODS}
     py_call, rewrite = {m: [] for m in METHODS[2:4]}, {m: [] for m in METHODS[2:4]}
     for rep in range(warmup + reps):
         order = METHODS[rep % len(METHODS):] + METHODS[:rep % len(METHODS)]
         for method in order:
             model.zero_grad(set_to_none=True)
+            collider._C._cpu_memory_reset_peak()
             if method == "floor":
                 loss = loss_of(ids_floor, valid_floor)
             else:
@@ -144,25 +159,27 @@ def bench_point(attn: str, T: int, B: int, filter_ratio: float, reps: int, warmu
             t1 = time.perf_counter()
             if rep >= warmup:
                 samples[method].append((t1 - t0) * 1e3)
+                peak[method] = max(peak[method], collider._C._cpu_memory_peak_bytes())
                 if method.startswith("collider"):
                     py_call[method].append((t_call - t0) * 1e3)
                     rewrite[method].append(stats.rewrite_ms)
             del loss
     model.zero_grad(set_to_none=True)
 
-    dense = backward_flops(MINI, B, T, N, "dense")
+    dense = backward_flops(MINI, B, T, N, "dense", recompute)
     fwd = forward_flops(MINI, 1, T)
     point = {"model": "tinyllama-mini (transformers LlamaForCausalLM)", "attn_implementation": attn, "seq_len": T,
              "batch_size": B, "filter_ratio": filter_ratio, "kept": N, "labelled": T - 1, "reps": reps,
              "warmup": warmup, "attention_linear_ratio": fwd["attention"] / fwd["linear"], "plan": plan.summary(),
-             "methods": {}}
+             "checkpointing": checkpointing, "methods": {}}
     reg_ms = median_iqr(samples["regular"])[0]
     for method in METHODS:
         med, iqr = median_iqr(samples[method])
         mode = {"collider kept_only": "kept_only", "collider exact_query": "exact_query"}.get(method)
-        row = {"bwd_ms": med, "iqr_ms": iqr, "samples_bwd_ms": samples[method], "reduction": 1 - med / reg_ms}
+        row = {"bwd_ms": med, "iqr_ms": iqr, "samples_bwd_ms": samples[method], "reduction": 1 - med / reg_ms,
+               "peak_mem_bytes": peak[method]}
         if mode:
-            ideal = 1 - backward_flops(MINI, B, T, N, mode) / dense
+            ideal = 1 - backward_flops(MINI, B, T, N, mode, recompute) / dense
             call_med = statistics.median(py_call[method])
             rw_med = statistics.median(rewrite[method])
             over = [c - r for c, r in zip(py_call[method], rewrite[method])]
@@ -177,18 +194,19 @@ def bench_point(attn: str, T: int, B: int, filter_ratio: float, reps: int, warmu
 
 def print_point(p: dict) -> None:
     print(f"\ntinyllama-mini ({p['attn_implementation']})  T={p['seq_len']}  B={p['batch_size']}  "
-          f"T'={p['kept']} of {p['labelled']} labelled  attention/linear FLOPs {p['attention_linear_ratio']:.3f}  "
-          f"[{p['plan']}]")
+          f"T'={p['kept']} of {p['labelled']} labelled  checkpointing {p['checkpointing']}  "
+          f"attention/linear FLOPs {p['attention_linear_ratio']:.3f}  [{p['plan']}]")
     print(f"  {'method':22} {'bwd_ms':>9} {'IQR':>7} {'reduction':>10} {'ideal':>7} {'of ideal':>9} {'vs floor':>9} "
-          f"{'call_ms':>8} {'rewrite':>8} {'py ovh':>8} {'ovh/bwd':>8}")
+          f"{'call_ms':>8} {'rewrite':>8} {'py ovh':>8} {'ovh/bwd':>8} {'peak_MiB':>9}")
     for m, r in p["methods"].items():
         extra = ""
         if "ideal" in r:
             extra = (f" {r['ideal'] * 100:6.1f}% {r['of_ideal']:9.3f} {r['vs_floor']:8.2f}x {r['filter_call_ms']:8.2f} "
                      f"{r['rewrite_ms']:8.2f} {r['python_overhead_ms']:8.3f} {r['python_overhead_of_bwd'] * 100:7.2f}%")
         else:
-            extra = f" {'':7} {'':9} {r['vs_floor']:8.2f}x"
-        print(f"  {m:22} {r['bwd_ms']:9.2f} {r['iqr_ms']:7.2f} {r['reduction'] * 100:9.1f}%{extra}")
+            extra = f" {'':7} {'':9} {r['vs_floor']:8.2f}x {'':8} {'':8} {'':8} {'':8}"
+        print(f"  {m:22} {r['bwd_ms']:9.2f} {r['iqr_ms']:7.2f} {r['reduction'] * 100:9.1f}%{extra} "
+              f"{r['peak_mem_bytes'] / 2**20:9.1f}")
 
 
 def main() -> int:
@@ -202,6 +220,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--allocator", choices=("caching", "system"), default="caching")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--checkpointing", default="none",
+                    help="comma list of none (no activation checkpointing) and layers (every decoder layer)")
     ap.add_argument("--json", default=None, help="append one JSON row per point (with provenance) to this file")
     args = ap.parse_args()
     if args.threads:
@@ -210,14 +230,18 @@ def main() -> int:
     prov = provenance(allocator)
     print(f"# {' '.join([Path(sys.argv[0]).name] + sys.argv[1:])}")
     print("# " + ", ".join(f"{k} {v}" for k, v in prov.items()))
+    modes = args.checkpointing.split(",")
+    if not set(modes) <= {"none", "layers"}:
+        ap.error(f"--checkpointing takes none and layers, got {args.checkpointing}")
     for attn in args.attn.split(","):
         for T in (int(t) for t in args.seq.split(",")):
-            point = bench_point(attn, T, args.batch, args.filter_ratio, args.reps, args.warmup, args.seed)
-            print_point(point)
-            if args.json:
-                with open(args.json, "a") as f:
-                    f.write(json.dumps({**point, **prov, "command": " ".join(sys.argv)}) + "\n")
-            sys.stdout.flush()
+            for mode in modes:
+                point = bench_point(attn, T, args.batch, args.filter_ratio, args.reps, args.warmup, args.seed, mode)
+                print_point(point)
+                if args.json:
+                    with open(args.json, "a") as f:
+                        f.write(json.dumps({**point, **prov, "command": " ".join(sys.argv)}) + "\n")
+                sys.stdout.flush()
     return 0
 
 

@@ -195,6 +195,9 @@ PYBIND11_MODULE(_C, m) {
     collider::harness::install_cpu_memory_tracking();
     return std::string(collider::harness::cpu_allocator_mode());
   });
+  // Its live-tensor peak, as bm_collider_backward's peak_MiB: reset, then read after a step.
+  m.def("_cpu_memory_reset_peak", [] { collider::harness::MemoryProbe(torch::kCPU).reset_peak(); });
+  m.def("_cpu_memory_peak_bytes", [] { return collider::harness::MemoryProbe(torch::kCPU).peak_bytes(); });
 
   // The torch this module was compiled against (its C++ ABI is tied to that exact version).
   m.attr("TORCH_VERSION_BUILT") =
