@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 ORACLE = "collider_oracle"
 _state = {"keep": None, "attention": None, "calls": 0}
@@ -64,6 +65,10 @@ def oracle_attention(module, query, key, value, attention_mask, dropout: float =
 
 
 AttentionInterface.register(ORACLE, oracle_attention)
+# The mask transformers builds for the oracle is eager attention's (an additive [B, 1, T, T] with the
+# padding and, for packed rows, the document boundaries): without one registered, a custom attention
+# gets no mask at all, and a padded or packed batch would be compared against plain causal attention.
+AttentionMaskInterface.register(ORACLE, eager_mask)
 
 
 @contextlib.contextmanager

@@ -223,3 +223,55 @@ def test_ragged_batch_topk_matches_oracle(family, attn, form):
             names = node_names(loss)
             assert "collider::RowAttention" in names and "SoftmaxBackward0" not in names, attention
             model.zero_grad(set_to_none=True)
+
+
+def padded_or_packed_batch(layout: str, seed: int):
+    """Right padding (attention_mask zeros at the end of two rows, their labels -100) or packed rows
+    (two documents per row, position_ids restarting in the middle). Returns the forward's keyword
+    arguments, the labels and a batch_topk keep mask over the labelled positions."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (3, T), generator=gen)
+    kwargs, labels = {}, ids
+    if layout == "right_padding":
+        mask = torch.ones(3, T, dtype=torch.long)
+        mask[1, T - 8:] = 0
+        mask[2, T - 3:] = 0
+        kwargs["attention_mask"] = mask
+        labels = ids.masked_fill(mask == 0, -100)
+    else:
+        pos = torch.arange(T).repeat(3, 1)
+        pos[:, T // 2:] -= T // 2
+        kwargs["position_ids"] = pos
+    keep = collider.select_tokens(torch.rand(3, T, generator=gen), 0.4, policy="batch_topk",
+                                  valid=chf.keep_mask_from_labels(labels))
+    return ids, kwargs, labels, keep
+
+
+@pytest.mark.parametrize("layout", ["right_padding", "packed_position_ids"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padded_and_packed_rows_under_eager_match_oracle(family, layout):
+    """Eager attention takes transformers' mask (padding, or document boundaries from position_ids)
+    as an ordinary tensor, so these batches filter exactly; the oracle gets the same mask."""
+    model = model_for(family, "eager")
+    ids, kwargs, labels, keep = padded_or_packed_batch(layout, seed=21)
+
+    def loss_of(x, kw, lab, k):
+        return chf.masked_mean(chf.token_losses(model(input_ids=x, use_cache=False, **kw).logits, lab), k)
+
+    def loss_on_random_batch(b, t):
+        x = torch.randint(0, 128, (b, t))
+        kw = {"attention_mask": torch.ones(b, t, dtype=torch.long)} if layout == "right_padding" else {
+            "position_ids": torch.arange(t).repeat(b, 1)}
+        return loss_of(x, kw, x, chf.keep_mask_from_labels(x))
+
+    plan = collider.trace_plan(loss_on_random_batch)
+    for attention in ("kept_only", "exact_query"):
+        model.zero_grad(set_to_none=True)
+        loss = loss_of(ids, kwargs, labels, keep)
+        collider.filter_backward(loss, keep, plan, attention=attention)
+        loss.backward()
+        got = grads(model)
+        model.zero_grad(set_to_none=True)
+        with oracle_keep(model, keep, attention):
+            loss_of(ids, kwargs, labels, keep).backward()
+        assert max_rel_diff(got, grads(model)) <= TOL, (layout, attention)
