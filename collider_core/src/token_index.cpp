@@ -146,7 +146,7 @@ const torch::Tensor& TokenIndex::live_slots(int64_t b) const {
 torch::Tensor TokenIndex::cut_packed(const torch::Tensor& x_TP) const {
   TORCH_CHECK(ragged_ && x_TP.dim() == 2 && x_TP.size(0) == B_ * T_,
               "collider: cut_packed wants the [B*T, P] rows of a ragged mask (plan bug)");
-  return gather_rows(x_TP, packed_S_);
+  return gather_rows(x_TP, packed_S_, /*stream=*/false);  // read by the GEMM next (saved_cut.h)
 }
 
 torch::Tensor TokenIndex::zero_padding(const torch::Tensor& x, const ShapeSpec& spec, bool keys_only) const {
@@ -306,7 +306,7 @@ torch::Tensor TokenIndex::cut_dim(const torch::Tensor& x_in, int64_t batch_dim, 
   if (post == 1) {
     out = x.reshape({rows, T_}).gather(1, idx_rows(rpb));
   } else {
-    out = gather_rows(x.reshape({rows * T_, post}), flat_rows(rpb));
+    out = gather_rows(x.reshape({rows * T_, post}), flat_rows(rpb), /*stream=*/false);
   }
   sizes[token_dim] = N_;
   out = out.view(sizes);
@@ -370,7 +370,7 @@ torch::Tensor TokenIndex::cut(const torch::Tensor& x_in, const ShapeSpec& spec, 
     if (!cut_this(d, cut_keys)) continue;
     if (d.flat()) {
       const auto& rows = d.kind == DimKind::kFlatToken ? flat_rows(d.mult) : flat_rows_seq_first(d.mult);
-      x = d.dim + off == 0 && x.dim() == 2 ? gather_rows(x, rows) : x.index_select(d.dim + off, rows);
+      x = d.dim + off == 0 && x.dim() == 2 ? gather_rows(x, rows, /*stream=*/false) : x.index_select(d.dim + off, rows);
     } else {
       TORCH_CHECK(bdim >= 0 || B_ == 1, "collider: token dimension without a batch dimension (plan bug)");
       x = cut_dim(x, bdim, d.dim + off);
