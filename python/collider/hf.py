@@ -17,7 +17,9 @@ Loss forms (the plan must be traced with the form the training step uses):
   "labels"     transformers' own loss: model.loss_function(logits, drop_labels(labels, keep)), the
                same code as model(input_ids, labels=...).loss (mean over the kept labels);
   "per_token"  a per-token loss written by the user: masked_mean(token_losses(logits, labels), keep).
-Sequences must be packed (no padding; an attention_mask with zeros is refused).
+collider.filter_backward takes right-padded rows (attention_mask, labels -100 on the padding) and
+packed rows (position_ids restarting per document) under eager attention; Rho1Trainer trains on
+equal-length windows (an attention_mask with zeros is refused there).
 Tests: python/tests/test_hf_gradients.py, test_hf_trainer.py; example: examples/train_rho1_llama.py.
 """
 from __future__ import annotations
