@@ -54,9 +54,10 @@ struct Gpt2Impl : torch::nn::Module {
   // What a Hugging Face model with use_cache left on does at its first step: K and V are
   // concatenated onto an empty cache [B, H, 0, E] along the sequence.
   bool empty_kv_cache = false;
-  // With use_sdpa: this layer passes an explicit causal mask instead of is_causal (a fused
-  // attention Collider refuses), to test that a refusal deep in the graph changes nothing.
+  // With use_sdpa: this layer passes an explicit causal mask [T, T] instead of is_causal (the same
+  // attention, through the fused kernel's mask).
   int64_t explicit_mask_layer = -1;
+
   std::function<torch::Tensor(const torch::Tensor&, int)> hook;  // on the residual after each block
 
   Gpt2Impl(int64_t vocab, int64_t dim, int64_t heads, int64_t layers, int64_t max_seq)

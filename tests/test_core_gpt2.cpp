@@ -189,18 +189,24 @@ std::vector<Case> cache_cases() {
 
 INSTANTIATE_TEST_SUITE_P(KvCache, Gpt2EmptyCacheGrad, ::testing::ValuesIn(cache_cases()), grad_case_name);
 
-// All or nothing: a refusal met deep in the graph (the first layer's fused attention, reached
-// after the head and the last layer were prepared) leaves the graph as the forward built it, so
-// a plain backward still gives the loss_only gradient.
+// All or nothing: a refusal met deep in the graph leaves the graph as the forward built it, so a
+// plain backward still gives the loss_only gradient. The refusal: a plan whose last field (the
+// embedding's, last in breadth-first order, reached after every layer was prepared) says another
+// rank than the graph's, as a stale plan text would.
 TEST(Gpt2Collider, RefusalDeepInTheGraphLeavesItUnchanged) {
   Gpt2 m = make_model();
   m->use_sdpa = true;
-  Plan plan = make_plan(m);
+  std::string text = make_plan(m).to_string();
+  const size_t second_variant = text.find("collider-plan", 1);
+  const size_t line = text.rfind("\nfield ", second_variant) + 1;  // "field <name> <kind> <item> <rank> ..."
+  size_t rank_at = line;
+  for (int word = 0; word < 4; ++word) rank_at = text.find(' ', rank_at) + 1;
+  text.replace(rank_at, 1, std::string(1, static_cast<char>(text[rank_at] + 1)));
+  Plan plan = Plan::from_string(text);
   torch::manual_seed(5);
   auto idx = torch::randint(kVocab, {3, 40});
   auto labels = torch::randint(kVocab, {3, 40});
   auto keep = random_keep(3, 40, 0.5, 19);
-  m->explicit_mask_layer = 0;
   for (auto a : {AttentionGrad::kKeptOnly, AttentionGrad::kExactQuery}) {
     zero_grads(*m);
     masked_ce(m->forward(idx), labels, keep).backward();
@@ -209,10 +215,38 @@ TEST(Gpt2Collider, RefusalDeepInTheGraphLeavesItUnchanged) {
     auto loss = masked_ce(m->forward(idx), labels, keep);
     try {
       filter_backward(loss, keep, plan, {a});
-      FAIL() << "filter_backward accepted a fused attention with an explicit mask";
-    } catch (const Error& e) { EXPECT_NE(std::string(e.what()).find("explicit mask"), std::string::npos) << e.what(); }
+      FAIL() << "filter_backward accepted a graph that does not match its plan";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("does not match the plan"), std::string::npos) << e.what();
+    }
     loss.backward();
     EXPECT_LE(max_rel_diff(grads_of(*m), g_loss_only), 1e-6) << to_string(a);
+  }
+}
+
+// A fused attention given an explicit causal mask instead of is_causal: the mask is cut with the
+// scores, so the filtered gradient is the one of is_causal.
+TEST(Gpt2Collider, ExplicitMaskEqualsIsCausal) {
+  Gpt2 m = make_model();
+  m->use_sdpa = true;
+  Plan plan = make_plan(m);
+  torch::manual_seed(5);
+  auto idx = torch::randint(kVocab, {3, 97});
+  auto labels = torch::randint(kVocab, {3, 97});
+  auto keep = random_keep(3, 97, 0.5, 19);
+  for (auto a : {AttentionGrad::kKeptOnly, AttentionGrad::kExactQuery}) {
+    m->explicit_mask_layer = -1;
+    zero_grads(*m);
+    auto loss = masked_ce(m->forward(idx), labels, keep);
+    filter_backward(loss, keep, plan, {a});
+    loss.backward();
+    auto g_causal = grads_of(*m);
+    m->explicit_mask_layer = 1;
+    zero_grads(*m);
+    loss = masked_ce(m->forward(idx), labels, keep);
+    filter_backward(loss, keep, plan, {a});
+    loss.backward();
+    EXPECT_LE(max_rel_diff(grads_of(*m), g_causal), 1e-5) << to_string(a);
   }
 }
 

@@ -129,17 +129,49 @@ TEST(Plan, UnknownNodesAndTokenMixingOpsAreRefused) {
   EXPECT_NE(mixing.find("CumsumBackward0"), std::string::npos) << mixing;
 }
 
-TEST(Plan, FusedAttentionWithBiasIsRefused) {
-  auto w = torch::randn({8, 8}, torch::requires_grad());
-  auto bias_of = [](int64_t T) { return torch::zeros({T, T}); };
-  auto attend = [&](int64_t B, int64_t T) {
-    auto x = torch::randn({B, T, 8}).matmul(w).view({B, T, 2, 4}).transpose(1, 2);
-    return torch::scaled_dot_product_attention(x, x, x, bias_of(T), 0.0, false).sum();
+// A fused attention with an additive bias (ALiBi-like, per head, [H, T, T]) and with a mask
+// broadcast from [T, T]: the filtered gradient equals the masked method's (the oracle, computed on
+// full-size tensors with dropped rows and columns zeroed). The loss counts only kept positions.
+TEST(Plan, FusedAttentionWithBiasOrMaskIsFiltered) {
+  torch::manual_seed(3);
+  auto w = torch::randn({8, 8}, torch::dtype(torch::kDouble).requires_grad(true));
+  auto alibi = [](int64_t T) {  // [2, T, T]: -slope * distance, causal
+    auto i = torch::arange(T, torch::kDouble);
+    auto dist = (i.view({T, 1}) - i.view({1, T}));
+    auto bias = torch::stack({-0.5 * dist, -0.25 * dist});
+    return bias.masked_fill(dist.lt(0).expand({2, T, T}), -INFINITY);
   };
-  Plan plan = trace_plan(attend);
-  auto keep = random_keep(2, 16, 0.5, 1);
-  auto msg = error_of([&] { filter_backward(attend(2, 16), keep, plan); });
-  EXPECT_NE(msg.find("not supported"), std::string::npos) << msg;
+  auto window = [](int64_t T) {  // [T, T] bool: causal, 6 positions back
+    auto i = torch::arange(T);
+    return (i.view({1, T}) <= i.view({T, 1})) & (i.view({T, 1}) - i.view({1, T}) < 6);
+  };
+  for (int kind = 0; kind < 2; ++kind) {
+    torch::Tensor x_fixed = torch::randn({2, 16, 8}, torch::kDouble);
+    torch::Tensor keep = random_keep(2, 16, 0.5, 1);
+    auto loss_of = [&](const torch::Tensor& x_BTD, const torch::Tensor& keep_BT) {
+      const int64_t B = x_BTD.size(0), T = x_BTD.size(1);
+      auto h = x_BTD.matmul(w).view({B, T, 2, 4}).transpose(1, 2);
+      auto mask = kind == 0 ? alibi(T) : window(T);
+      auto o = torch::scaled_dot_product_attention(h, h, h, mask, 0.0, false);  // [B, 2, T, 4]
+      return (o.sum({1, 3}) * keep_BT.to(torch::kDouble)).sum();
+    };
+    Plan plan = trace_plan([&](int64_t B, int64_t T) {
+      return loss_of(torch::randn({B, T, 8}, torch::kDouble), torch::ones({B, T}, torch::kBool));
+    });
+    for (auto a : {AttentionGrad::kKeptOnly, AttentionGrad::kExactQuery}) {
+      w.mutable_grad() = torch::Tensor();
+      auto loss = loss_of(x_fixed, keep);
+      filter_backward(loss, keep, plan, {a});
+      loss.backward();
+      auto filtered = w.grad().clone();
+      w.mutable_grad() = torch::Tensor();
+      loss = loss_of(x_fixed, keep);
+      mask_backward(loss, keep, plan, {a});
+      loss.backward();
+      EXPECT_TRUE(torch::allclose(filtered, w.grad(), 1e-6, 1e-9))
+          << (kind == 0 ? "bias " : "window ") << to_string(a) << ": " << (filtered - w.grad()).abs().max().item<double>();
+    }
+  }
 }
 
 }  // namespace

@@ -14,7 +14,9 @@ namespace collider::detail {
 
 namespace {
 
-bool is_softmax(const std::string& t) { return t == "SoftmaxBackward0"; }
+// _safe_softmax (what scaled_dot_product_attention's math path runs when it has a mask: a row the
+// mask closes gives 0, not NaN) has softmax's backward and saved fields.
+bool is_softmax(const std::string& t) { return t == "SoftmaxBackward0" || t == "SafeSoftmaxBackward0"; }
 bool is_bmm(const std::string& t) { return t == "BmmBackward0"; }
 bool is_shape_or_scale(const std::string& t) {
   static const std::set<std::string> k = {

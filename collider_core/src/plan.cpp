@@ -1,4 +1,5 @@
-// Plan: construction, copying and its text form. The text form is line based:
+// Plan: construction, copying, merging and its text form. The text form is line based, one block
+// per traced variant:
 //   collider-plan 1 trace B=3,5 T=53,61 cores=<n>
 //   node <i> <Type> <0 | 1 attention core | 2 fused attention>
 //   field <name> <kind> <item> <rank> <pad_rank> <bcast_dim> <bcast_mult> <dims>   dims: dim:kind:role:mult,...
@@ -24,19 +25,33 @@ Plan& Plan::operator=(const Plan& o) {
 Plan::Plan(Plan&&) noexcept = default;
 Plan& Plan::operator=(Plan&&) noexcept = default;
 
-int64_t Plan::num_nodes() const { return static_cast<int64_t>(impl_->data.nodes.size()); }  // the B > 1 variant
+namespace {
+// The first variant for batches of B > 1 (the one the counts describe); an empty one for an empty plan.
+const detail::PlanData& first_batched(const Plan::Impl& impl) {
+  static const detail::PlanData empty;
+  for (const auto& v : impl.variants)
+    if (v.batch_a > 1) return v;
+  return empty;
+}
+}  // namespace
+
+int64_t Plan::num_nodes() const { return static_cast<int64_t>(first_batched(*impl_).nodes.size()); }
 
 int64_t Plan::num_token_nodes() const {
   int64_t n = 0;
-  for (const auto& ns : impl_->data.nodes) n += ns.fields.empty() ? 0 : 1;
+  for (const auto& ns : first_batched(*impl_).nodes) n += ns.fields.empty() ? 0 : 1;
   return n;
 }
 
+int64_t Plan::num_variants() const { return static_cast<int64_t>(impl_->variants.size()); }
+
 std::string Plan::summary() const {
-  const auto& d = impl_->data;
-  return fmt::format("{} nodes, {} with token dimensions, {} attention cores, exact_query {}", num_nodes(),
+  const auto& d = first_batched(*impl_);
+  std::string variants = impl_->variants.size() > 2 ? fmt::format(", {} traced variants", impl_->variants.size()) : "";
+  return fmt::format("{} nodes, {} with token dimensions, {} attention cores, exact_query {}{}", num_nodes(),
                      num_token_nodes(), d.num_attention_cores,
-                     d.exact_query_blocker.empty() ? "available" : "unavailable (" + d.exact_query_blocker + ")");
+                     d.exact_query_blocker.empty() ? "available" : "unavailable (" + d.exact_query_blocker + ")",
+                     variants);
 }
 
 namespace {
@@ -92,8 +107,21 @@ std::string variant_text(const detail::PlanData& d) {
 }
 }  // namespace
 
-// Two variants: batches of B > 1, then B = 1.
-std::string Plan::to_string() const { return variant_text(impl_->data) + variant_text(impl_->single); }
+// Every variant in order (trace_plan's two: batches of B > 1, then B = 1; then merged ones).
+std::string Plan::to_string() const {
+  std::string out;
+  for (const auto& v : impl_->variants) out += variant_text(v);
+  return out;
+}
+
+void Plan::merge(const Plan& other) {
+  for (const auto& v : other.impl_->variants) {
+    const std::string text = variant_text(v);
+    bool known = false;
+    for (const auto& mine : impl_->variants) known = known || variant_text(mine) == text;
+    if (!known) impl_->variants.push_back(v);
+  }
+}
 
 Plan Plan::from_string(const std::string& text) {
   Plan plan;
@@ -109,8 +137,8 @@ Plan Plan::from_string(const std::string& text) {
     std::string tag;
     in >> tag;
     if (tag == "collider-plan") {
-      if (++variants > 2) throw Error("Plan::from_string: more than two plan variants");
-      dp = variants == 1 ? &plan.impl().data : &plan.impl().single;
+      ++variants;
+      dp = &plan.impl().variants.emplace_back();
       auto& d = *dp;
       int version = 0;
       std::string trace, bs, ts, cores;
@@ -159,7 +187,11 @@ Plan Plan::from_string(const std::string& text) {
       throw Error(fmt::format("Plan::from_string: line {}: unknown record '{}'", line_no, tag));
     }
   }
-  if (variants != 2) throw Error("Plan::from_string: incomplete plan (expected two variants)");
+  bool batched = false, one_row = false;
+  for (const auto& v : plan.impl().variants) (v.batch_a == 1 ? one_row : batched) = true;
+  if (!batched || !one_row) {
+    throw Error("Plan::from_string: incomplete plan (expected variants for B > 1 and for B = 1)");
+  }
   return plan;
 }
 

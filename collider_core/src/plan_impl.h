@@ -105,9 +105,11 @@ struct PlanData {
 
 }  // namespace collider::detail
 
-// `data` serves batches of B > 1; `single` serves B = 1, whose graph can differ (reshapes of
-// tensors with a size-1 batch dimension become views) and which needs no batch dimensions.
+// The traced variants of one loss: trace_plan makes two, one for batches of B > 1 and one for B = 1
+// (whose graph can differ: reshapes of tensors with a size-1 batch dimension become views, and it
+// needs no batch dimensions); Plan::merge adds those of other traces of the same model (with and
+// without an attention mask, say, where transformers builds different graphs). filter_backward
+// uses the first variant of the batch's kind whose node sequence is the graph's.
 struct collider::Plan::Impl {
-  detail::PlanData data;
-  detail::PlanData single;
+  std::vector<detail::PlanData> variants;
 };

@@ -699,36 +699,54 @@ void Rewriter::pack_node(const Graph& g, int i, size_t token_output) {
   ++stats_.gemms_packed;
 }
 
-Graph checked_graph(const torch::Tensor& loss, const PlanData& plan, const char* who) {
+// Why the graph is not the one `plan` was traced on (its first differing node), or empty.
+std::string type_mismatch(const Graph& g, const PlanData& plan, const char* who,
+                          std::unordered_map<std::type_index, std::string>& names) {
+  const size_t n = std::min(g.nodes.size(), plan.nodes.size());
+  for (size_t i = 0; i < n; ++i) {
+    const Node& node = *g.nodes[i];
+    // Node::name() demangles the node's type on every call: one demangle per type, not per node.
+    auto it = names.find(typeid(node));
+    if (it == names.end()) it = names.emplace(typeid(node), node.name()).first;
+    const std::string& t = it->second;
+    // The fused attention kernels are interchangeable: which one runs can depend on the mask, the
+    // dtype or the device (CUDA's flash takes no mask, the memory-efficient one does).
+    if (t != plan.nodes[i].type && !(plan.nodes[i].fused_attention && is_fused_attention_node(t))) {
+      if (is_reentrant_checkpoint(t)) return fmt::format("{}: node #{} is {}: {}", who, i, t, reentrant_checkpoint_advice());
+      return fmt::format("{}: node #{} is {} but the plan expects {}: the graph does not match the plan "
+                         "(another model, or a changed forward). Re-trace with collider::trace_plan.",
+                         who, i, t, plan.nodes[i].type);
+    }
+  }
+  if (g.nodes.size() != plan.nodes.size()) {
+    return fmt::format("{}: the loss graph has {} nodes but the plan has {}: it was traced for another model "
+                       "or loss. Re-trace with collider::trace_plan.",
+                       who, g.nodes.size(), plan.nodes.size());
+  }
+  return {};
+}
+
+// The loss's graph and the plan variant it matches: the first variant for this batch's kind (B = 1
+// or not) whose node sequence is the graph's; else Error with the first variant's mismatch.
+std::pair<Graph, const PlanData*> checked_graph(const torch::Tensor& loss, const Plan& plan, int64_t batch,
+                                                const char* who) {
   if (!loss.defined() || !loss.grad_fn()) {
     throw Error(fmt::format("{}: the loss has no grad_fn; build it from the model outputs with grad enabled", who));
   }
   if (loss.numel() != 1) throw Error(fmt::format("{}: the loss must be a scalar", who));
-  if (plan.nodes.empty()) throw Error(fmt::format("{}: empty plan; build one with collider::trace_plan", who));
-  Graph g = collect_graph(loss_root(loss.grad_fn()), plan.nodes.size());
-  const size_t n = std::min(g.nodes.size(), plan.nodes.size());
-  // Node::name() demangles the node's type on every call: one demangle per type, not per node.
+  std::vector<const PlanData*> candidates;
+  for (const auto& v : plan.impl().variants)
+    if ((v.batch_a == 1) == (batch == 1) && !v.nodes.empty()) candidates.push_back(&v);
+  if (candidates.empty()) throw Error(fmt::format("{}: empty plan; build one with collider::trace_plan", who));
+  Graph g = collect_graph(loss_root(loss.grad_fn()), candidates.front()->nodes.size());
   std::unordered_map<std::type_index, std::string> names;
-  for (size_t i = 0; i < n; ++i) {
-    const Node& node = *g.nodes[i];
-    auto it = names.find(typeid(node));
-    if (it == names.end()) it = names.emplace(typeid(node), node.name()).first;
-    const std::string& t = it->second;
-    if (t != plan.nodes[i].type) {
-      if (is_reentrant_checkpoint(t)) throw Error(fmt::format("{}: node #{} is {}: {}", who, i, t, reentrant_checkpoint_advice()));
-      throw Error(
-          fmt::format("{}: node #{} is {} but the plan expects {}: the graph does not match the plan "
-                      "(another model, or a changed forward). Re-trace with collider::trace_plan.",
-                      who, i, t, plan.nodes[i].type));
-    }
+  std::string first_why;
+  for (const PlanData* c : candidates) {
+    std::string why = type_mismatch(g, *c, who, names);
+    if (why.empty()) return {std::move(g), c};
+    if (first_why.empty()) first_why = std::move(why);
   }
-  if (g.nodes.size() != plan.nodes.size()) {
-    throw Error(
-        fmt::format("{}: the loss graph has {} nodes but the plan has {}: it was traced for another model "
-                    "or loss. Re-trace with collider::trace_plan.",
-                    who, g.nodes.size(), plan.nodes.size()));
-  }
-  return g;
+  throw Error(first_why);
 }
 
 // The [B, T] the loss was computed on, read from the first input shape the plan marks with a token
@@ -939,19 +957,19 @@ FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT,
   if (!keep_BT.defined() || keep_BT.dim() != 2) {
     throw Error(fmt::format("{}: the keep mask must be bool [B, T]", who));
   }
-  const PlanData& data = keep_BT.size(0) == 1 ? plan.impl().single : plan.impl().data;
   const bool exact = opts.attention == AttentionGrad::kExactQuery;
-  if (exact && !data.exact_query_blocker.empty()) {
-    throw Error(
-        fmt::format("{}: exact_query needs every attention core recognised: {}", who, data.exact_query_blocker));
-  }
   if (loss.defined() && loss.grad_fn() && rewritten_graphs().contains(loss_root(loss.grad_fn()))) {
     throw Error(fmt::format(
         "{}: this loss's graph was already rewritten by filter_backward or mask_backward; call one of them once "
         "per loss, right before loss.backward()",
         who));
   }
-  Graph g = checked_graph(loss, data, who);
+  auto [g, matched] = checked_graph(loss, plan, keep_BT.size(0), who);
+  const PlanData& data = *matched;
+  if (exact && !data.exact_query_blocker.empty()) {
+    throw Error(
+        fmt::format("{}: exact_query needs every attention core recognised: {}", who, data.exact_query_blocker));
+  }
   const auto [loss_B, loss_T] = loss_tokens(g, data);
   if (loss_B > 0 && (loss_B != keep_BT.size(0) || loss_T != keep_BT.size(1))) {
     throw Error(fmt::format(

@@ -246,8 +246,8 @@ static Plan trace_plan_impl(const LossOnBatchFn& loss_on_random_batch, const Tra
     return detail::build_plan(ga, gb, {Ba, opts.seq_a}, {Bb, opts.seq_b});
   };
   Plan plan;
-  plan.impl().data = plan_for(opts.batch_a, opts.batch_b);
-  plan.impl().single = plan_for(1, 1);
+  plan.impl().variants.push_back(plan_for(opts.batch_a, opts.batch_b));
+  plan.impl().variants.push_back(plan_for(1, 1));
   return plan;
 }
 

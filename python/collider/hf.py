@@ -135,13 +135,15 @@ def causal_lm_loss(model: torch.nn.Module, logits: torch.Tensor, labels: torch.T
 
 
 def training_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, keep_mask: torch.Tensor,
-                  loss: str = "labels", logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  loss: str = "labels", logits: Optional[torch.Tensor] = None,
+                  attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The scalar loss of a filtered step in one of LOSS_FORMS (the form trace_plan traces).
-    `logits`: the model's output on input_ids if the caller already ran the forward."""
+    `logits`: the model's output on input_ids if the caller already ran the forward;
+    `attention_mask`: passed to that forward otherwise (padded rows)."""
     if loss not in LOSS_FORMS:
         raise Error(f"training_loss: loss must be one of {', '.join(LOSS_FORMS)}; got {loss!r}")
     if logits is None:
-        logits = model(input_ids=input_ids, use_cache=False).logits
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     if loss == "labels":
         return causal_lm_loss(model, logits, drop_labels(labels, keep_mask))
     return masked_mean(token_losses(logits, labels), keep_mask)
@@ -150,7 +152,10 @@ def training_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch
 def trace_plan(model: torch.nn.Module, loss: str = "labels") -> Plan:
     """collider.trace_plan for a transformers causal LM, from the model alone: random token ids in
     [0, config.vocab_size), use_cache=False, the loss form `loss` (see LOSS_FORMS) with a random
-    half of the positions kept. Trace in the mode you train in (model.train()): dropout layers
+    half of the positions kept. Traced twice and merged (Plan.merge): without an attention mask and
+    with a padded one, since transformers builds another graph when it passes a mask (SDPA with
+    grouped-query attention repeats the key/value heads then), so the plan serves plain, padded
+    and packed batches alike. Trace in the mode you train in (model.train()): dropout layers
     change the graph. Works through DistributedDataParallel and PEFT wrappers; refuses a
     torch.compile'd model."""
     base = _unwrap(model, "collider.hf.trace_plan")
@@ -163,12 +168,20 @@ def trace_plan(model: torch.nn.Module, loss: str = "labels") -> Plan:
         raise Error("collider.hf.trace_plan: the model has no parameters") from None
     gen = torch.Generator().manual_seed(0)
 
-    def loss_on_random_batch(batch: int, seq_len: int) -> torch.Tensor:
+    def loss_on_random_batch(batch: int, seq_len: int, padded: bool = False) -> torch.Tensor:
         ids = torch.randint(0, vocab, (batch, seq_len), generator=gen).to(device)
         keep = torch.rand(batch, seq_len, generator=gen).argsort(dim=1) < seq_len // 2
-        return training_loss(model, ids, ids, keep.to(device), loss=loss)
+        attention_mask, labels = None, ids
+        if padded:  # the last position of the first row is padding
+            attention_mask = torch.ones_like(ids)
+            attention_mask[0, -1] = 0
+            labels = ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+            keep = keep & keep_mask_from_labels(labels).cpu()
+        return training_loss(model, ids, labels, keep.to(device), loss=loss, attention_mask=attention_mask)
 
-    return _collider.trace_plan(loss_on_random_batch)
+    plan = _collider.trace_plan(loss_on_random_batch)
+    plan.merge(_collider.trace_plan(lambda b, t: loss_on_random_batch(b, t, padded=True)))
+    return plan
 
 
 def _token_scores(model_losses: torch.Tensor, reference: torch.nn.Module, input_ids: torch.Tensor,

@@ -95,6 +95,11 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("text"), "Reads a plan written by to_string(); raises collider.Error for text that is not one.")
       .def("summary", &collider::Plan::summary, "One line: nodes, token nodes, attention cores.")
+      .def("merge", &collider::Plan::merge, py::arg("other"),
+           "Adds the traced variants of another plan of the same model and loss (traced with an attention mask "
+           "where this one had none, ...); filter_backward uses the variant whose graph matches.")
+      .def_property_readonly("num_variants", &collider::Plan::num_variants,
+                             "Traced variants held: 2 from trace_plan (B > 1 and B = 1), more after merge.")
       .def_property_readonly("num_nodes", &collider::Plan::num_nodes, "Autograd nodes of the traced loss graph.")
       .def_property_readonly("num_token_nodes", &collider::Plan::num_token_nodes,
                              "Nodes with at least one token dimension.")

@@ -54,10 +54,15 @@ def oracle_attention(module, query, key, value, attention_mask, dropout: float =
     elif getattr(module, "is_causal", True):
         causal = torch.ones(T, T, dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~causal, float("-inf"))
+    # A query row the mask closes entirely (left padding) attends to nothing: probabilities 0, as
+    # SDPA gives (softmax over a row of -inf would be NaN; transformers' mask uses the dtype's
+    # minimum, which becomes -inf in float32).
+    closed = (s <= torch.finfo(s.dtype).min / 2).all(-1, keepdim=True)
+    s = s.masked_fill(closed, 0.0)
     m_col = keep.to(s.device)[:, None, None, :]  # [B, 1, 1, T]: kept key columns
     if _state["attention"] == "kept_only":
         s = torch.where(m_col, s, s.detach())
-    p = torch.softmax(s.float(), dim=-1).to(query.dtype)
+    p = torch.softmax(s.float(), dim=-1).to(query.dtype).masked_fill(closed, 0.0)
     if _state["attention"] == "kept_only":
         p = torch.where(m_col, p, p.detach())
     out = torch.matmul(p, v).transpose(1, 2).contiguous()
@@ -114,6 +119,15 @@ def tiny_config(family: str, attn: str, **overrides):
         return Phi3Config(num_key_value_heads=2, resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0, bos_token_id=1,
                           eos_token_id=2, **common,
                           attn_implementation=attn)
+    if family == "mistral":  # sliding-window attention over 16 positions (shorter than the test's T)
+        from transformers import MistralConfig
+        return MistralConfig(num_key_value_heads=2, sliding_window=16, **common, attn_implementation=attn)
+    if family == "gemma3":  # alternating sliding-window (16) and global layers, query pre-attention scaling
+        from transformers import Gemma3TextConfig
+        gemma = dict(common, num_hidden_layers=4)
+        return Gemma3TextConfig(num_key_value_heads=2, head_dim=8, sliding_window=16, query_pre_attn_scalar=8,
+                                layer_types=["sliding_attention", "full_attention"] * 2, final_logit_softcapping=None,
+                                attn_logit_softcapping=None, **gemma, attn_implementation=attn)
     raise ValueError(family)
 
 

@@ -85,6 +85,12 @@ class Plan {
   int64_t num_token_nodes() const;  // nodes with at least one token dimension
   std::string summary() const;      // one line: nodes, token nodes, attention cores
 
+  // Adds the traced variants of `other`, a plan of the same model and loss traced another way
+  // (with an attention mask where the first had none, ...): filter_backward uses the variant whose
+  // node sequence is the graph's. Variants already held are not added twice.
+  void merge(const Plan& other);
+  int64_t num_variants() const;  // 2 from trace_plan (B > 1 and B = 1), more after merge
+
   struct Impl;
   const Impl& impl() const { return *impl_; }
   Impl& impl() { return *impl_; }
