@@ -36,6 +36,7 @@ __all__ = [
     "mask_backward",
     "select_tokens",
     "kept_count",
+    "kept_total",
     "register_passthrough_node",
 ]
 __version__ = "0.1.0"
@@ -110,6 +111,7 @@ def trace_plan(loss_on_random_batch: Callable[[int, int], torch.Tensor]) -> Plan
         raise Error(f"trace_plan: loss_on_random_batch must be callable (batch, seq_len) -> loss, got "
                     f"{type(loss_on_random_batch).__name__}")
     failure: list = []
+    traced: list = []
 
     def call(batch: int, seq_len: int) -> torch.Tensor:
         try:
@@ -122,11 +124,14 @@ def trace_plan(loss_on_random_batch: Callable[[int, int], torch.Tensor]) -> Plan
                         f"{type(loss).__name__}, not a scalar torch.Tensor")
             failure.append((batch, seq_len, err))
             raise err
+        traced.append(loss)
         return loss
 
     try:
         with torch.enable_grad(), _one_recomputation():
-            return _C.trace_plan(call, *_TRACE_SHAPES)
+            plan = _C.trace_plan(call, *_TRACE_SHAPES)
+        _finish_sharded_backwards(traced)
+        return plan
     except Exception as e:
         if failure:
             batch, seq_len, cause = failure[0]
@@ -147,6 +152,27 @@ def _one_recomputation():
     if group is None or torch._C._get_graph_exec_group() is not None:
         return contextlib.nullcontext()
     return group()
+
+
+_FSDP2_NODE = "RegisterPostBackwardFunctionBackward"  # torch.distributed.fsdp.fully_shard's node
+
+
+def _finish_sharded_backwards(losses: list) -> None:
+    """A model sharded with FSDP2 (fully_shard) expects a backward after each forward: forwards left
+    without one (the traces) leave its state half-done, and the next training step's gradient is
+    wrong. So each traced loss of such a model gets a backward of zero (every rank traces, so every
+    rank joins its collectives): the sharded gradients gain zeros, the state is the one after a step."""
+    for loss in losses:
+        seen, stack, sharded = set(), [loss.grad_fn], False
+        while stack and not sharded:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            sharded = node.name() == _FSDP2_NODE
+            stack.extend(edge[0] for edge in node.next_functions)
+        if sharded:
+            (loss * 0).backward()
 
 
 def _refuse_compiled_autograd(who: str) -> None:
@@ -221,6 +247,23 @@ def select_tokens(scores: torch.Tensor, filter_ratio: float, policy: str = "per_
 def kept_count(seq_len: int, filter_ratio: float, align: int = 8) -> int:
     """Kept count per row that per_sequence selection gives for a row of `seq_len` valid positions."""
     return _C.kept_count(int(seq_len), float(filter_ratio), int(align))
+
+
+def kept_total(valid: torch.Tensor, filter_ratio: float, policy: str = "per_sequence", align: int = 8) -> int:
+    """How many positions select_tokens(scores, filter_ratio, policy, align, valid=valid) keeps, known
+    from the valid mask alone (before any score exists): per_sequence keeps kept_count(n, ratio, align)
+    in each row of n valid positions, batch_topk kept_count(n, ratio, 1) of the batch's n. The
+    denominator of a loss normalised over a whole optimizer step (collider.hf.masked_mean)."""
+    _check_tensor(valid, "valid", "kept_total")
+    if policy not in _POLICIES:
+        raise Error(f"kept_total: policy must be one of {', '.join(_POLICIES)}; got {policy!r}")
+    if valid.dim() != 2:
+        raise Error(f"kept_total: valid must be a bool [B, T], got shape {list(valid.shape)}")
+    counts = valid.bool().sum(1).tolist()
+    if policy == "batch_topk":
+        n = sum(counts)
+        return kept_count(n, filter_ratio, 1) if n else 0
+    return sum(kept_count(n, filter_ratio, align) if n else 0 for n in counts)
 
 
 def register_passthrough_node(name: str) -> None:

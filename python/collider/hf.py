@@ -41,6 +41,7 @@ __all__ = [
     "drop_labels",
     "token_losses",
     "masked_mean",
+    "step_kept_count",
     "causal_lm_loss",
     "training_loss",
     "trace_plan",
@@ -55,6 +56,10 @@ METHODS = ("collider", "loss_only", "regular")
 # parameters or runs a static graph: its backward returns the gradients unchanged and it saves
 # nothing, so it maps rows one to one.
 _collider.register_passthrough_node("_DDPSinkBackward")
+# FSDP2 (torch.distributed.fsdp.fully_shard) routes each sharded module's inputs and outputs through
+# this Function: its backward returns the gradients unchanged after running the module's
+# post-backward hooks (the reduce-scatter of the parameters' gradients), and it saves nothing.
+_collider.register_passthrough_node("RegisterPostBackwardFunctionBackward")
 
 
 def _unwrap(model: torch.nn.Module, who: str) -> torch.nn.Module:
@@ -121,32 +126,59 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            ignore_index=IGNORE_INDEX).view(B, T)
 
 
-def masked_mean(token_loss: torch.Tensor, keep_mask: torch.Tensor) -> torch.Tensor:
+def masked_mean(token_loss: torch.Tensor, keep_mask: torch.Tensor,
+                num_kept: Optional[Any] = None) -> torch.Tensor:
     """Mean of the per-token loss over the kept positions (a multiplication, not indexing, so the
-    graph keeps its [B, T] layout for the rewrite)."""
+    graph keeps its [B, T] layout for the rewrite). num_kept: the denominator instead of this batch's
+    kept count, the kept tokens of the whole optimizer step (every micro-batch of gradient
+    accumulation, every rank: step_kept_count), so that the summed gradients equal one big batch's.
+    Under DDP or FSDP2, which average gradients over ranks, multiply the loss by the world size."""
     keep = keep_mask.to(token_loss.dtype)
-    return (token_loss * keep).sum() / keep.sum().clamp(min=1)
+    total = (token_loss * keep).sum()
+    if num_kept is None:
+        return total / keep.sum().clamp(min=1)
+    return total / torch.as_tensor(num_kept, dtype=token_loss.dtype, device=token_loss.device).clamp(min=1)
 
 
-def causal_lm_loss(model: torch.nn.Module, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """transformers' own causal-LM loss on the logits (the code model(input_ids, labels=labels).loss runs)."""
+def step_kept_count(valid_masks: list, filter_ratio: float, policy: str = "per_sequence", align: int = 8,
+                    group: Any = None) -> torch.Tensor:
+    """The kept tokens of one optimizer step: collider.kept_total of each micro-batch's valid mask
+    (keep_mask_from_labels), summed, and summed over the ranks of `group` when torch.distributed is
+    initialised (one all-reduce). Known before any forward, as transformers' num_items_in_batch is."""
+    total = sum(_collider.kept_total(v, filter_ratio, policy, align) for v in valid_masks)
+    count = torch.tensor(total, dtype=torch.int64)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        device = valid_masks[0].device if valid_masks else torch.device("cpu")
+        if torch.distributed.get_backend(group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        count = count.to(device)
+        torch.distributed.all_reduce(count, group=group)
+    return count
+
+
+def causal_lm_loss(model: torch.nn.Module, logits: torch.Tensor, labels: torch.Tensor,
+                   num_kept: Optional[Any] = None) -> torch.Tensor:
+    """transformers' own causal-LM loss on the logits (the code model(input_ids, labels=labels).loss
+    runs): the mean over the labelled positions, or their sum / num_kept (its num_items_in_batch)."""
     base = _unwrap(model, "causal_lm_loss")
-    return base.loss_function(logits=logits, labels=labels, vocab_size=base.config.vocab_size)
+    kwargs = {} if num_kept is None else {"num_items_in_batch": num_kept}
+    return base.loss_function(logits=logits, labels=labels, vocab_size=base.config.vocab_size, **kwargs)
 
 
 def training_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, keep_mask: torch.Tensor,
                   loss: str = "labels", logits: Optional[torch.Tensor] = None,
-                  attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  attention_mask: Optional[torch.Tensor] = None, num_kept: Optional[Any] = None) -> torch.Tensor:
     """The scalar loss of a filtered step in one of LOSS_FORMS (the form trace_plan traces).
     `logits`: the model's output on input_ids if the caller already ran the forward;
-    `attention_mask`: passed to that forward otherwise (padded rows)."""
+    `attention_mask`: passed to that forward otherwise (padded rows); `num_kept`: normalise by the
+    kept tokens of the whole optimizer step instead of this batch's (masked_mean)."""
     if loss not in LOSS_FORMS:
         raise Error(f"training_loss: loss must be one of {', '.join(LOSS_FORMS)}; got {loss!r}")
     if logits is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     if loss == "labels":
-        return causal_lm_loss(model, logits, drop_labels(labels, keep_mask))
-    return masked_mean(token_losses(logits, labels), keep_mask)
+        return causal_lm_loss(model, logits, drop_labels(labels, keep_mask), num_kept)
+    return masked_mean(token_losses(logits, labels), keep_mask, num_kept)
 
 
 def trace_plan(model: torch.nn.Module, loss: str = "labels") -> Plan:
@@ -216,10 +248,12 @@ if _Trainer is not None:
         Inputs: input_ids (and optional labels, default input_ids); packed sequences, so an
         attention_mask, if present, must be all ones. The last step's keep mask and FilterStats are
         in `last_keep_mask` and `last_filter_stats`.
-        Data-parallel: DDP averages the ranks' gradients, which equals the mean over every kept
-        token because per_sequence gives every rank the same kept count; with batch_topk each rank
-        ranks its own rows and the ranks' kept counts differ, so the average of the ranks' means is
-        not the mean over all kept tokens (use per_sequence for data-parallel runs).
+        Normalisation: the loss is the sum of the kept tokens' losses over the kept tokens of the
+        whole optimizer step, every micro-batch of gradient accumulation and, with
+        average_tokens_across_devices (transformers' default), every rank: the kept count is known
+        from the labels before any forward (step_kept_count; Trainer's num_items_in_batch), so
+        accumulation and data parallelism give the gradient of one big batch, ragged batch_topk
+        rows included.
         """
 
         def __init__(self, *args, reference_model: Optional[torch.nn.Module] = None, filter_ratio: float = 0.4,
@@ -252,12 +286,27 @@ if _Trainer is not None:
             self.loss_form = loss
             self.align = int(align)
             self.policy = policy
-            # The loss is the mean over this micro-batch's kept tokens: let Trainer divide it by
-            # the gradient-accumulation steps (it skips that when the model takes num_items_in_batch).
+            # The loss is normalised by the step's kept count (num_items_in_batch, counted by
+            # _get_num_items_in_batch below): Trainer must not divide it by the accumulation steps.
             self.model_accepts_loss_kwargs = False
+            self.loss_is_scaled_for_ga = True
             self.collider_plan: Optional[Plan] = None
             self.last_keep_mask: Optional[torch.Tensor] = None
             self.last_filter_stats = None
+
+        def _get_num_items_in_batch(self, batch_samples, device):
+            """The kept tokens of the optimizer step: what this trainer's selection keeps of each
+            micro-batch (known from the labels), summed over micro-batches and, with
+            average_tokens_across_devices, over ranks."""
+            valid = [keep_mask_from_labels(b.get("labels", b["input_ids"])) for b in batch_samples]
+            if self.method == "regular":
+                total = sum(int(v.sum()) for v in valid)
+            else:
+                total = sum(_collider.kept_total(v, self.filter_ratio, self.policy, self.align) for v in valid)
+            count = torch.tensor(total, dtype=torch.int64, device=device)
+            if self.args.average_tokens_across_devices and self.args.world_size > 1:
+                count = self.accelerator.gather(count).sum()
+            return count
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             input_ids = inputs["input_ids"]
@@ -285,11 +334,16 @@ if _Trainer is not None:
                 scores = _token_scores(model_losses, reference, input_ids, labels)
                 keep = _collider.select_tokens(scores, self.filter_ratio, policy=self.policy, align=self.align,
                                                valid=valid)
-            loss = training_loss(model, input_ids, labels, keep, loss=self.loss_form, logits=logits)
+            step_count = num_items_in_batch if training else None
+            loss = training_loss(model, input_ids, labels, keep, loss=self.loss_form, logits=logits,
+                                 num_kept=step_count)
+            if step_count is not None and self.args.average_tokens_across_devices and self.args.world_size > 1:
+                loss = loss * self.accelerator.num_processes  # DDP averages over ranks; the count spans them
             if training:
                 self.last_keep_mask = keep
-                if self.method == "collider":
+                if self.method == "collider" and bool(keep.any()):
                     # The one added line; Trainer.training_step's accelerator.backward(loss) follows.
+                    # (A micro-batch that keeps nothing has a zero loss and gradient: nothing to filter.)
                     self.last_filter_stats = _collider.filter_backward(loss, keep, self.collider_plan,
                                                                        attention=self.attention)
             return (loss, outputs) if return_outputs else loss
