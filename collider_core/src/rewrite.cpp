@@ -713,6 +713,13 @@ std::string type_mismatch(const Graph& g, const PlanData& plan, const char* who,
     // dtype or the device (CUDA's flash takes no mask, the memory-efficient one does).
     if (t != plan.nodes[i].type && !(plan.nodes[i].fused_attention && is_fused_attention_node(t))) {
       if (is_reentrant_checkpoint(t)) return fmt::format("{}: node #{} is {}: {}", who, i, t, reentrant_checkpoint_advice());
+      if (t == "ToCopyBackward0" || plan.nodes[i].type == "ToCopyBackward0") {  // a dtype cast where the trace had none
+        return fmt::format(
+            "{}: node #{} is {} but the plan expects {}: the casts differ, as when the forward runs under "
+            "another torch.autocast than the trace did. Trace the plan under the same autocast (Plan::merge keeps "
+            "both).",
+            who, i, t, plan.nodes[i].type);
+      }
       return fmt::format("{}: node #{} is {} but the plan expects {}: the graph does not match the plan "
                          "(another model, or a changed forward). Re-trace with collider::trace_plan.",
                          who, i, t, plan.nodes[i].type);

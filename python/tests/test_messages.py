@@ -261,3 +261,30 @@ def test_every_refusal_leaves_the_graph_unchanged(model, plan, labels_plan):
             call(loss)
         loss.backward()
         assert max_rel_diff(grads(model), dense) == 0.0, name
+
+
+def test_autocast_that_differs_from_the_trace_is_named():
+    """A plan traced in float32 used for a step under torch.autocast(bfloat16): the message says to
+    trace under the same autocast; a plan traced both ways (merged) serves both."""
+    model = tiny_model("llama", "sdpa", dtype=torch.float32, initializer_range=0.02)
+    plan = chf.trace_plan(model, loss="per_token")
+    ids, keep = batch(8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = per_token(model, ids, keep)
+    text = message(lambda: collider.filter_backward(loss, keep, plan))
+    assert "autocast" in text and "ToCopyBackward0" in text, text
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan.merge(chf.trace_plan(model, loss="per_token"))
+    for attention in ("kept_only", "exact_query"):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = per_token(model, ids, keep)
+        collider.filter_backward(loss, keep, plan, attention=attention)
+        loss.backward()
+        got = grads(model)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = per_token(model, ids, keep)
+        collider.mask_backward(loss, keep, plan, attention=attention)
+        loss.backward()
+        assert max_rel_diff(got, grads(model)) <= 2e-2, attention
