@@ -17,10 +17,15 @@ bm_collider_backward uses); --allocator system keeps glibc's. peak_MiB: the step
 their most (forward, filter_backward and backward; the caching allocator's count, as
 bm_collider_backward's). --checkpointing layers: transformers' gradient_checkpointing_enable()
 (non-reentrant) on every decoder layer, so each backward recomputes the layers' forward at full
-length; the FLOP ideal then counts that recomputation, dense, on both sides. CPU numbers are CPU scale.
+length; the FLOP ideal then counts that recomputation, dense, on both sides. --layout packed: every
+row packs documents of mixed lengths (32 to T/2 positions, position_ids restarting per document, no
+label across a document boundary), so transformers passes SDPA a block-diagonal document mask;
+the FLOP ideal is counted as for one causal sequence (what regular's kernel computes with a mask).
+CPU numbers are CPU scale.
   python python/bench/bench_hf_backward.py                       # T 512,1024, eager+sdpa, 5 reps
   python python/bench/bench_hf_backward.py --seq 512 --reps 3 --json out.jsonl
   python python/bench/bench_hf_backward.py --seq 1024 --attn sdpa --checkpointing none,layers
+  python python/bench/bench_hf_backward.py --seq 1024 --attn sdpa --layout packed
 Not a test: nothing here asserts a speed.
 """
 from __future__ import annotations
@@ -117,8 +122,23 @@ def median_iqr(xs):
     return statistics.median(xs), q[2] - q[0]
 
 
+def packed_documents(B: int, T: int, gen: torch.Generator):
+    """position_ids [B, T] of rows packing documents of 32 to T/2 positions, the same number of
+    documents in every row (so every row has as many labelled positions), and the document starts."""
+    docs = max(2, T // 192)
+    starts = []
+    for _ in range(B):
+        cuts = torch.sort(torch.randperm(T // 32 - 1, generator=gen)[:docs - 1] + 1).values * 32
+        starts.append([0] + cuts.tolist())
+    pos = torch.zeros(B, T, dtype=torch.long)
+    for b, row in enumerate(starts):
+        for s0, s1 in zip(row, row[1:] + [T]):
+            pos[b, s0:s1] = torch.arange(s1 - s0)
+    return pos, starts
+
+
 def bench_point(attn: str, T: int, B: int, filter_ratio: float, reps: int, warmup: int, seed: int,
-                checkpointing: str = "none") -> dict:
+                checkpointing: str = "none", layout: str = "causal") -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
     cfg = LlamaConfig(**MINI, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -130,14 +150,23 @@ def bench_point(attn: str, T: int, B: int, filter_ratio: float, reps: int, warmu
     plan = chf.trace_plan(model, loss="per_token")
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, MINI["vocab_size"], (B, T), generator=gen)
-    valid = chf.keep_mask_from_labels(ids)  # T - 1 labelled positions per row
+    labels, forward = ids, {}
+    if layout == "packed":
+        pos, starts = packed_documents(B, T, gen)
+        forward["position_ids"] = pos
+        labels = ids.clone()
+        for b, row in enumerate(starts):
+            labels[b, row[1:]] = -100  # a document's first token is not predicted from the one before
+    valid = chf.keep_mask_from_labels(labels)  # the labelled positions, as many in every row
     keep = collider.select_tokens(torch.rand(B, T, generator=gen), filter_ratio, valid=valid)
     N = int(keep[0].sum())
     ids_floor = ids[:, :N + 1]  # regular on T' labelled positions (N + 1 tokens, the last unlabelled)
-    valid_floor = chf.keep_mask_from_labels(ids_floor)
+    labels_floor = labels[:, :N + 1]
+    forward_floor = {k: v[:, :N + 1] for k, v in forward.items()}
+    valid_floor = chf.keep_mask_from_labels(labels_floor)
 
-    def loss_of(x, mask):
-        return chf.masked_mean(chf.token_losses(model(input_ids=x, use_cache=False).logits, x), mask)
+    def loss_of(x, lab, kw, mask):
+        return chf.masked_mean(chf.token_losses(model(input_ids=x, use_cache=False, **kw).logits, lab), mask)
 
     samples = {m: [] for m in METHODS}
     peak = {m: 0 for m in METHODS}
@@ -148,9 +177,9 @@ def bench_point(attn: str, T: int, B: int, filter_ratio: float, reps: int, warmu
             model.zero_grad(set_to_none=True)
             collider._C._cpu_memory_reset_peak()
             if method == "floor":
-                loss = loss_of(ids_floor, valid_floor)
+                loss = loss_of(ids_floor, labels_floor, forward_floor, valid_floor)
             else:
-                loss = loss_of(ids, valid if method == "regular" else keep)
+                loss = loss_of(ids, labels, forward, valid if method == "regular" else keep)
             t0 = time.perf_counter()
             if method.startswith("collider"):
                 stats = collider.filter_backward(loss, keep, plan, attention=method.split()[1])
@@ -171,7 +200,8 @@ def bench_point(attn: str, T: int, B: int, filter_ratio: float, reps: int, warmu
     point = {"model": "tinyllama-mini (transformers LlamaForCausalLM)", "attn_implementation": attn, "seq_len": T,
              "batch_size": B, "filter_ratio": filter_ratio, "kept": N, "labelled": T - 1, "reps": reps,
              "warmup": warmup, "attention_linear_ratio": fwd["attention"] / fwd["linear"], "plan": plan.summary(),
-             "checkpointing": checkpointing, "methods": {}}
+             "checkpointing": checkpointing, "layout": layout, "labelled_per_row": int(valid[0].sum()),
+             "methods": {}}
     reg_ms = median_iqr(samples["regular"])[0]
     for method in METHODS:
         med, iqr = median_iqr(samples[method])
@@ -194,7 +224,8 @@ def bench_point(attn: str, T: int, B: int, filter_ratio: float, reps: int, warmu
 
 def print_point(p: dict) -> None:
     print(f"\ntinyllama-mini ({p['attn_implementation']})  T={p['seq_len']}  B={p['batch_size']}  "
-          f"T'={p['kept']} of {p['labelled']} labelled  checkpointing {p['checkpointing']}  "
+          f"T'={p['kept']} of {p.get('labelled_per_row', p['labelled'])} labelled  {p.get('layout', 'causal')}  "
+          f"checkpointing {p['checkpointing']}  "
           f"attention/linear FLOPs {p['attention_linear_ratio']:.3f}  [{p['plan']}]")
     print(f"  {'method':22} {'bwd_ms':>9} {'IQR':>7} {'reduction':>10} {'ideal':>7} {'of ideal':>9} {'vs floor':>9} "
           f"{'call_ms':>8} {'rewrite':>8} {'py ovh':>8} {'ovh/bwd':>8} {'peak_MiB':>9}")
@@ -220,6 +251,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--allocator", choices=("caching", "system"), default="caching")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layout", choices=("causal", "packed"), default="causal",
+                    help="causal: one sequence per row; packed: documents of mixed lengths per row (SDPA gets a mask)")
     ap.add_argument("--checkpointing", default="none",
                     help="comma list of none (no activation checkpointing) and layers (every decoder layer)")
     ap.add_argument("--json", default=None, help="append one JSON row per point (with provenance) to this file")
@@ -236,7 +269,8 @@ def main() -> int:
     for attn in args.attn.split(","):
         for T in (int(t) for t in args.seq.split(",")):
             for mode in modes:
-                point = bench_point(attn, T, args.batch, args.filter_ratio, args.reps, args.warmup, args.seed, mode)
+                point = bench_point(attn, T, args.batch, args.filter_ratio, args.reps, args.warmup, args.seed, mode,
+                                    args.layout)
                 print_point(point)
                 if args.json:
                     with open(args.json, "a") as f:
