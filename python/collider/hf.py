@@ -45,6 +45,7 @@ __all__ = [
     "causal_lm_loss",
     "training_loss",
     "trace_plan",
+    "Rho1Selection",
     "Rho1Trainer",
 ]
 
@@ -216,22 +217,98 @@ def trace_plan(model: torch.nn.Module, loss: str = "labels") -> Plan:
     return plan
 
 
-def _token_scores(model_losses: torch.Tensor, reference: torch.nn.Module, input_ids: torch.Tensor,
-                  labels: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        ref = token_losses(reference(input_ids=input_ids, use_cache=False).logits, labels)
-    return model_losses.detach() - ref.to(model_losses.device)  # RHO-1 excess loss
-
-
 try:
     from transformers import Trainer as _Trainer
 except ImportError:  # pragma: no cover - collider without transformers
     _Trainer = None
 
 
+class Rho1Selection:
+    """What Rho1Trainer and collider.trl.Rho1SFTTrainer share, mixed into a transformers.Trainer
+    subclass (it reads self.args and self.accelerator): their arguments, RHO-1's selection against
+    the reference model, the optimizer step's kept count as Trainer's num_items_in_batch, and the
+    normalised, filtered loss.
+
+    Normalisation: the loss is the sum of the kept tokens' losses over the kept tokens of the whole
+    optimizer step, every micro-batch of gradient accumulation and, with
+    average_tokens_across_devices (transformers' default), every rank: the kept count is known from
+    the labels before any forward (collider.kept_total), so accumulation and data parallelism give
+    the gradient of one big batch, ragged batch_topk rows included."""
+
+    @staticmethod
+    def _check_rho1_arguments(who: str, reference_model, filter_ratio, method, attention, policy) -> None:
+        if method not in METHODS:
+            raise Error(f"{who}: method must be one of {', '.join(METHODS)}; got {method!r}")
+        if attention not in ("kept_only", "exact_query"):
+            raise Error(f"{who}: attention must be kept_only or exact_query; got {attention!r}")
+        if method != "regular" and reference_model is None:
+            raise Error(f"{who}: RHO-1 selection needs a reference_model (trained on the curated data); "
+                        "use method='regular' to train on every token")
+        if policy not in ("per_sequence", "batch_topk"):
+            raise Error(f"{who}: policy must be per_sequence or batch_topk; got {policy!r}")
+        if not 0.0 <= float(filter_ratio) < 1.0:
+            raise Error(f"{who}: filter_ratio {filter_ratio} is outside [0, 1): it is the fraction dropped")
+
+    def _init_rho1(self, reference_model, filter_ratio, method, attention, policy, align) -> None:
+        self.reference_model = reference_model
+        if reference_model is not None:
+            reference_model.eval()
+            reference_model.requires_grad_(False)
+        self.filter_ratio, self.method, self.attention = float(filter_ratio), method, attention
+        self.policy, self.align = policy, int(align)
+        # The loss is normalised by the step's kept count (num_items_in_batch, counted by
+        # _get_num_items_in_batch below): Trainer must not divide it by the accumulation steps.
+        self.model_accepts_loss_kwargs = False
+        self.loss_is_scaled_for_ga = True
+        self.collider_plan: Optional[Plan] = None
+        self.last_keep_mask: Optional[torch.Tensor] = None
+        self.last_filter_stats = None
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        """The kept tokens of the optimizer step: what the selection keeps of each micro-batch (known
+        from its labels), summed over micro-batches and, with average_tokens_across_devices, ranks."""
+        valid = [keep_mask_from_labels(b.get("labels", b["input_ids"])) for b in batch_samples]
+        if self.method == "regular":
+            total = sum(int(v.sum()) for v in valid)
+        else:
+            total = sum(_collider.kept_total(v, self.filter_ratio, self.policy, self.align) for v in valid)
+        count = torch.tensor(total, dtype=torch.int64, device=device)
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            count = self.accelerator.gather(count).sum()
+        return count
+
+    def _rho1_keep(self, logits: torch.Tensor, labels: torch.Tensor, training: bool, forward: dict) -> torch.Tensor:
+        """The keep mask: every labelled position for method "regular" or outside training, else the
+        top of the excess loss against the reference model (run on the same `forward` arguments)."""
+        valid = keep_mask_from_labels(labels).to(logits.device)
+        if self.method == "regular" or not training:
+            return valid
+        with torch.no_grad():
+            mine = token_losses(logits.detach(), labels)
+            reference = self.reference_model
+            if next(reference.parameters()).device != logits.device:
+                reference.to(logits.device)
+            scores = mine - token_losses(reference(**forward).logits, labels).to(mine.device)  # RHO-1 excess loss
+        return _collider.select_tokens(scores, self.filter_ratio, policy=self.policy, align=self.align, valid=valid)
+
+    def _rho1_finish(self, loss: torch.Tensor, keep: torch.Tensor, training: bool, step_count) -> torch.Tensor:
+        """The loss as the backward takes it: scaled by the world size when the count spans ranks
+        (DDP averages over them), and filtered (the one added line) for method "collider"."""
+        if step_count is not None and self.args.average_tokens_across_devices and self.args.world_size > 1:
+            loss = loss * self.accelerator.num_processes
+        if training:
+            self.last_keep_mask = keep
+            if self.method == "collider" and bool(keep.any()):
+                # Trainer.training_step's accelerator.backward(loss) follows. (A micro-batch that
+                # keeps nothing has a zero loss and gradient: nothing to filter.)
+                self.last_filter_stats = _collider.filter_backward(loss, keep, self.collider_plan,
+                                                                   attention=self.attention)
+        return loss
+
+
 if _Trainer is not None:
 
-    class Rho1Trainer(_Trainer):
+    class Rho1Trainer(Rho1Selection, _Trainer):
         """transformers.Trainer with RHO-1 token selection and Collider's filtered backward.
 
         Every training step: the model's per-token loss and the reference model's (no grad) give
@@ -241,72 +318,28 @@ if _Trainer is not None:
         (loss="labels": transformers' own loss; "per_token": a masked mean of token_losses); then
         collider.filter_backward(loss, keep, plan, attention) rewrites the graph, and Trainer's
         training_step runs accelerator.backward on it. The plan is traced on the first step
-        (collider.hf.trace_plan on the model as the Trainer wraps it).
+        (collider.hf.trace_plan on the model as the Trainer wraps it). The loss is normalised over
+        the optimizer step's kept tokens (Rho1Selection).
 
         method: "collider" (the above), "loss_only" (same selection, dense backward: RHO-1 as
         existing systems run it) or "regular" (every labelled position, no reference model needed).
         Inputs: input_ids (and optional labels, default input_ids); packed sequences, so an
         attention_mask, if present, must be all ones. The last step's keep mask and FilterStats are
         in `last_keep_mask` and `last_filter_stats`.
-        Normalisation: the loss is the sum of the kept tokens' losses over the kept tokens of the
-        whole optimizer step, every micro-batch of gradient accumulation and, with
-        average_tokens_across_devices (transformers' default), every rank: the kept count is known
-        from the labels before any forward (step_kept_count; Trainer's num_items_in_batch), so
-        accumulation and data parallelism give the gradient of one big batch, ragged batch_topk
-        rows included.
         """
 
         def __init__(self, *args, reference_model: Optional[torch.nn.Module] = None, filter_ratio: float = 0.4,
                      method: str = "collider", attention: str = "kept_only", loss: str = "labels", align: int = 8,
                      policy: str = "per_sequence", **kwargs):
-            if method not in METHODS:
-                raise Error(f"Rho1Trainer: method must be one of {', '.join(METHODS)}; got {method!r}")
-            if attention not in ("kept_only", "exact_query"):
-                raise Error(f"Rho1Trainer: attention must be kept_only or exact_query; got {attention!r}")
+            self._check_rho1_arguments("Rho1Trainer", reference_model, filter_ratio, method, attention, policy)
             if loss not in LOSS_FORMS:
                 raise Error(f"Rho1Trainer: loss must be one of {', '.join(LOSS_FORMS)}; got {loss!r}")
-            if method != "regular" and reference_model is None:
-                raise Error("Rho1Trainer: RHO-1 selection needs a reference_model (trained on the curated data); "
-                            "use method='regular' to train on every token")
-            if policy not in ("per_sequence", "batch_topk"):
-                raise Error(f"Rho1Trainer: policy must be per_sequence or batch_topk; got {policy!r}")
-            if not 0.0 <= float(filter_ratio) < 1.0:
-                raise Error(f"Rho1Trainer: filter_ratio {filter_ratio} is outside [0, 1): it is the fraction dropped")
             super().__init__(*args, **kwargs)
             model = kwargs.get("model", args[0] if args else None)
             if model is not None:
                 _unwrap(model, "Rho1Trainer")
-            self.reference_model = reference_model
-            if reference_model is not None:
-                reference_model.eval()
-                reference_model.requires_grad_(False)
-            self.filter_ratio = float(filter_ratio)
-            self.method = method
-            self.attention = attention
+            self._init_rho1(reference_model, filter_ratio, method, attention, policy, align)
             self.loss_form = loss
-            self.align = int(align)
-            self.policy = policy
-            # The loss is normalised by the step's kept count (num_items_in_batch, counted by
-            # _get_num_items_in_batch below): Trainer must not divide it by the accumulation steps.
-            self.model_accepts_loss_kwargs = False
-            self.loss_is_scaled_for_ga = True
-            self.collider_plan: Optional[Plan] = None
-            self.last_keep_mask: Optional[torch.Tensor] = None
-            self.last_filter_stats = None
-
-        def _get_num_items_in_batch(self, batch_samples, device):
-            """The kept tokens of the optimizer step: what this trainer's selection keeps of each
-            micro-batch (known from the labels), summed over micro-batches and, with
-            average_tokens_across_devices, over ranks."""
-            valid = [keep_mask_from_labels(b.get("labels", b["input_ids"])) for b in batch_samples]
-            if self.method == "regular":
-                total = sum(int(v.sum()) for v in valid)
-            else:
-                total = sum(_collider.kept_total(v, self.filter_ratio, self.policy, self.align) for v in valid)
-            count = torch.tensor(total, dtype=torch.int64, device=device)
-            if self.args.average_tokens_across_devices and self.args.world_size > 1:
-                count = self.accelerator.gather(count).sum()
-            return count
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             input_ids = inputs["input_ids"]
@@ -321,31 +354,11 @@ if _Trainer is not None:
             if training and self.method == "collider" and self.collider_plan is None:
                 self.collider_plan = trace_plan(model, loss=self.loss_form)  # once, before the first step
             outputs = model(input_ids=input_ids, use_cache=False)
-            logits = outputs.logits
-            valid = keep_mask_from_labels(labels).to(logits.device)
-            if self.method == "regular" or not training:
-                keep = valid
-            else:
-                with torch.no_grad():
-                    model_losses = token_losses(logits.detach(), labels)
-                reference = self.reference_model
-                if next(reference.parameters()).device != logits.device:
-                    reference.to(logits.device)
-                scores = _token_scores(model_losses, reference, input_ids, labels)
-                keep = _collider.select_tokens(scores, self.filter_ratio, policy=self.policy, align=self.align,
-                                               valid=valid)
+            keep = self._rho1_keep(outputs.logits, labels, training, {"input_ids": input_ids, "use_cache": False})
             step_count = num_items_in_batch if training else None
-            loss = training_loss(model, input_ids, labels, keep, loss=self.loss_form, logits=logits,
+            loss = training_loss(model, input_ids, labels, keep, loss=self.loss_form, logits=outputs.logits,
                                  num_kept=step_count)
-            if step_count is not None and self.args.average_tokens_across_devices and self.args.world_size > 1:
-                loss = loss * self.accelerator.num_processes  # DDP averages over ranks; the count spans them
-            if training:
-                self.last_keep_mask = keep
-                if self.method == "collider" and bool(keep.any()):
-                    # The one added line; Trainer.training_step's accelerator.backward(loss) follows.
-                    # (A micro-batch that keeps nothing has a zero loss and gradient: nothing to filter.)
-                    self.last_filter_stats = _collider.filter_backward(loss, keep, self.collider_plan,
-                                                                       attention=self.attention)
+            loss = self._rho1_finish(loss, keep, training, step_count)
             return (loss, outputs) if return_outputs else loss
 
 else:  # pragma: no cover

@@ -24,9 +24,8 @@ from typing import Optional
 
 import torch
 
-import collider as _collider
 import collider.hf as _hf
-from collider import Error, Plan
+from collider import Error
 
 try:
     import trl as _trl
@@ -42,50 +41,16 @@ _NOT_FORWARD = ("labels", "completion_mask", "assistant_masks")
 
 if _trl is not None:
 
-    class Rho1SFTTrainer(_trl.SFTTrainer):
+    class Rho1SFTTrainer(_hf.Rho1Selection, _trl.SFTTrainer):
         """trl.SFTTrainer with RHO-1 selection and Collider's filtered backward (module docstring).
         The last step's keep mask and FilterStats are in `last_keep_mask` and `last_filter_stats`."""
 
         def __init__(self, *args, reference_model: Optional[torch.nn.Module] = None, filter_ratio: float = 0.4,
                      method: str = "collider", attention: str = "kept_only", policy: str = "batch_topk",
                      align: int = 8, **kwargs):
-            if method not in _hf.METHODS:
-                raise Error(f"Rho1SFTTrainer: method must be one of {', '.join(_hf.METHODS)}; got {method!r}")
-            if attention not in ("kept_only", "exact_query"):
-                raise Error(f"Rho1SFTTrainer: attention must be kept_only or exact_query; got {attention!r}")
-            if policy not in ("per_sequence", "batch_topk"):
-                raise Error(f"Rho1SFTTrainer: policy must be per_sequence or batch_topk; got {policy!r}")
-            if method != "regular" and reference_model is None:
-                raise Error("Rho1SFTTrainer: RHO-1 selection needs a reference_model (trained on the curated data); "
-                            "use method='regular' to train on every token")
-            if not 0.0 <= float(filter_ratio) < 1.0:
-                raise Error(f"Rho1SFTTrainer: filter_ratio {filter_ratio} is outside [0, 1): it is the fraction dropped")
+            self._check_rho1_arguments("Rho1SFTTrainer", reference_model, filter_ratio, method, attention, policy)
             super().__init__(*args, **kwargs)
-            self.reference_model = reference_model
-            if reference_model is not None:
-                reference_model.eval()
-                reference_model.requires_grad_(False)
-            self.filter_ratio, self.method, self.attention = float(filter_ratio), method, attention
-            self.policy, self.align = policy, int(align)
-            # The loss is normalised by the step's kept count: Trainer must not divide it again.
-            self.model_accepts_loss_kwargs = False
-            self.loss_is_scaled_for_ga = True
-            self.collider_plan: Optional[Plan] = None
-            self.last_keep_mask: Optional[torch.Tensor] = None
-            self.last_filter_stats = None
-
-        def _get_num_items_in_batch(self, batch_samples, device):
-            """The kept tokens of the optimizer step (what the selection keeps of each micro-batch, known
-            from its labels), summed over micro-batches and, with average_tokens_across_devices, ranks."""
-            valid = [_hf.keep_mask_from_labels(b["labels"]) for b in batch_samples]
-            if self.method == "regular":
-                total = sum(int(v.sum()) for v in valid)
-            else:
-                total = sum(_collider.kept_total(v, self.filter_ratio, self.policy, self.align) for v in valid)
-            count = torch.tensor(total, dtype=torch.int64, device=device)
-            if self.args.average_tokens_across_devices and self.args.world_size > 1:
-                count = self.accelerator.gather(count).sum()
-            return count
+            self._init_rho1(reference_model, filter_ratio, method, attention, policy, align)
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             labels = inputs["labels"]
@@ -95,29 +60,10 @@ if _trl is not None:
             if training and self.method == "collider" and self.collider_plan is None:
                 self.collider_plan = _hf.trace_plan(model, loss="per_token")  # once, before the first step
             outputs = model(**forward)
-            logits = outputs.logits
-            valid = _hf.keep_mask_from_labels(labels).to(logits.device)
-            if self.method == "regular" or not training:
-                keep = valid
-            else:
-                with torch.no_grad():
-                    mine = _hf.token_losses(logits.detach(), labels)
-                    reference = self.reference_model
-                    if next(reference.parameters()).device != logits.device:
-                        reference.to(logits.device)
-                    ref = _hf.token_losses(reference(**forward).logits, labels)
-                keep = _collider.select_tokens(mine - ref, self.filter_ratio, policy=self.policy, align=self.align,
-                                               valid=valid)
+            keep = self._rho1_keep(outputs.logits, labels, training, forward)
             step_count = num_items_in_batch if training else None
-            loss = _hf.masked_mean(_hf.token_losses(logits, labels), keep, step_count)
-            if step_count is not None and self.args.average_tokens_across_devices and self.args.world_size > 1:
-                loss = loss * self.accelerator.num_processes  # DDP averages over ranks; the count spans them
-            if training:
-                self.last_keep_mask = keep
-                if self.method == "collider" and bool(keep.any()):
-                    # The one added line; Trainer.training_step's accelerator.backward(loss) follows.
-                    self.last_filter_stats = _collider.filter_backward(loss, keep, self.collider_plan,
-                                                                       attention=self.attention)
+            loss = _hf.masked_mean(_hf.token_losses(outputs.logits, labels), keep, step_count)
+            loss = self._rho1_finish(loss, keep, training, step_count)
             return (loss, outputs) if return_outputs else loss
 
 else:  # pragma: no cover
