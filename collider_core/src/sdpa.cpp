@@ -306,7 +306,7 @@ class FilteredAttentionNode final : public Node {
     const auto ranges = key_ranges(mask, block);
     for (size_t c = 0; c < ranges.size(); ++c) {
       const int64_t r0 = static_cast<int64_t>(c) * block, n = std::min(block, N - r0);
-      const auto [k0, k1] = ranges[c];
+      const int64_t k0 = ranges[c].first, k1 = ranges[c].second;  // not a structured binding: the lambda captures them
       if (k1 <= k0) continue;  // every row masked out: no gradient
       auto keys = [&](const torch::Tensor& t) { return t.narrow(2, k0, k1 - k0); };
       auto [dq_c, dk_c, dv_c] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
