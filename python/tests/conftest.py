@@ -4,6 +4,10 @@
 build/python (the CMake build of this checkout: the _C module and links to python/collider/*.py),
 so the tests never pick up another checkout's copy installed in the shared environment; set
 COLLIDER_TEST_INSTALLED=1 to test the installed package instead (e.g. after pip install ./python).
+
+Marker `stack`: the modules that drive a whole training stack on the CPU (transformers' Trainer,
+TRL, DDP / FSDP2 over gloo, the example script). They check Collider inside those stacks, not the
+device code, so the GPU check (scripts/device/run_gpu_checks.sh) runs `-m "not stack"`.
 """
 import os
 import sys
@@ -23,6 +27,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the tests' helpers (
 
 # Tiny models: one intra-op thread is fastest and keeps the two cores for ctest-like parallel runs.
 torch.set_num_threads(int(os.environ.get("COLLIDER_TEST_THREADS", "1")))
+
+
+STACK_MODULES = {"test_example.py", "test_fsdp2.py", "test_hf_trainer.py", "test_normalisation.py",
+                 "test_peft_ddp.py", "test_trainers_checkpointing.py", "test_trl.py"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "stack: drives a whole training stack on the CPU (see the module's docstring)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in STACK_MODULES:
+            item.add_marker(pytest.mark.stack)
 
 
 @pytest.fixture(scope="session")

@@ -168,8 +168,12 @@ if [[ -f python/pyproject.toml || -f python/setup.py ]]; then
   if step "python package: build and install offline" 240 60 "$WORK/logs/python_install.log" \
        "${prebuilt[@]}" "$PY" -m pip install --no-build-isolation --no-deps --no-index --target "$WORK/pysite" ./python; then
     export PYTHONPATH="$WORK/pysite${PYTHONPATH:+:$PYTHONPATH}"
-    step "python tests (COLLIDER_TEST_DEVICE=${REHEARSAL:-cuda})" 150 30 "$WORK/logs/pytest.log" \
-      env COLLIDER_TEST_DEVICE="${REHEARSAL:-cuda}" "$PY" -m pytest -q -x python/tests --junitxml="$WORK/logs/pytest.xml"
+    # The training-stack modules (marker `stack`: Trainer, TRL, gloo DDP / FSDP2) run on the CPU
+    # wherever they run; ./scripts/test.sh has them. The rehearsal's cap is 3x: a 2-core CI machine
+    # took 150 s for the whole suite, where the GPU machine's 16 faster cores are not the limit.
+    py_cap=150; [[ -n "$REHEARSAL" ]] && py_cap=450
+    step "python tests, not stack (COLLIDER_TEST_DEVICE=${REHEARSAL:-cuda})" "$py_cap" 30 "$WORK/logs/pytest.log" \
+      env COLLIDER_TEST_DEVICE="${REHEARSAL:-cuda}" "$PY" -m pytest -q -x -m "not stack" python/tests --junitxml="$WORK/logs/pytest.xml"
     step "HF LlamaForCausalLM, TinyLlama-1.1B shapes" 120 40 "$WORK/logs/hf_llama.log" \
       "$PY" scripts/device/hf_llama_backward.py "${hf_args[@]}" --json "$WORK/hf_llama.jsonl"
   fi
