@@ -20,6 +20,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <cstdlib>
 #include <deque>
 #include <optional>
 #include <vector>
@@ -28,6 +29,12 @@ namespace collider {
 namespace detail {
 
 namespace {
+
+// COLLIDER_DEBUG_PLAN=1: refusals also list the node's saved fields.
+bool debug_plan() {
+  const char* v = std::getenv("COLLIDER_DEBUG_PLAN");
+  return v && std::string(v) == "1";
+}
 
 std::vector<int> topological_order(const Graph& g) {
   const int n = static_cast<int>(g.nodes.size());
@@ -128,8 +135,16 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
       ShapeSpec spec;
       std::string why;
       if (!classify(a, b, sa, sb, spec, why)) {
-        throw Error(fmt::format("collider cannot rewrite node {} (#{}): field {} {}. Saved fields: {}", ns.type, i,
-                                a.name, why, oa[i].described.empty() ? "(none)" : oa[i].described));
+        // Its saved fields, which help whoever extends the rewriter, only under COLLIDER_DEBUG_PLAN=1:
+        // the message itself stays short enough to read (node, reason, what to do).
+        const bool routed = ns.type == "IndexAddBackward0" || ns.type == "IndexBackward0" ||
+                            ns.type == "TopkBackward0" || ns.type == "SortBackward0";
+        throw Error(fmt::format(
+            "collider cannot rewrite node {} (#{}): field {} {}.{}{}", ns.type, i, a.name, why,
+            routed ? " Tokens routed by data (a mixture-of-experts layer) are not filtered yet; use method loss_only"
+                   : "",
+            debug_plan() ? fmt::format(" Saved fields: {}", oa[i].described.empty() ? "(none)" : oa[i].described)
+                         : std::string()));
       }
       if (!spec.has_token()) continue;
       if (!oa[i].generated && ns.type.find("CompiledFunction") != std::string::npos) {
@@ -151,8 +166,9 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
         if (a.name.find("numel") != std::string::npos) continue;  // a divisor fixed by the forward (mean)
         throw Error(
             fmt::format("collider cannot rewrite node {} (#{}): scalar field {} equals the sequence length; "
-                        "the op indexes along the token dimension. Saved fields: {}",
-                        ns.type, i, a.name, oa[i].described));
+                        "the op indexes along the token dimension{}",
+                        ns.type, i, a.name,
+                        debug_plan() ? fmt::format(". Saved fields: {}", oa[i].described) : std::string()));
       }
       if (a.name.rfind("geometry:", 0) == 0) {
         throw Error(
