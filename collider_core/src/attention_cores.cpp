@@ -23,7 +23,8 @@ bool is_shape_or_scale(const std::string& t) {
       "ToCopyBackward0",       "ExpandBackward0", "ViewBackward0",       "UnsafeViewBackward0",
       "ReshapeAliasBackward0", "CloneBackward0",  "MaskedFillBackward0", "AddBackward0",
       "AddBackward1",          "MulBackward0",    "MulBackward1",        "DivBackward0",
-      "DivBackward1",          "WhereBackward0",  "SubBackward0",        "SubBackward1"};
+      "DivBackward1",          "WhereBackward0",  "SubBackward0",        "SubBackward1",
+      "TanhBackward0"};  // Gemma2's logit soft-capping, cap * tanh(s / cap): elementwise, so row-local
   return k.count(t) > 0;
 }
 
@@ -146,9 +147,15 @@ void find_attention_cores(const Graph& g, PlanData& plan) {
       }
     }
   }
-  std::string joined;
-  for (const auto& p : problems) joined += (joined.empty() ? "" : "; ") + p;
-  plan.exact_query_blocker = joined;
+  // The first problem and how many more: a model repeats the same core in every layer, and a
+  // message listing each of them ran to thousands of characters.
+  if (!problems.empty()) {
+    plan.exact_query_blocker = problems.front();
+    if (problems.size() > 1) plan.exact_query_blocker += fmt::format(" (and {} more)", problems.size() - 1);
+    plan.exact_query_blocker += "; kept_only does not need the cores recognised";
+  } else {
+    plan.exact_query_blocker.clear();
+  }
 }
 
 }  // namespace collider::detail

@@ -46,6 +46,9 @@ def oracle_attention(module, query, key, value, attention_mask, dropout: float =
     v = _repeat_kv(value, H // value.shape[1])
     scale = scaling if scaling is not None else E ** -0.5
     s = torch.matmul(query, k.transpose(2, 3)) * scale  # [B, H, T, T]
+    softcap = kwargs.get("softcap")
+    if softcap is not None:  # Gemma2's logit soft-capping: cap * tanh(s / cap)
+        s = torch.tanh(s / softcap) * softcap
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             s = s.masked_fill(~attention_mask, float("-inf"))
@@ -128,7 +131,40 @@ def tiny_config(family: str, attn: str, **overrides):
         return Gemma3TextConfig(num_key_value_heads=2, head_dim=8, sliding_window=16, query_pre_attn_scalar=8,
                                 layer_types=["sliding_attention", "full_attention"] * 2, final_logit_softcapping=None,
                                 attn_logit_softcapping=None, **gemma, attn_implementation=attn)
+    if family == "gemma2":  # attention logit soft-capping (cap * tanh(s / cap)) and final-logit soft-capping
+        from transformers import Gemma2Config
+        return Gemma2Config(num_key_value_heads=2, head_dim=8, sliding_window=16, query_pre_attn_scalar=8,
+                            attn_logit_softcapping=2.0, final_logit_softcapping=30.0, **common, attn_implementation=attn)
+    if family == "falcon":  # multi-query attention (one key/value head), fused QKV, parallel block
+        from transformers import FalconConfig
+        falcon = {k: v for k, v in common.items() if k not in ("intermediate_size", "max_position_embeddings")}
+        return FalconConfig(multi_query=True, new_decoder_architecture=False, parallel_attn=True, bias=False,
+                            alibi=False, hidden_dropout=0.0, **falcon, attn_implementation=attn)
     raise ValueError(family)
+
+
+@contextlib.contextmanager
+def falcon_oracle_keep(model, keep: torch.Tensor):
+    """The exact_query oracle for Falcon, whose attention does not dispatch through transformers'
+    AttentionInterface: the key and value rows of dropped tokens are detached where its fused QKV
+    projection is split into heads (FalconAttention._split_heads), so dK, dV of dropped rows are
+    discarded and everything else is plain autograd."""
+    from transformers.models.falcon import modeling_falcon
+    split = modeling_falcon.FalconAttention._split_heads
+    calls = []
+
+    def split_detached(self, fused_qkv):
+        query, key, value = split(self, fused_qkv)  # [B, T, heads, E]
+        kept = keep.to(key.device)[:, :, None, None]
+        calls.append(1)
+        return query, torch.where(kept, key, key.detach()), torch.where(kept, value, value.detach())
+
+    modeling_falcon.FalconAttention._split_heads = split_detached
+    try:
+        yield
+        assert calls, "Falcon's _split_heads was never called"
+    finally:
+        modeling_falcon.FalconAttention._split_heads = split
 
 
 def tiny_model(family: str, attn: str, dtype=torch.float64, seed: int = 0, **overrides):

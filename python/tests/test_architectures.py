@@ -1,0 +1,114 @@
+"""Architectures beyond the Llama-like grid, against their oracles, and the ones still refused.
+
+- Gemma2ForCausalLM (eager; transformers has no SDPA path for it): attention logit soft-capping,
+  cap * tanh(s / cap) between the two matmuls, and final-logit soft-capping; both semantics.
+- FalconForCausalLM with multi-query attention (one key/value head for four query heads), eager
+  and SDPA; exact_query against an oracle that detaches the dropped tokens' key and value rows
+  where Falcon splits its fused QKV (oracle.falcon_oracle_keep: Falcon's attention does not
+  dispatch through transformers' AttentionInterface, so the shared oracle cannot stand in).
+- Refused, with the graph left as it was: a mixture-of-experts model (Mixtral, eager experts: the
+  routed tokens' data-dependent index) and BLOOM (a custom autograd Function that saves its
+  token-shaped input); each message short, naming the node and what to do.
+Tiny random models, float64, B = 3, T = 37, filter ratios 0.25 and 0.5, both loss forms; max
+relative difference <= 1e-4 (Gemma2's norms run in float32).
+  pytest python/tests/test_architectures.py
+"""
+import pytest
+import torch
+
+import collider
+import collider.hf as chf
+from oracle import falcon_oracle_keep, grads, max_rel_diff
+from test_hf_gradients import (LOSS_FORMS, T, TOL, batch_and_mask, collider_grads, model_for, oracle_grads,
+                               plain_grads, plan_for, step_loss)
+
+
+@pytest.mark.parametrize("form", LOSS_FORMS)
+def test_gemma2_soft_capping_matches_oracle(form):
+    model = model_for("gemma2", "eager")
+    plan = plan_for("gemma2", "eager", form)
+    worst, apart = {}, {}
+    for attention in ("kept_only", "exact_query"):
+        for ratio in (0.25, 0.5):
+            ids, keep = batch_and_mask(3, ratio, seed=300 + int(ratio * 100))
+            got, _, stats = collider_grads(model, plan, form, ids, keep, attention)
+            assert stats.tensors_gathered > 0
+            ref, _ = oracle_grads(model, form, ids, keep, attention)
+            worst[(attention, ratio)] = max_rel_diff(got, ref)
+            apart[(attention, ratio)] = max_rel_diff(plain_grads(model, form, ids, keep)[0], ref)
+    bad = {k: v for k, v in worst.items() if not v <= TOL}
+    assert not bad, f"gemma2/{form}: max relative gradient difference above {TOL}: {bad}"
+    # The oracle soft-caps as the model does, and a plain backward is far from it.
+    assert min(apart.values()) > 1e-2, apart
+
+
+def test_gemma2_graph_has_the_soft_cap_in_its_attention_cores():
+    model = model_for("gemma2", "eager")
+    ids, keep = batch_and_mask(3, 0.5, seed=7)
+    loss = step_loss(model, "per_token", ids, keep)
+    seen, stack, types = set(), [loss.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        types.add(type(fn).__name__)
+        stack.extend(f for f, _ in fn.next_functions)
+    assert "TanhBackward0" in types
+
+
+@pytest.mark.parametrize("form", LOSS_FORMS)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_falcon_multi_query_exact_query_matches_oracle(attn, form):
+    model = model_for("falcon", attn)
+    assert model.config.multi_query and model.transformer.h[0].self_attention.num_kv_heads == 1
+    plan = plan_for("falcon", attn, form)
+    worst, apart = {}, {}
+    for ratio in (0.25, 0.5):
+        ids, keep = batch_and_mask(3, ratio, seed=500 + int(ratio * 100))
+        got, _, _ = collider_grads(model, plan, form, ids, keep, "exact_query")
+        model.zero_grad(set_to_none=True)
+        with falcon_oracle_keep(model, keep):
+            step_loss(model, form, ids, keep).backward()
+        ref = grads(model)
+        worst[ratio] = max_rel_diff(got, ref)
+        apart[ratio] = max_rel_diff(plain_grads(model, form, ids, keep)[0], ref)
+    bad = {k: v for k, v in worst.items() if not v <= TOL}
+    assert not bad, f"falcon/{attn}/{form}: max relative gradient difference above {TOL}: {bad}"
+    assert min(apart.values()) > 1e-2, apart
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=128, initializer_range=0.2, use_cache=False,
+                        attn_implementation="eager", experts_implementation="eager")
+    return MixtralForCausalLM(cfg).double().train()
+
+
+def _bloom():
+    from transformers import BloomConfig, BloomForCausalLM
+    torch.manual_seed(0)
+    cfg = BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4, initializer_range=0.2,
+                      attention_dropout=0.0, hidden_dropout=0.0, use_cache=False)
+    return BloomForCausalLM(cfg).double().train()
+
+
+@pytest.mark.parametrize("make, node, advice", [
+    (_mixtral, "IndexAddBackward0", "loss_only"),
+    (_bloom, "GeLUFunctionBackward", "Write the op with torch operations"),
+])
+def test_refused_architectures_say_why_briefly_and_leave_the_graph(make, node, advice):
+    model = make()
+    with pytest.raises(collider.Error) as refused:
+        chf.trace_plan(model, loss="per_token")
+    msg = str(refused.value)
+    assert node in msg and advice in msg and len(msg) <= 300, msg
+    assert "register_passthrough_node" not in msg
+    # The refusal is at trace time; a step's loss is untouched and its backward is the plain one.
+    ids, keep = batch_and_mask(3, 0.5, seed=9)
+    model.zero_grad(set_to_none=True)
+    step_loss(model, "per_token", ids, keep).backward()
+    assert all(torch.isfinite(g).all() for g in grads(model).values())
