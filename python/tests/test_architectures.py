@@ -1,7 +1,8 @@
 """Architectures beyond the Llama-like grid, against their oracles, and the ones still refused.
 
 - Gemma2ForCausalLM (eager; transformers has no SDPA path for it): attention logit soft-capping,
-  cap * tanh(s / cap) between the two matmuls, and final-logit soft-capping; both semantics.
+  cap * tanh(s / cap) between the two matmuls, and final-logit soft-capping; both semantics,
+  equal and ragged (batch_topk) kept counts.
 - FalconForCausalLM with multi-query attention (one key/value head for four query heads), eager
   and SDPA; exact_query against an oracle that detaches the dropped tokens' key and value rows
   where Falcon splits its fused QKV (oracle.falcon_oracle_keep: Falcon's attention does not
@@ -36,6 +37,14 @@ def test_gemma2_soft_capping_matches_oracle(form):
             ref, _ = oracle_grads(model, form, ids, keep, attention)
             worst[(attention, ratio)] = max_rel_diff(got, ref)
             apart[(attention, ratio)] = max_rel_diff(plain_grads(model, form, ids, keep)[0], ref)
+        # Ragged rows (RHO-1's batch_topk): the soft-capped cores stay on the padded path.
+        gen = torch.Generator().manual_seed(3)
+        ids = torch.randint(0, 128, (3, T), generator=gen)
+        keep = collider.select_tokens(torch.rand(3, T, generator=gen), 0.5, valid=chf.keep_mask_from_labels(ids),
+                                      policy="batch_topk")
+        assert len(set(keep.sum(1).tolist())) > 1
+        got, _, _ = collider_grads(model, plan, form, ids, keep, attention)
+        worst[(attention, "batch_topk")] = max_rel_diff(got, oracle_grads(model, form, ids, keep, attention)[0])
     bad = {k: v for k, v in worst.items() if not v <= TOL}
     assert not bad, f"gemma2/{form}: max relative gradient difference above {TOL}: {bad}"
     # The oracle soft-caps as the model does, and a plain backward is far from it.
