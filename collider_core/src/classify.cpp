@@ -14,7 +14,8 @@ namespace collider::detail {
 
 // Classifies one field from its two observations. Returns false (and `why`) for dimensions that
 // scale with B or T in a way the rewriter cannot cut.
-bool classify(const Observed& a, const Observed& b, Sizes sa, Sizes sb, ShapeSpec& spec, std::string& why) {
+bool classify(const Observed& a, const Observed& b, Sizes sa, Sizes sb, ShapeSpec& spec, std::string& why,
+              bool allow_routed) {
   spec = ShapeSpec{};
   if (a.values.size() != b.values.size()) {
     why = fmt::format("rank {} in one trace and {} in the other", a.values.size(), b.values.size());
@@ -38,6 +39,8 @@ bool classify(const Observed& a, const Observed& b, Sizes sa, Sizes sb, ShapeSpe
     } else if (x % sa.B == 0 && y % sb.B == 0 && x / sa.B == y / sb.B) {
       ds.kind = DimKind::kBatch;
       ds.mult = x / sa.B;
+    } else if (allow_routed) {
+      ds.kind = DimKind::kRouted;  // its route is assigned by assign_routes, or the field is refused
     } else {
       why = fmt::format(
           "dimension {} has size {} for (B={}, T={}) and {} for (B={}, T={}), which is neither "
@@ -220,7 +223,11 @@ const std::set<std::string>& token_mixing_nodes() {
 // field? Ops without a `dim` field (convolutions) count as mixing.
 bool along_token_dim(const ObservedNode& node, const Observed& field, const ShapeSpec& spec) {
   if (!node.dim) return true;
-  if (field.kind == FieldKind::kSaved) return true;  // conservative: index tensors over tokens
+  // Conservative: a saved index tensor may hold token positions. Not for top-k, sort and gather,
+  // whose indices are positions along their own `dim` (a router's top-k over experts).
+  if (field.kind == FieldKind::kSaved && node.type != "TopkBackward0" && node.type != "SortBackward0" &&
+      node.type != "GatherBackward0")
+    return true;
   const int64_t rank = static_cast<int64_t>(field.values.size());
   const int64_t d = *node.dim < 0 ? *node.dim + rank : *node.dim;
   for (const auto& ds : spec.dims)

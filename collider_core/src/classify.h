@@ -22,8 +22,10 @@ struct Sizes {
 };
 
 // Classifies one field from its two observations into `spec`. Returns false (and `why`) for
-// dimensions that scale with B or T in a way the rewriter cannot cut.
-bool classify(const Observed& a, const Observed& b, Sizes sa, Sizes sb, ShapeSpec& spec, std::string& why);
+// dimensions that scale with B or T in a way the rewriter cannot cut; with allow_routed, such a
+// dimension is taken as kRouted (a mixture-of-experts route, routes.h, which must then claim it).
+bool classify(const Observed& a, const Observed& b, Sizes sa, Sizes sb, ShapeSpec& spec, std::string& why,
+              bool allow_routed = false);
 
 // The positions of s's token dimensions; its batch dimension (or null); whether it has a
 // flattened token dimension.

@@ -2,7 +2,7 @@
 // per traced variant:
 //   collider-plan 1 trace B=3,5 T=53,61 cores=<n>
 //   node <i> <Type> <0 | 1 attention core | 2 fused attention>
-//   field <name> <kind> <item> <rank> <pad_rank> <bcast_dim> <bcast_mult> <dims>   dims: dim:kind:role:mult,...
+//   field <name> <kind> <item> <rank> <pad_rank> <bcast_dim> <bcast_mult> <dims>   dims: dim:kind:role:mult[:route],... (route: routed kinds only)
 //   insert <node> <edge> <rank> <pad_rank> <bcast_dim> <bcast_mult> <dims>
 //   blocker <text to end of line>
 #include <collider/collider.h>
@@ -61,6 +61,7 @@ std::string shape_text(const detail::ShapeSpec& s) {
   for (const auto& d : s.dims) {
     if (!dims.empty()) dims += ",";
     dims += fmt::format("{}:{}:{}:{}", d.dim, static_cast<int>(d.kind), static_cast<int>(d.role), d.mult);
+    if (d.routed()) dims += fmt::format(":{}", d.route);
   }
   return fmt::format("{} {} {} {} {}", s.rank, s.pad_rank, s.bcast_batch_dim, s.bcast_mult, dims.empty() ? "-" : dims);
 }
@@ -77,8 +78,10 @@ detail::ShapeSpec parse_shape(std::istringstream& in, int line_no) {
   while (std::getline(ds, item, ',')) {
     detail::DimSpec d;
     int kind = 0, role = 0;
-    if (std::sscanf(item.c_str(), "%d:%d:%d:%ld", &d.dim, &kind, &role, &d.mult) != 4 || kind < 0 || kind > 3 ||
-        role < 0 || role > 1) {
+    const int got = std::sscanf(item.c_str(), "%d:%d:%d:%ld:%d", &d.dim, &kind, &role, &d.mult, &d.route);
+    const bool routed = kind == static_cast<int>(detail::DimKind::kRouted) ||
+                        kind == static_cast<int>(detail::DimKind::kRoutedPositions);
+    if (got != (routed ? 5 : 4) || kind < 0 || kind > 5 || role < 0 || role > 1 || (routed && d.route < 0)) {
       throw Error(fmt::format("Plan::from_string: line {}: malformed dimension '{}'", line_no, item));
     }
     d.kind = static_cast<detail::DimKind>(kind);
@@ -188,7 +191,17 @@ Plan Plan::from_string(const std::string& text) {
     }
   }
   bool batched = false, one_row = false;
-  for (const auto& v : plan.impl().variants) (v.batch_a == 1 ? one_row : batched) = true;
+  for (const auto& v : plan.impl().variants) {
+    (v.batch_a == 1 ? one_row : batched) = true;
+    for (const auto& n : v.nodes)
+      for (const auto& f : n.fields)
+        for (const auto& dim : f.shape.dims)
+          if (dim.routed() && (dim.route >= static_cast<int32_t>(v.nodes.size()) ||
+                               v.nodes[dim.route].type != "IndexAddBackward0")) {
+            throw Error(fmt::format("Plan::from_string: node {} field {}: route {} is not an IndexAddBackward0 node",
+                                    n.type, f.name, dim.route));
+          }
+  }
   if (!batched || !one_row) {
     throw Error("Plan::from_string: incomplete plan (expected variants for B > 1 and for B = 1)");
   }

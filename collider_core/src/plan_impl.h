@@ -18,6 +18,10 @@ enum class DimKind : uint8_t {
   kBatch,         // size B*mult, batch-major (row = b*mult + j)
   kFlatSeqFirst,  // size T*B*mult, token-major (row = t*B*mult + b*mult + j): a sequence-first
                   // [T, B*mult, ..] flattened (torch::nn's [T, B, D] layers)
+  // Mixture-of-experts routes (routes.h): the rows of the tokens one expert received, a size that
+  // depends on the data. A route's rows are those of the [B*T] token rows listed in its index.
+  kRouted,           // size R: one row per routed token, in the route's order
+  kRoutedPositions,  // the same rows, and the tensor's values are rows of [B*T] (the route's index)
 };
 
 enum class Role : uint8_t {
@@ -30,8 +34,10 @@ struct DimSpec {
   DimKind kind = DimKind::kToken;
   Role role = Role::kQuery;
   int64_t mult = 1;  // kBatch: size / B; kFlatToken, kFlatSeqFirst: size / (B*T)
+  int32_t route = -1;  // kRouted*: the plan index of the IndexAddBackward0 that scatters the route back
 
   bool flat() const { return kind == DimKind::kFlatToken || kind == DimKind::kFlatSeqFirst; }
+  bool routed() const { return kind == DimKind::kRouted || kind == DimKind::kRoutedPositions; }
 };
 
 // How a tensor-shaped field maps to tokens. A tensor with token dimensions but no batch
@@ -47,6 +53,16 @@ struct ShapeSpec {
   bool has_token() const {
     for (const auto& d : dims)
       if (d.kind != DimKind::kBatch) return true;
+    return false;
+  }
+  bool has_routed() const {
+    for (const auto& d : dims)
+      if (d.routed()) return true;
+    return false;
+  }
+  bool has_route_positions() const {
+    for (const auto& d : dims)
+      if (d.kind == DimKind::kRoutedPositions) return true;
     return false;
   }
   bool has_key() const {

@@ -20,6 +20,7 @@
 #include "nvtx.h"
 #include "passthrough.h"
 #include "plan_impl.h"
+#include "routes.h"
 #include "row_attention.h"
 #include "saved_cut.h"
 #include "sdpa.h"
@@ -413,7 +414,9 @@ class Rewriter {
   // (softmax and P @ V save the same attention probabilities: one cut, zeroed once, serves both).
   std::optional<CutRef> cut_saved(const torch::Tensor& t, const ShapeSpec& spec, bool zero_padding_keys = false) {
     auto want = ix_->cut_sizes(t.sizes(), spec, cut_keys_);
-    if (spec.pad_rank == 0 && !zero_padding_keys && c10::IntArrayRef(want) == t.sizes()) return std::nullopt;
+    // (A route's index changes its values even where it keeps every row.)
+    if (spec.pad_rank == 0 && !zero_padding_keys && c10::IntArrayRef(want) == t.sizes() && !spec.has_route_positions())
+      return std::nullopt;
     const int64_t want_numel = c10::multiply_integers(want);
     // One gather per distinct tensor: contiguous views of the same memory share it (each takes
     // its view of the contiguous cut); any other is shared only by its own sizes and strides.
@@ -444,7 +447,7 @@ class Rewriter {
                     bad, "); re-trace the plan with the same checkpointing or offloading set-up");
       }
       auto want = ix->cut_sizes(t.sizes(), spec, cut_keys);
-      if (spec.pad_rank == 0 && c10::IntArrayRef(want) == t.sizes()) {
+      if (spec.pad_rank == 0 && c10::IntArrayRef(want) == t.sizes() && !spec.has_route_positions()) {
         return zero_padding_keys ? ix->zero_padding(t, spec, /*keys_only=*/true) : t;
       }
       return timed_gather(t, [&] {
@@ -605,6 +608,13 @@ class Rewriter::Apply final : public FieldVisitor {
     const bool zero_keys = !rw_.masked_ && rw_.cut_keys_ && rw_.ix_->ragged() && spec_.attention_core &&
                            f->shape.has_key() && two_token_dims(f->shape);
     if (v.has_hooks()) {
+      if (f->shape.has_routed()) {
+        throw Error(fmt::format(
+            "filter_backward: node #{} {} saves a mixture-of-experts route's rows behind saved-tensor hooks "
+            "(checkpointing or offloading), which collider does not filter yet; leave those layers unhooked or use "
+            "method loss_only",
+            index_, spec_.type));
+      }
       // Behind saved-tensor hooks (checkpointing, offloading): the tensor exists only when the
       // backward unpacks it; its cut is decided now and made then (saved_cut.h).
       SavedCut::CutFn fn;
@@ -642,6 +652,9 @@ class Rewriter::Apply final : public FieldVisitor {
     if (!t.defined()) return;
     auto bad = rw_.ix_->mismatch(t.sizes(), f->shape);
     if (!bad.empty()) mismatch(*f, bad);
+    if (f->shape.has_route_positions() && !rw_.ix_->is_route_index(t, f->shape)) {
+      mismatch(*f, "it gathers by another index than the one its mixture-of-experts route scatters back by");
+    }
     t = t.detach();
     std::optional<CutRef> ref;
     if (rw_.masked_) {
@@ -699,6 +712,13 @@ void Rewriter::pack_node(const Graph& g, int i, size_t token_output) {
   ++stats_.gemms_packed;
 }
 
+bool has_routes(const PlanData& plan) {
+  for (const auto& ns : plan.nodes)
+    for (const auto& f : ns.fields)
+      if (f.shape.has_routed()) return true;
+  return false;
+}
+
 // Why the graph is not the one `plan` was traced on (its first differing node), or empty.
 std::string type_mismatch(const Graph& g, const PlanData& plan, const char* who,
                           std::unordered_map<std::type_index, std::string>& names) {
@@ -718,6 +738,13 @@ std::string type_mismatch(const Graph& g, const PlanData& plan, const char* who,
             "{}: node #{} is {} but the plan expects {}: the casts differ, as when the forward runs under "
             "another torch.autocast than the trace did. Trace the plan under the same autocast (Plan::merge keeps "
             "both).",
+            who, i, t, plan.nodes[i].type);
+      }
+      if (has_routes(plan)) {
+        return fmt::format(
+            "{}: node #{} is {} but the plan expects {}: an expert of a mixture-of-experts layer that receives no "
+            "token of this batch drops out of the graph, which then differs from the plan. Filter batches in which "
+            "every expert is used (more tokens per step), or take a plain backward for this one",
             who, i, t, plan.nodes[i].type);
       }
       return fmt::format("{}: node #{} is {} but the plan expects {}: the graph does not match the plan "
@@ -845,6 +872,7 @@ std::unique_ptr<Rewriter> prepare_rewrite(const Graph& g, const PlanData& data, 
     }
   }
 
+  register_routes(g, data, *ix, who);
   auto rw = std::make_unique<Rewriter>(data, ix, /*cut_keys=*/!exact, masked, keep_sources, stats);
   rw->prepare(g);
 

@@ -174,7 +174,8 @@ torch::Tensor TokenIndex::zero_padding_impl(torch::Tensor x, bool in_place, cons
   if (spec.pad_rank > 0) bdim = spec.bcast_batch_dim, mult = spec.bcast_mult;
   auto live = (~pad_BN_).to(x.scalar_type());  // [B, N]: 0 at padding
   for (const auto& d : spec.dims) {
-    if (d.kind == DimKind::kBatch || (keys_only && d.role != Role::kKey)) continue;
+    // A route holds only kept tokens' rows (add_route): no padding there.
+    if (d.kind == DimKind::kBatch || d.routed() || (keys_only && d.role != Role::kKey)) continue;
     std::vector<int64_t> shape(x.dim(), 1);
     torch::Tensor f;
     const int64_t dim = d.dim + off;
@@ -318,6 +319,7 @@ static bool cut_this(const DimSpec& d, bool cut_keys) {
 }
 
 torch::Tensor TokenIndex::cut(const torch::Tensor& x_in, const ShapeSpec& spec, bool cut_keys) {
+  if (spec.has_routed()) return cut_routed(x_in, spec);
   torch::Tensor x = x_in;
   int64_t bdim = -1;
   int32_t off = 0;
@@ -432,7 +434,7 @@ torch::Tensor TokenIndex::zero_dropped(const torch::Tensor& x, const ShapeSpec& 
   torch::Tensor out = x;
   auto keep = keep_BT_.to(x.scalar_type());
   for (const auto& d : spec.dims) {
-    if (!cut_this(d, keys_too)) continue;
+    if (!cut_this(d, keys_too) || d.routed()) continue;  // a route's rows are zero when their tokens' are
     std::vector<int64_t> shape(x.dim(), 1);
     torch::Tensor f;
     if (d.kind == DimKind::kFlatToken) {
@@ -465,7 +467,7 @@ std::vector<int64_t> TokenIndex::cut_sizes(c10::IntArrayRef sizes, const ShapeSp
   if (spec.pad_rank > 0) out[spec.bcast_batch_dim] = B_ * spec.bcast_mult;
   for (const auto& d : spec.dims) {
     if (!cut_this(d, cut_keys)) continue;
-    out[d.dim + off] = d.flat() ? B_ * d.mult * N_ : N_;
+    out[d.dim + off] = d.routed() ? route(d.route).kept_K.size(0) : d.flat() ? B_ * d.mult * N_ : N_;
   }
   return out;
 }
@@ -475,13 +477,72 @@ std::string TokenIndex::mismatch(c10::IntArrayRef sizes, const ShapeSpec& spec) 
     return fmt::format("rank {} where the plan has {}", sizes.size(), spec.rank);
   }
   for (const auto& d : spec.dims) {
-    const int64_t want = d.kind == DimKind::kToken ? T_ : d.flat() ? B_ * d.mult * T_ : B_ * d.mult;
+    if (d.routed() && !routes_.count(d.route)) return fmt::format("route #{} was not read (plan bug)", d.route);
+    const int64_t want = d.routed()                  ? route(d.route).rows
+                         : d.kind == DimKind::kToken ? T_
+                         : d.flat()                  ? B_ * d.mult * T_
+                                                     : B_ * d.mult;
     if (sizes[d.dim] != want) {
       return fmt::format("size {} at dimension {} where the plan expects {} (B={}, T={})", sizes[d.dim], d.dim, want,
                          B_, T_);
     }
   }
   return {};
+}
+
+void TokenIndex::add_route(int32_t id, const torch::Tensor& positions_R) {
+  if (positions_R.dim() != 1 || positions_R.scalar_type() != torch::kLong) {
+    throw Error(fmt::format("filter_backward: the index of mixture-of-experts route #{} is not int64 [R]", id));
+  }
+  Route r;
+  r.rows = positions_R.size(0);
+  r.positions_R = positions_R;
+  const auto dev = positions_R.device();
+  if (r.rows > 0) {
+    const int64_t lo = positions_R.min().item<int64_t>(), hi = positions_R.max().item<int64_t>();
+    if (lo < 0 || hi >= B_ * T_) {
+      throw Error(fmt::format(
+          "filter_backward: the index of mixture-of-experts route #{} holds rows {}..{}, outside the {} token rows "
+          "of the keep mask's [B, T] = [{}, {}]; the mask must be the hidden states' [B, T]",
+          id, lo, hi, B_ * T_, B_, T_));
+    }
+  }
+  // Row of [B*T] -> row of the cut [B*N] (-1 where cut away).
+  auto rows_BN = (torch::arange(B_, torch::kLong) * T_).unsqueeze(1) + idx_BN_.cpu();
+  auto cut_row = torch::full({B_ * T_}, -1, torch::kLong);
+  cut_row.index_put_({rows_BN.reshape(-1)}, torch::arange(B_ * N_, torch::kLong));
+  auto keep_M = keep_BT_.reshape(-1).to(dev);
+  r.kept_K = keep_M.index_select(0, positions_R).nonzero().squeeze(1);
+  r.cut_positions_K = cut_row.to(dev).index_select(0, positions_R.index_select(0, r.kept_K));
+  routes_[id] = std::move(r);
+}
+
+const TokenIndex::Route& TokenIndex::route(int32_t id) const {
+  auto it = routes_.find(id);
+  TORCH_CHECK(it != routes_.end(), "collider: mixture-of-experts route #", id, " was not read (plan bug)");
+  return it->second;
+}
+
+bool TokenIndex::is_route_index(const torch::Tensor& x, const ShapeSpec& spec) const {
+  for (const auto& d : spec.dims) {
+    if (d.kind != DimKind::kRoutedPositions) continue;
+    const Route& r = route(d.route);
+    if (x.dim() != 1 || x.scalar_type() != torch::kLong || !torch::equal(x, r.positions_R)) return false;
+  }
+  return true;
+}
+
+// A routed field (routes.h): the route's kept rows; its index becomes the kept rows' places in
+// the cut [B*N] token rows. trace_plan gives a routed field no other token dimension.
+torch::Tensor TokenIndex::cut_routed(const torch::Tensor& x, const ShapeSpec& spec) const {
+  torch::Tensor out = x;
+  for (const auto& d : spec.dims) {
+    if (!d.routed()) continue;
+    const Route& r = route(d.route);
+    if (d.kind == DimKind::kRoutedPositions) return r.cut_positions_K;
+    out = out.index_select(d.dim, r.kept_K.to(out.device()));
+  }
+  return out;
 }
 
 }  // namespace collider::detail

@@ -65,8 +65,23 @@ class TokenIndex {
   // Empty when `sizes` fit `spec` for this B and T; else what differs.
   std::string mismatch(c10::IntArrayRef sizes, const ShapeSpec& spec) const;
 
+  // Mixture-of-experts routes (routes.h). Route `id` sends the token rows positions_R (int64 [R],
+  // rows of [B*T]) to one expert; its kept rows are those of kept tokens (kept_K, rows of the
+  // route), which sit at cut_positions_K in the cut [B*N] rows. cut() keeps a routed dimension's
+  // kept_K rows and turns the route's index into cut_positions_K. Throws collider::Error where an
+  // entry is not a row of [B*T].
+  struct Route {
+    int64_t rows = 0;
+    torch::Tensor positions_R, kept_K, cut_positions_K;
+  };
+  void add_route(int32_t id, const torch::Tensor& positions_R);
+  // Whether x, a field whose values the plan marks as its route's positions, is that index.
+  bool is_route_index(const torch::Tensor& x, const ShapeSpec& spec) const;
+
  private:
   torch::Tensor zero_padding_impl(torch::Tensor x, bool in_place, const ShapeSpec& spec, bool keys_only) const;
+  const Route& route(int32_t id) const;
+  torch::Tensor cut_routed(const torch::Tensor& x, const ShapeSpec& spec) const;
   torch::Tensor cut_dim(const torch::Tensor& x, int64_t batch_dim, int64_t token_dim);
   torch::Tensor cut_in_memory_order(const torch::Tensor& x, const ShapeSpec& spec, bool cut_keys);
   const torch::Tensor& flat_rows(int64_t rows_per_batch);   // [B*rpb*N] row indices into [B*rpb*T]
@@ -97,6 +112,7 @@ class TokenIndex {
   ChunkTables chunks_;
   std::vector<std::unique_ptr<TokenIndex>> rows_;  // row(b), built on first use
   std::vector<torch::Tensor> live_slots_;          // [B] x int64 [N_b], ragged only
+  std::map<int32_t, Route> routes_;                // add_route
 };
 
 }  // namespace collider::detail

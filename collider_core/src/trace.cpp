@@ -15,6 +15,7 @@
 #include "observe.h"
 #include "passthrough.h"
 #include "plan_impl.h"
+#include "routes.h"
 #include "sdpa.h"
 
 #include <fmt/format.h>
@@ -97,6 +98,19 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
   plan.seq_b = sb.T;
   const size_t n = ga.nodes.size();
   if (gb.nodes.size() != n) {
+    // transformers' eager experts skip an expert that receives no token: a mixture-of-experts
+    // graph (scatters back into token rows) differs then, and other random tokens may use them all.
+    auto scatters = [](const Graph& g) {
+      for (const auto& node : g.nodes)
+        if (node->name() == "IndexAddBackward0") return true;
+      return false;
+    };
+    if (scatters(ga) || scatters(gb)) {
+      throw AmbiguousRoute(fmt::format(
+          "trace_plan: the loss graph has {} nodes for (B={}, T={}) but {} for (B={}, T={}): an expert of a "
+          "mixture-of-experts layer received no token in one trace; trace with more tokens (TraceOptions)",
+          n, sa.B, sa.T, gb.nodes.size(), sb.B, sb.T));
+    }
     throw Error(
         fmt::format("trace_plan: the loss graph has {} nodes for (B={}, T={}) but {} for (B={}, T={}); "
                     "the model's graph must not depend on the batch or sequence size",
@@ -116,6 +130,7 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
   plan.nodes.resize(n);
   // Raw classification.
   std::vector<std::vector<std::vector<int64_t>>> values(n);  // trace-a values per kept field
+  std::vector<RoutedCandidate> candidates;                    // fields taken as routed (routes.h)
   for (size_t i = 0; i < n; ++i) {
     NodeSpec& ns = plan.nodes[i];
     ns.type = oa[i].type;
@@ -134,7 +149,11 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
       if (a.kind == FieldKind::kStrides) continue;  // recomputed from the sibling sizes when those are cut
       ShapeSpec spec;
       std::string why;
-      if (!classify(a, b, sa, sb, spec, why)) {
+      // A size that follows neither B nor T may be a mixture-of-experts route (routes.h): taken as
+      // routed here, refused by assign_routes unless a route claims it.
+      if (!classify(a, b, sa, sb, spec, why) && classify(a, b, sa, sb, spec, why, /*allow_routed=*/true)) {
+        candidates.push_back(RoutedCandidate{static_cast<int>(i), a.name, why});
+      } else if (!why.empty()) {
         // Its saved fields, which help whoever extends the rewriter, only under COLLIDER_DEBUG_PLAN=1:
         // the message itself stays short enough to read (node, reason, what to do).
         const bool routed = ns.type == "IndexAddBackward0" || ns.type == "IndexBackward0" ||
@@ -147,6 +166,9 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
                          : std::string()));
       }
       if (!spec.has_token()) continue;
+      if (spec.has_routed() && spec.dims.size() != 1) {  // one routed dimension, nothing else that scales
+        throw Error(fmt::format("collider cannot rewrite node {} (#{}): field {} {}", ns.type, i, a.name, why));
+      }
       if (!oa[i].generated && ns.type.find("CompiledFunction") != std::string::npos) {
         throw Error(
             fmt::format("collider cannot rewrite node {} (#{}): it is a torch.compile (AOTAutograd) graph, "
@@ -176,6 +198,13 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
                         "dimensions",
                         ns.type, i, a.name.substr(9)));
       }
+      if (ns.type == "torch::autograd::CopySlices" && a.kind == FieldKind::kInputMeta) {
+        throw Error(fmt::format(
+            "collider cannot rewrite node {} (#{}): an in-place write into a slice of a token-shaped tensor "
+            "(x[..., :n] = y, as DeepSeek's latent attention assembles its keys), whose geometry collider does not "
+            "cut. Build the tensor with torch.cat",
+            ns.type, i));
+      }
       if (!oa[i].generated && a.kind == FieldKind::kInputMeta && !is_passthrough(ns.type) &&
           ns.type != "torch::autograd::AccumulateGrad") {
         // Advice to register it only where the process can see that it saves nothing token-shaped
@@ -202,6 +231,7 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
   }
   refuse_token_gradients_born_opaque(ga, plan);
   resolve_flat_order(ga, plan);
+  assign_routes(ga, oa, ob, sa, sb, plan, candidates);
   // Broadcast layouts, resolved parents-first. With B = 1 a batch-less token field is cut as it
   // is (every row belongs to the one sequence).
   std::vector<std::optional<RefLayout>> node_ref(n);
@@ -218,7 +248,7 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
     }
     for (size_t k = 0; k < ns.fields.size(); ++k) {
       FieldSpec& f = ns.fields[k];
-      if (batch_dim(f.shape) || has_flat(f.shape)) continue;
+      if (batch_dim(f.shape) || has_flat(f.shape) || f.shape.has_routed()) continue;
       if (!ref || !align_broadcast(f.shape, values[i][k], *ref)) {
         throw Error(
             fmt::format("collider cannot rewrite node {} (#{}): field {} has token dimensions but no "
@@ -254,12 +284,22 @@ static Plan trace_plan_impl(const LossOnBatchFn& loss_on_random_batch, const Tra
   if (opts.batch_a < 2 || opts.batch_b < 2 || opts.batch_a == opts.batch_b || opts.seq_a == opts.seq_b) {
     throw Error("trace_plan: the two trace batches must differ and be >= 2, and the two sequence lengths differ");
   }
+  // A mixture-of-experts route whose sizes look like the batch's own (detail::AmbiguousRoute) is
+  // traced again: the loss function is called on new random tokens each time.
   auto plan_for = [&](int64_t Ba, int64_t Bb) {
-    torch::Tensor la = build(Ba, opts.seq_a);
-    torch::Tensor lb = build(Bb, opts.seq_b);
-    detail::Graph ga = detail::collect_graph(detail::loss_root(la.grad_fn()));
-    detail::Graph gb = detail::collect_graph(detail::loss_root(lb.grad_fn()));
-    return detail::build_plan(ga, gb, {Ba, opts.seq_a}, {Bb, opts.seq_b});
+    for (int attempt = 1;; ++attempt) {
+      torch::Tensor la = build(Ba, opts.seq_a);
+      torch::Tensor lb = build(Bb, opts.seq_b);
+      detail::Graph ga = detail::collect_graph(detail::loss_root(la.grad_fn()));
+      detail::Graph gb = detail::collect_graph(detail::loss_root(lb.grad_fn()));
+      try {
+        return detail::build_plan(ga, gb, {Ba, opts.seq_a}, {Bb, opts.seq_b});
+      } catch (const detail::AmbiguousRoute& e) {
+        if (attempt == 8) {
+          throw Error(fmt::format("{} (8 attempts; does the loss function draw new random tokens each call?)", e.what()));
+        }
+      }
+    }
   };
   Plan plan;
   plan.impl().variants.push_back(plan_for(opts.batch_a, opts.batch_b));

@@ -1,0 +1,238 @@
+// Mixture-of-experts routes (see routes.h): finding them in a traced plan, reading their index
+// when a plan is replayed.
+#include "routes.h"
+
+#include "node_fields.h"
+#include "token_index.h"
+
+#include <collider/collider.h>
+
+#include <fmt/format.h>
+
+#include <set>
+#include <string>
+#include <vector>
+
+namespace collider::detail {
+
+namespace {
+
+[[noreturn]] void refuse(const NodeSpec& ns, int i, const std::string& why) {
+  throw Error(fmt::format("collider cannot rewrite node {} (#{}): {}", ns.type, i, why));
+}
+
+// Whether `s` has the [B*T] token rows, batch-major, at `dim` and no other token dimension. In
+// the plan of one-row batches (B = 1) those rows are the [T] token dimension itself.
+bool token_rows_at(const ShapeSpec& s, int32_t dim, bool one_row) {
+  bool rows = false;
+  for (const auto& d : s.dims) {
+    if (d.kind == DimKind::kBatch) return false;
+    if (d.dim == dim && ((d.kind == DimKind::kFlatToken && d.mult == 1) || (one_row && d.kind == DimKind::kToken))) {
+      rows = true;
+    } else {
+      return false;
+    }
+  }
+  return rows;
+}
+
+FieldSpec* field(NodeSpec& ns, FieldKind kind, const std::string& name, int32_t item = 0) {
+  for (auto& f : ns.fields)
+    if (f.kind == kind && f.name == name && f.item == item) return &f;
+  return nullptr;
+}
+
+bool any_routed(const NodeSpec& ns) {
+  for (const auto& f : ns.fields)
+    if (f.shape.has_routed()) return true;
+  return false;
+}
+
+// Gives node i's routed dimensions route r.
+void claim(NodeSpec& ns, int i, int32_t r) {
+  for (auto& f : ns.fields) {
+    for (auto& d : f.shape.dims) {
+      if (!d.routed()) continue;
+      if (d.route >= 0 && d.route != r) refuse(ns, i, fmt::format("it is in two mixture-of-experts routes (#{}, #{})", d.route, r));
+      d.route = r;
+    }
+  }
+}
+
+bool is_index_op(const std::string& type) {
+  return type.rfind("Index", 0) == 0 || type.find("Scatter") != std::string::npos ||
+         type.find("Gather") != std::string::npos || type.find("MaskedSelect") != std::string::npos;
+}
+
+// The source side of scatter s: row-wise ops on the routed rows down to the gathers.
+void walk_route(const Graph& g, PlanData& plan, int s) {
+  std::vector<int> stack;
+  const auto& edges = g.nodes[s]->next_edges();
+  if (edges.size() > 1 && edges[1].function) stack.push_back(g.index.at(edges[1].function.get()));
+  std::set<int> seen;
+  while (!stack.empty()) {
+    const int x = stack.back();
+    stack.pop_back();
+    if (!seen.insert(x).second) continue;
+    NodeSpec& xs = plan.nodes[x];
+    if (!any_routed(xs)) continue;  // off the route (an expert's weight, the router's top-k)
+    if (xs.type == "IndexBackward0") {
+      // The gather: rows of the [B*T, ..] token rows by the route's index (indices_[0]); a second
+      // index of routed rows picks along another dimension (the top-k slot of a routing weight).
+      const FieldSpec* self = field(xs, FieldKind::kSizes, "self_sym_sizes");
+      if (!self || !token_rows_at(self->shape, 0, plan.batch_a == 1)) {
+        refuse(xs, x, "it indexes a mixture-of-experts route's rows; collider follows a route only when it is "
+                      "gathered from the [B*T] token rows (hidden_states[index])");
+      }
+      for (auto& f : xs.fields) {
+        if (f.kind != FieldKind::kSaved || f.name != "indices_") continue;
+        if (f.shape.rank != 1 || f.shape.dims.size() != 1 || !f.shape.dims[0].routed()) {
+          refuse(xs, x, "its indices are not all one index per routed row");
+        }
+        f.shape.dims[0].kind = f.item == 0 ? DimKind::kRoutedPositions : DimKind::kRouted;
+      }
+      claim(xs, x, s);
+      continue;  // below it: the token rows
+    }
+    if (is_index_op(xs.type)) refuse(xs, x, "an index op inside a mixture-of-experts route, which collider does not follow");
+    for (const auto& f : xs.fields) {
+      for (const auto& d : f.shape.dims) {
+        if (!d.routed() && d.kind != DimKind::kBatch) {
+          refuse(xs, x, fmt::format("field {} mixes a mixture-of-experts route's rows with token rows", f.name));
+        }
+      }
+    }
+    claim(xs, x, s);
+    for (const auto& e : g.nodes[x]->next_edges())
+      if (e.function) stack.push_back(g.index.at(e.function.get()));
+  }
+}
+
+}  // namespace
+
+void assign_routes(const Graph& g, const std::vector<ObservedNode>& oa, const std::vector<ObservedNode>& ob,
+                   Sizes sa, Sizes sb, PlanData& plan, const std::vector<RoutedCandidate>& candidates) {
+  const auto& observed = oa;
+  const int n = static_cast<int>(plan.nodes.size());
+  for (int s = 0; s < n; ++s) {
+    NodeSpec& ns = plan.nodes[s];
+    if (ns.type != "IndexAddBackward0") continue;
+    const FieldSpec* in = ns.find(FieldKind::kInputMeta, 0);
+    if (!in || !in->shape.has_token()) continue;  // not into token rows: an unclaimed routed field is refused below
+    // The route's length in the two traces: one the batch's own sizes could explain (the same in
+    // both, T, B*T, a multiple of B) would make its rows indistinguishable from those dimensions.
+    for (size_t k = 0; k < oa[s].fields.size(); ++k) {
+      const Observed& a = oa[s].fields[k];
+      const Observed& b = ob[s].fields[k];
+      if (a.name != "index_" || a.values.size() != 1 || b.values.size() != 1) continue;
+      ShapeSpec ordinary;
+      std::string why;
+      if (classify(a, b, sa, sb, ordinary, why)) {
+        throw AmbiguousRoute(fmt::format(
+            "trace_plan: an expert of the mixture-of-experts layer at node {} (#{}) received {} and {} tokens in the "
+            "two traces (B={}, T={} and B={}, T={}), sizes that cannot be told from the batch's own; trace again "
+            "on other random tokens",
+            ns.type, s, a.values[0], b.values[0], sa.B, sa.T, sb.B, sb.T));
+      }
+    }
+    FieldSpec* index = field(ns, FieldKind::kSaved, "index_");
+    if (!index || !index->shape.has_routed()) {
+      refuse(ns, s, "it adds rows into token rows by an index whose length does not follow the batch; collider "
+                    "cannot cut that index");
+    }
+    if (observed[s].dim.value_or(-1) != 0 || !token_rows_at(in->shape, 0, plan.batch_a == 1) || index->shape.rank != 1) {
+      refuse(ns, s, "it adds routed rows into a tensor other than the [B*T, ..] token rows (along dimension 0)");
+    }
+    index->shape.dims[0].kind = DimKind::kRoutedPositions;
+    claim(ns, s, s);
+    walk_route(g, plan, s);
+  }
+  for (const auto& c : candidates) {
+    const NodeSpec& ns = plan.nodes[c.node];
+    for (const auto& f : ns.fields) {
+      if (f.name != c.field) continue;
+      for (const auto& d : f.shape.dims) {
+        if (!d.routed() || d.route >= 0) continue;
+        const bool moe = ns.type == "IndexAddBackward0" || ns.type == "IndexBackward0" || ns.type == "TopkBackward0" ||
+                         ns.type == "SortBackward0";
+        throw Error(fmt::format("collider cannot rewrite node {} (#{}): field {} {}.{}", ns.type, c.node, c.field, c.why,
+                                moe ? " Tokens routed by data (grouped or sorted experts) are not filtered yet; use "
+                                      "experts_implementation=\"eager\" or method loss_only"
+                                    : ""));
+      }
+    }
+  }
+  // A gather from token rows by an index whose length does not follow the batch: after the cut
+  // its index would point into the full rows.
+  for (int i = 0; i < n; ++i) {
+    NodeSpec& ns = plan.nodes[i];
+    if (ns.type != "IndexBackward0" || any_routed(ns)) continue;
+    const FieldSpec* self = field(ns, FieldKind::kSizes, "self_sym_sizes");
+    if (!self || !self->shape.has_token()) continue;
+    for (const auto& o : observed[i].fields) {
+      if (o.kind != FieldKind::kSaved || o.name != "indices_" || !o.defined) continue;
+      for (const auto& d : self->shape.dims) {
+        if (d.dim == o.item && d.kind != DimKind::kBatch) {
+          refuse(ns, i, "it gathers token rows by an index that does not follow a route (sorted tokens of "
+                        "grouped experts, or fixed positions), which a cut would leave pointing at the full rows. "
+                        "For transformers' mixture-of-experts models set experts_implementation=\"eager\"");
+        }
+      }
+    }
+  }
+}
+
+namespace {
+
+// Finds a node's saved `index_`.
+struct IndexField final : FieldVisitor {
+  SavedVariable* index = nullptr;
+  void saved(const char* name, SavedVariable& v) override {
+    if (std::string(name) == "index_") index = &v;
+  }
+  void saved_list(const char*, std::vector<SavedVariable>&) override {}
+  void sizes(const char*, std::vector<c10::SymInt>&) override {}
+  void sizes_list(const char*, std::vector<std::vector<c10::SymInt>>&) override {}
+  void symint(const char*, c10::SymInt&) override {}
+  void opt_symint(const char*, std::optional<c10::SymInt>&) override {}
+  void opt_sizes(const char*, c10::OptionalArray<c10::SymInt>&) override {}
+  void int_sizes(const char*, std::vector<int64_t>&) override {}
+  void type_and_size(const char*, torch::autograd::generated::TypeAndSize&) override {}
+  void geometry(const char*, at::TensorGeometry&) override {}
+  void int64(const char*, int64_t&) override {}
+};
+
+}  // namespace
+
+void register_routes(const Graph& g, const PlanData& plan, TokenIndex& ix, const char* who) {
+  std::set<int32_t> routes;
+  for (const auto& ns : plan.nodes)
+    for (const auto& f : ns.fields)
+      for (const auto& d : f.shape.dims)
+        if (d.routed()) routes.insert(d.route);
+  for (int32_t r : routes) {
+    const auto& node = g.nodes.at(r);
+    const NodeFields* nf = find_node_fields(*node);
+    IndexField reader;
+    if (nf) nf->visit(node.get(), reader);
+    if (!reader.index) throw Error(fmt::format("{}: node #{} is not a mixture-of-experts scatter (plan bug)", who, r));
+    if (reader.index->has_hooks()) {
+      throw Error(fmt::format(
+          "{}: the mixture-of-experts layer of node #{} is behind saved-tensor hooks (activation checkpointing or "
+          "offloading), which collider does not filter through routed experts yet; leave those layers unhooked or "
+          "use method loss_only",
+          who, r));
+    }
+    torch::Tensor index;
+    try {
+      index = reader.index->unpack(node);
+    } catch (const std::exception& e) {
+      throw Error(fmt::format("{}: cannot read the index of node #{} IndexAddBackward0. Call filter_backward once per "
+                              "loss, before loss.backward()",
+                              who, r));
+    }
+    ix.add_route(r, index);
+  }
+}
+
+}  // namespace collider::detail
