@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.utils.checkpoint
@@ -98,12 +98,16 @@ def _check_keep_mask(loss, keep_mask, plan, attention, who: str) -> None:
                     f"{keep_mask.dtype} of shape {list(keep_mask.shape)}; see collider.select_tokens")
 
 
-def trace_plan(loss_on_random_batch: Callable[[int, int], torch.Tensor]) -> Plan:
+def trace_plan(loss_on_random_batch: Callable[[int, int], torch.Tensor],
+               shapes: Tuple[int, int, int, int] = _TRACE_SHAPES) -> Plan:
     """Traces the loss graph twice on dummy batches and returns the Plan that filter_backward replays.
 
     `loss_on_random_batch(batch, seq_len)` must build the scalar training loss of the model on a
     random batch of that shape, the same way as the training step does (same loss form, same
-    forward arguments), with grad enabled. It is called with (3, 53), (5, 61), (1, 53) and (1, 61).
+    forward arguments), with grad enabled. It is called with (3, 53), (5, 61), (1, 53) and (1, 61),
+    or `shapes` = (B_a, T_a, B_b, T_b) (B >= 2, sizes no model uses): a mixture-of-experts model
+    needs enough tokens for every expert to receive some in every trace (a trace in which one does
+    not is repeated on new random tokens, up to 8 times).
     An exception raised inside it comes back as a collider.Error whose __cause__ is the original.
     For transformers models, collider.hf.trace_plan(model) builds the callable from the config.
     """
@@ -129,7 +133,7 @@ def trace_plan(loss_on_random_batch: Callable[[int, int], torch.Tensor]) -> Plan
 
     try:
         with torch.enable_grad(), _one_recomputation():
-            plan = _C.trace_plan(call, *_TRACE_SHAPES)
+            plan = _C.trace_plan(call, *shapes)
         _finish_sharded_backwards(traced)
         return plan
     except Exception as e:

@@ -43,6 +43,7 @@ __all__ = [
     "masked_mean",
     "step_kept_count",
     "causal_lm_loss",
+    "router_aux_loss",
     "training_loss",
     "trace_plan",
     "Rho1Selection",
@@ -166,23 +167,58 @@ def causal_lm_loss(model: torch.nn.Module, logits: torch.Tensor, labels: torch.T
     return base.loss_function(logits=logits, labels=labels, vocab_size=base.config.vocab_size, **kwargs)
 
 
+def router_aux_loss(model: torch.nn.Module, router_logits: tuple, keep_mask: torch.Tensor) -> torch.Tensor:
+    """The load-balancing loss of a transformers mixture-of-experts model (Mixtral, Qwen2-MoE,
+    Qwen3-MoE, OLMoE) over the kept tokens only: transformers' own load_balancing_loss_func on
+    router_logits (the model's output with output_router_logits=True) with the keep mask as its
+    attention mask. Dropped tokens contribute nothing to the gradient, the router's included (the
+    filtered semantics); normalised by this batch's kept tokens, as transformers normalises by its
+    own. Unscaled: training_loss(router_aux_loss=True) adds config.router_aux_loss_coef times it."""
+    import sys
+    base = _unwrap(model, "router_aux_loss")
+    balance = getattr(sys.modules.get(type(base).__module__), "load_balancing_loss_func", None)
+    experts = getattr(base.config, "num_local_experts", None) or getattr(base.config, "num_experts", None)
+    top_k = getattr(base.config, "num_experts_per_tok", None)
+    if balance is None or not experts or not top_k:
+        raise Error(f"router_aux_loss: {type(base).__name__} is not a transformers mixture-of-experts model with a "
+                    "load-balancing loss (load_balancing_loss_func, num_experts_per_tok)")
+    if not isinstance(router_logits, tuple) or not router_logits:
+        raise Error("router_aux_loss: router_logits must be the model's tuple of per-layer router logits "
+                    "(run the forward with output_router_logits=True)")
+    return balance(router_logits, experts, top_k, keep_mask.to(router_logits[0].device))
+
+
 def training_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, keep_mask: torch.Tensor,
                   loss: str = "labels", logits: Optional[torch.Tensor] = None,
-                  attention_mask: Optional[torch.Tensor] = None, num_kept: Optional[Any] = None) -> torch.Tensor:
+                  attention_mask: Optional[torch.Tensor] = None, num_kept: Optional[Any] = None,
+                  router_aux: bool = False) -> torch.Tensor:
     """The scalar loss of a filtered step in one of LOSS_FORMS (the form trace_plan traces).
     `logits`: the model's output on input_ids if the caller already ran the forward;
     `attention_mask`: passed to that forward otherwise (padded rows); `num_kept`: normalise by the
-    kept tokens of the whole optimizer step instead of this batch's (masked_mean)."""
+    kept tokens of the whole optimizer step instead of this batch's (masked_mean); `router_aux`: a
+    mixture-of-experts model's load-balancing loss over the kept tokens added, times
+    config.router_aux_loss_coef (router_aux_loss; the forward runs here, so no `logits`)."""
     if loss not in LOSS_FORMS:
         raise Error(f"training_loss: loss must be one of {', '.join(LOSS_FORMS)}; got {loss!r}")
-    if logits is None:
+    aux = None
+    if router_aux:
+        if logits is not None:
+            raise Error("training_loss: router_aux=True runs the forward itself (it needs the router logits); "
+                        "pass no logits")
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_router_logits=True)
+        logits = out.logits
+        coef = float(getattr(_unwrap(model, "training_loss").config, "router_aux_loss_coef", 0.0))
+        aux = coef * router_aux_loss(model, out.router_logits, keep_mask)
+    elif logits is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     if loss == "labels":
-        return causal_lm_loss(model, logits, drop_labels(labels, keep_mask), num_kept)
-    return masked_mean(token_losses(logits, labels), keep_mask, num_kept)
+        main = causal_lm_loss(model, logits, drop_labels(labels, keep_mask), num_kept)
+    else:
+        main = masked_mean(token_losses(logits, labels), keep_mask, num_kept)
+    return main if aux is None else main + aux.to(main.dtype)
 
 
-def trace_plan(model: torch.nn.Module, loss: str = "labels") -> Plan:
+def trace_plan(model: torch.nn.Module, loss: str = "labels", router_aux: bool = False) -> Plan:
     """collider.trace_plan for a transformers causal LM, from the model alone: random token ids in
     [0, config.vocab_size), use_cache=False, the loss form `loss` (see LOSS_FORMS) with a random
     half of the positions kept. Traced twice and merged (Plan.merge): without an attention mask and
@@ -190,7 +226,9 @@ def trace_plan(model: torch.nn.Module, loss: str = "labels") -> Plan:
     grouped-query attention repeats the key/value heads then), so the plan serves plain, padded
     and packed batches alike. Trace in the mode you train in (model.train()): dropout layers
     change the graph. Works through DistributedDataParallel and PEFT wrappers; refuses a
-    torch.compile'd model."""
+    torch.compile'd model. router_aux: the loss adds a mixture-of-experts model's load-balancing
+    loss over the kept tokens (training_loss(router_aux=True)); trace with the steps' setting.
+    Mixture-of-experts models need experts_implementation="eager" (one route per expert)."""
     base = _unwrap(model, "collider.hf.trace_plan")
     if loss not in LOSS_FORMS:
         raise Error(f"collider.hf.trace_plan: loss must be one of {', '.join(LOSS_FORMS)}; got {loss!r}")
@@ -210,11 +248,33 @@ def trace_plan(model: torch.nn.Module, loss: str = "labels") -> Plan:
             attention_mask[0, -1] = 0
             labels = ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
             keep = keep & keep_mask_from_labels(labels).cpu()
-        return training_loss(model, ids, labels, keep.to(device), loss=loss, attention_mask=attention_mask)
+        return training_loss(model, ids, labels, keep.to(device), loss=loss, attention_mask=attention_mask,
+                             router_aux=router_aux)
 
-    plan = _collider.trace_plan(loss_on_random_batch)
-    plan.merge(_collider.trace_plan(lambda b, t: loss_on_random_batch(b, t, padded=True)))
+    shapes = _trace_shapes(base.config)
+    plan = _collider.trace_plan(loss_on_random_batch, shapes)
+    plan.merge(_collider.trace_plan(lambda b, t: loss_on_random_batch(b, t, padded=True), shapes))
     return plan
+
+
+def _trace_shapes(config) -> tuple:
+    """collider.trace_plan's shapes for this model: the default ones, or for a mixture-of-experts
+    model with many experts longer sequences (primes), so that every expert receives about 24
+    tokens or more even in the one-row traces (an expert left without tokens drops out of the graph)."""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+    top_k = getattr(config, "num_experts_per_tok", None) or 1
+    default = _collider._TRACE_SHAPES
+    need = -(-24 * int(experts) // int(top_k)) if experts else 0
+    if need <= default[1]:
+        return default
+
+    def prime_from(n: int) -> int:
+        while any(n % d == 0 for d in range(2, int(n ** 0.5) + 1)):
+            n += 1
+        return n
+
+    seq_a = prime_from(need)
+    return (default[0], seq_a, default[2], prime_from(seq_a + 5))
 
 
 try:

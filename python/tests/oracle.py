@@ -140,7 +140,49 @@ def tiny_config(family: str, attn: str, **overrides):
         falcon = {k: v for k, v in common.items() if k not in ("intermediate_size", "max_position_embeddings")}
         return FalconConfig(multi_query=True, new_decoder_architecture=False, parallel_attn=True, bias=False,
                             alibi=False, hidden_dropout=0.0, **falcon, attn_implementation=attn)
+    # Mixtures of experts: 4 experts, top-2, transformers' eager experts (one route per expert).
+    moe = {"experts_implementation": "eager", **common}
+    if family == "mixtral":
+        from transformers import MixtralConfig
+        return MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                             router_aux_loss_coef=0.5, **moe, attn_implementation=attn)
+    if family == "qwen2_moe":  # a shared expert beside the routed ones, with its own sigmoid gate
+        from transformers import Qwen2MoeConfig
+        return Qwen2MoeConfig(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                              shared_expert_intermediate_size=32, decoder_sparse_step=1, router_aux_loss_coef=0.5,
+                              **moe, attn_implementation=attn)
+    if family == "qwen3_moe":  # q/k norms, top-k weights renormalised
+        from transformers import Qwen3MoeConfig
+        return Qwen3MoeConfig(num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=24, decoder_sparse_step=1, norm_topk_prob=True,
+                              router_aux_loss_coef=0.5, **moe, attn_implementation=attn)
+    if family == "olmoe":
+        from transformers import OlmoeConfig
+        return OlmoeConfig(num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5,
+                           pad_token_id=1, eos_token_id=2, **moe, attn_implementation=attn)
     raise ValueError(family)
+
+
+@contextlib.contextmanager
+def moe_inputs_detached(model, keep: torch.Tensor):
+    """The mixture-of-experts half of the oracle: every sparse MoE block's input rows of dropped
+    tokens are detached (torch.where(keep, x, x.detach())), so the experts and the router give
+    them no gradient. Asserts that at least one block was found."""
+    hooks = []
+
+    def detach_dropped(module, args):
+        x = args[0]  # [B, T, D]
+        return (torch.where(keep.to(x.device)[..., None], x, x.detach()),) + tuple(args[1:])
+
+    for module in model.modules():
+        if type(module).__name__.endswith("SparseMoeBlock"):
+            hooks.append(module.register_forward_pre_hook(detach_dropped))
+    assert hooks, "no SparseMoeBlock in the model"
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 @contextlib.contextmanager

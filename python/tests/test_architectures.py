@@ -7,9 +7,9 @@
   and SDPA; exact_query against an oracle that detaches the dropped tokens' key and value rows
   where Falcon splits its fused QKV (oracle.falcon_oracle_keep: Falcon's attention does not
   dispatch through transformers' AttentionInterface, so the shared oracle cannot stand in).
-- Refused, with the graph left as it was: a mixture-of-experts model (Mixtral, eager experts: the
-  routed tokens' data-dependent index) and BLOOM (a custom autograd Function that saves its
-  token-shaped input); each message short, naming the node and what to do.
+- Refused, with the graph left as it was: BLOOM (a custom autograd Function that saves its
+  token-shaped input); the message short, naming the node and what to do. (Mixtures of experts:
+  test_moe.py.)
 Tiny random models, float64, B = 3, T = 37, filter ratios 0.25 and 0.5, both loss forms; max
 relative difference <= 1e-4 (Gemma2's norms run in float32).
   pytest python/tests/test_architectures.py
@@ -87,16 +87,6 @@ def test_falcon_multi_query_exact_query_matches_oracle(attn, form):
     assert min(apart.values()) > 1e-2, apart
 
 
-def _mixtral():
-    from transformers import MixtralConfig, MixtralForCausalLM
-    torch.manual_seed(0)
-    cfg = MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                        max_position_embeddings=128, initializer_range=0.2, use_cache=False,
-                        attn_implementation="eager", experts_implementation="eager")
-    return MixtralForCausalLM(cfg).double().train()
-
-
 def _bloom():
     from transformers import BloomConfig, BloomForCausalLM
     torch.manual_seed(0)
@@ -106,7 +96,6 @@ def _bloom():
 
 
 @pytest.mark.parametrize("make, node, advice", [
-    (_mixtral, "IndexAddBackward0", "loss_only"),
     (_bloom, "GeLUFunctionBackward", "Write the op with torch operations"),
 ])
 def test_refused_architectures_say_why_briefly_and_leave_the_graph(make, node, advice):

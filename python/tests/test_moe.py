@@ -1,0 +1,177 @@
+"""Mixtures of experts: Collider's gradients on transformers' MoE models against the oracle.
+
+Families (tiny random configs, 4 experts, top-2, experts_implementation="eager", float64):
+Mixtral; Qwen2-MoE (a shared expert with its sigmoid gate beside the routed ones); Qwen3-MoE (q/k
+norms, renormalised top-k weights); OLMoE. attn_implementation eager and sdpa; both semantics;
+both loss forms (the per-token loss and transformers' labels loss); B = 3, T = 37, filter ratios
+0.25 and 0.5, and ragged kept counts (batch_topk). The oracle: attention as everywhere
+(oracle.oracle_keep), and each MoE block's input rows of dropped tokens detached
+(oracle.moe_inputs_detached: torch.where(keep, x, x.detach())), so the experts and the router
+give dropped tokens nothing. Max relative difference <= 1e-4 (transformers' eager softmax runs in
+float32); a plain backward of the same loss is far from the oracle. The load-balancing loss over
+the kept tokens (collider.hf.training_loss(router_aux=True)) against the same oracle. What is
+refused, briefly and with the graph untouched: grouped experts, DeepSeek-V3's latent attention,
+GPT-OSS's attention sinks, a batch in which an expert receives no token.
+  pytest python/tests/test_moe.py
+"""
+import pytest
+import torch
+
+import collider
+import collider.hf as chf
+from oracle import grads, max_rel_diff, moe_inputs_detached, oracle_keep, tiny_model
+from test_hf_gradients import LOSS_FORMS, T, TOL, batch_and_mask, model_for, plan_for, plain_grads, step_loss
+
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
+def collider_and_oracle(model, plan, loss_fn, keep, attention):
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn()
+    stats = collider.filter_backward(loss, keep, plan, attention=attention)
+    loss.backward()
+    got = grads(model)
+    model.zero_grad(set_to_none=True)
+    with oracle_keep(model, keep, attention), moe_inputs_detached(model, keep):
+        loss_fn().backward()
+    return got, grads(model), stats
+
+
+def ragged_batch(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (3, T), generator=gen)
+    keep = collider.select_tokens(torch.rand(3, T, generator=gen), 0.5, valid=chf.keep_mask_from_labels(ids),
+                                  policy="batch_topk")
+    assert len(set(keep.sum(1).tolist())) > 1
+    return ids, keep
+
+
+@pytest.mark.parametrize("form", LOSS_FORMS)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_matches_oracle(family, attn, form):
+    model = model_for(family, attn)
+    plan = plan_for(family, attn, form)
+    worst, apart = {}, {}
+    for attention in ("kept_only", "exact_query"):
+        points = [(ratio, *batch_and_mask(3, ratio, seed=700 + int(ratio * 100))) for ratio in (0.25, 0.5)]
+        points.append(("batch_topk", *ragged_batch(seed=11)))
+        for name, ids, keep in points:
+            got, ref, stats = collider_and_oracle(model, plan, lambda: step_loss(model, form, ids, keep), keep,
+                                                  attention)
+            assert stats.tensors_gathered > 0
+            worst[(attention, name)] = max_rel_diff(got, ref)
+            apart[(attention, name)] = max_rel_diff(plain_grads(model, form, ids, keep)[0], ref)
+    bad = {k: v for k, v in worst.items() if not v <= TOL}
+    assert not bad, f"{family}/{attn}/{form}: max relative gradient difference above {TOL}: {bad}"
+    assert min(apart.values()) > 1e-2, apart
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_plan_has_one_route_per_expert_and_layer(family):
+    """Every expert of every layer is a route (its rows cut to the kept tokens it received)."""
+    text = plan_for(family, "eager", "per_token").to_string().split("collider-plan")[1]  # the B > 1 variant
+    model = model_for(family, "eager")
+    routes = {int(dim.split(":")[4]) for line in text.splitlines() if line.startswith("field ")
+              for dim in line.split()[-1].split(",") if dim.count(":") == 4}
+    assert len(routes) == model.config.num_hidden_layers * 4, routes
+
+
+def test_one_row_batches_use_the_one_row_plan():
+    model = model_for("mixtral", "eager")
+    plan = plan_for("mixtral", "eager", "per_token")
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 128, (1, 97), generator=gen)
+    keep = collider.select_tokens(torch.rand(1, 97, generator=gen), 0.4, valid=chf.keep_mask_from_labels(ids))
+    for attention in ("kept_only", "exact_query"):
+        got, ref, _ = collider_and_oracle(model, plan, lambda: step_loss(model, "per_token", ids, keep), keep,
+                                          attention)
+        assert max_rel_diff(got, ref) <= TOL
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_router_aux_loss_over_kept_tokens_matches_oracle(family):
+    model = model_for(family, "eager")
+    plan = chf.trace_plan(model, loss="per_token", router_aux=True)
+    worst = {}
+    for attention in ("kept_only", "exact_query"):
+        ids, keep = batch_and_mask(3, 0.5, seed=31)
+
+        def loss_fn():
+            return chf.training_loss(model, ids, ids, keep, loss="per_token", router_aux=True)
+
+        got, ref, _ = collider_and_oracle(model, plan, loss_fn, keep, attention)
+        worst[attention] = max_rel_diff(got, ref)
+        # The aux loss reaches the routers: their gradients differ from the loss without it.
+        without, _, _ = collider_and_oracle(model, plan_for(family, "eager", "per_token"),
+                                            lambda: step_loss(model, "per_token", ids, keep), keep, attention)
+        routers = [k for k in ref if k.endswith("gate.weight") and "shared" not in k]
+        assert routers and max(float((ref[k] - without[k]).abs().max()) for k in routers) > 1e-6
+    assert all(v <= TOL for v in worst.values()), worst
+
+
+def test_router_aux_loss_refuses_a_dense_model():
+    with pytest.raises(collider.Error, match="not a transformers mixture-of-experts model"):
+        chf.router_aux_loss(tiny_model("llama", "eager"), (torch.zeros(3, 4),), torch.ones(1, 3, dtype=torch.bool))
+
+
+def _refused_on_trace(model, needle):
+    with pytest.raises(collider.Error) as refused:
+        chf.trace_plan(model, loss="per_token")
+    msg = str(refused.value)
+    assert needle in msg and len(msg) <= 300 and "register_passthrough_node" not in msg, msg
+    ids, keep = batch_and_mask(3, 0.5, seed=9)
+    model.zero_grad(set_to_none=True)
+    step_loss(model, "per_token", ids, keep).backward()  # a plain backward still works
+    assert grads(model)
+
+
+def test_grouped_experts_are_refused_with_the_eager_advice():
+    _refused_on_trace(tiny_model("mixtral", "eager", dtype=torch.float32, experts_implementation="grouped_mm"),
+                      'experts_implementation="eager"')
+
+
+def test_deepseek_v3_latent_attention_is_refused_briefly():
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+                           n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                           first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+                           qk_nope_head_dim=4, v_head_dim=8, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=4, max_position_embeddings=128, use_cache=False, rope_scaling=None,
+                           attn_implementation="eager", experts_implementation="eager")
+    _refused_on_trace(AutoModelForCausalLM.from_config(cfg).double().train(), "CopySlices")
+
+
+def test_gpt_oss_attention_sinks_are_refused_briefly():
+    from transformers import AutoModelForCausalLM, GptOssConfig
+    torch.manual_seed(0)
+    cfg = GptOssConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_local_experts=4,
+                       num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                       max_position_embeddings=128, use_cache=False, attn_implementation="eager",
+                       experts_implementation="eager")
+    _refused_on_trace(AutoModelForCausalLM.from_config(cfg).double().train(), "SliceBackward0")
+
+
+def test_an_expert_without_tokens_is_refused_and_the_graph_left_alone():
+    """transformers' eager experts skip an expert that receives no token, so the graph has fewer
+    nodes than the plan: filter_backward says why, and a plain backward then gives loss_only."""
+    model = model_for("mixtral", "eager")
+    plan = plan_for("mixtral", "eager", "per_token")
+    for seed in range(200):  # a short row in which some expert of some layer is unused
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, 128, (1, 3), generator=gen)
+        keep = torch.tensor([[True, True, False]])
+        loss = step_loss(model, "per_token", ids, keep)
+        try:
+            collider.filter_backward(loss, keep, plan, attention="kept_only")
+        except collider.Error as e:
+            assert "receives no token" in str(e), e
+            break
+    else:
+        pytest.fail("no 3-token row left an expert unused")
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    got = grads(model)
+    assert max_rel_diff(got, plain_grads(model, "per_token", ids, keep)[0]) == 0.0
