@@ -17,8 +17,12 @@ namespace {
 // Forward FLOPs of the decoder projections per token, summed over layers.
 double linear_flops_per_token(const ModelConfig& c) {
   const double D = c.hidden_size, F = c.intermediate_size, H = c.num_heads, G = c.num_kv_heads, E = c.head_dim;
-  const double mlp_mats = detail::architecture(c.family).mlp == detail::MlpKind::kSwiGLU ? 3 : 2;
-  return 2.0 * c.num_layers * (D * H * E + 2 * D * G * E + H * E * D + mlp_mats * D * F);
+  const auto mlp = detail::architecture(c.family).mlp;
+  // A mixture of experts: each token's K experts (routed work only) and the router's D x X.
+  const double mlp_flops = mlp == detail::MlpKind::kSwiGLU ? 3 * D * F
+                           : mlp == detail::MlpKind::kMoE  ? c.experts_per_token * 3 * D * F + D * c.num_experts
+                                                           : 2 * D * F;
+  return 2.0 * c.num_layers * (D * H * E + 2 * D * G * E + H * E * D + mlp_flops);
 }
 
 // One GEMM of the attention core (Q K^T or P V) with Tq query rows and Tk key rows, all layers.

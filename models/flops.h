@@ -23,7 +23,10 @@ struct FlopCount {
 };
 
 // Forward, per batch of B x T tokens:
-//   linear    = 2 * B*T * L * [D*H*E (q) + 2*D*G*E (k, v) + H*E*D (o) + M*D*F], M = 3 SwiGLU, 2 GELU
+//   linear    = 2 * B*T * L * [D*H*E (q) + 2*D*G*E (k, v) + H*E*D (o) + MLP], MLP = 3*D*F SwiGLU,
+//               2*D*F GELU, K*3*D*F + D*X mixture of experts (the routed work of K experts per
+//               token and the router; a kept token's routes are cut with it, so Collider's
+//               backward counts them at N like every token-wise GEMM)
 //   attention = L * 2 GEMMs * 2 * B*H*T*T*E          (full T x T scores)
 //   lm_head   = 2 * B*T * D*V
 FlopCount forward_flops(const ModelConfig& cfg, int64_t B, int64_t T);

@@ -105,9 +105,11 @@ ModelConfig config_from_hf_json(const json& j, const std::string& source) {
     c.family = Family::kQwen2;
   } else if (arch == "PhiForCausalLM" || (arch.empty() && model_type == "phi")) {
     c.family = Family::kPhi;
+  } else if (arch == "MixtralForCausalLM" || (arch.empty() && model_type == "mixtral")) {
+    c.family = Family::kMixtral;
   } else {
     config_fail(source, fmt::format("architectures = '{}', model_type = '{}' is not supported (allowed: "
-                                    "LlamaForCausalLM, Qwen2ForCausalLM, PhiForCausalLM)",
+                                    "LlamaForCausalLM, Qwen2ForCausalLM, PhiForCausalLM, MixtralForCausalLM)",
                                     arch, model_type));
   }
   if (const json* p = json_field(j, "collider_preset"); p && p->is_string())
@@ -163,13 +165,19 @@ ModelConfig config_from_hf_json(const json& j, const std::string& source) {
   if (const json* a = json_field(j, "hidden_act"); a && a->is_string()) act = a->get<std::string>();
   c.tie_embeddings = get_bool(j, "tie_word_embeddings", false, source);
   switch (c.family) {
+    case Family::kMixtral:
+      c.num_experts = get_positive_int(j, "num_local_experts", source);
+      c.experts_per_token = get_positive_int(j, "num_experts_per_tok", source);
+      [[fallthrough]];
     case Family::kLlama:
     case Family::kQwen2:
       if (!act.empty() && act != "silu")
         config_fail(source,
                     fmt::format("hidden_act = '{}' is not supported for {} (allowed: silu)", act, to_string(c.family)));
       c.norm_eps = get_number(j, "rms_norm_eps", 1e-6, source);
-      if (c.family == Family::kLlama) {
+      if (c.family == Family::kMixtral) {
+        c.qkv_bias = false;
+      } else if (c.family == Family::kLlama) {
         require_false(j, "attention_bias", source, "our Llama has no attention biases");
         require_false(j, "mlp_bias", source, "our Llama has no MLP biases");
         c.qkv_bias = false;
@@ -254,6 +262,21 @@ json config_to_hf_json(const ModelConfig& c, torch::ScalarType dtype) {
       j["hidden_act"] = "silu";
       j["rms_norm_eps"] = c.norm_eps;
       j["use_sliding_window"] = false;
+      break;
+    case Family::kMixtral:
+      if (c.qkv_bias || c.linear_bias || c.lm_head_bias || c.partial_rotary_factor != 1.0)
+        throw std::invalid_argument(
+            fmt::format("model '{}': a Mixtral config with biases or partial rotary has no "
+                        "Hugging Face MixtralForCausalLM equivalent",
+                        c.name));
+      j["architectures"] = {"MixtralForCausalLM"};
+      j["model_type"] = "mixtral";
+      j["hidden_act"] = "silu";
+      j["rms_norm_eps"] = c.norm_eps;
+      j["num_local_experts"] = c.num_experts;
+      j["num_experts_per_tok"] = c.experts_per_token;
+      j["router_jitter_noise"] = 0.0;
+      j["experts_implementation"] = "eager";
       break;
     case Family::kPhi:
       if (!c.linear_bias || !c.lm_head_bias || c.tie_embeddings)

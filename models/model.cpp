@@ -22,6 +22,8 @@ const char* to_string(Family f) {
       return "qwen2";
     case Family::kPhi:
       return "phi";
+    case Family::kMixtral:
+      return "mixtral";
   }
   return "unknown";
 }
@@ -34,6 +36,7 @@ int64_t ModelConfig::num_params() const {
   const bool qkvb = qkv_bias || linear_bias;
   int64_t attn = D * qd + 2 * D * kvd + qd * D + (qkvb ? qd + 2 * kvd : 0) + (linear_bias ? D : 0);
   int64_t mlp = arch.mlp == detail::MlpKind::kSwiGLU ? 3 * D * F + (linear_bias ? 2 * F + D : 0)
+                : arch.mlp == detail::MlpKind::kMoE  ? num_experts * D + num_experts * 3 * D * F  // router, experts
                                                      : 2 * D * F + (linear_bias ? F + D : 0);
   int64_t norm = arch.norm == detail::NormKind::kRMSNorm ? D : 2 * D;
   int64_t norms_per_layer = arch.block == detail::BlockKind::kSequential ? 2 : 1;

@@ -1,6 +1,7 @@
 // The model interface every architecture implements: config, presets, the causal LM module,
 // per-token loss, boundary hooks (used for per-layer timing markers and gradient-shape probes).
-// Legend: B batch, T sequence, D hidden, H heads, G kv-heads, E head-dim, F ffn, V vocab.
+// Legend: B batch, T sequence, D hidden, H heads, G kv-heads, E head-dim, F ffn, V vocab,
+// X experts, K experts per token.
 // Parameter names follow Hugging Face (model.layers.3.self_attn.q_proj.weight, ...), so
 // checkpoints map by name (models/hf_tensors.h).
 #pragma once
@@ -18,7 +19,7 @@ class DecoderStackImpl;  // models/common/blocks.h
 class LinearImpl;
 }  // namespace detail
 
-enum class Family { kLlama, kQwen2, kPhi };
+enum class Family { kLlama, kQwen2, kPhi, kMixtral };
 const char* to_string(Family f);
 
 enum class AttentionImpl {
@@ -44,6 +45,10 @@ struct ModelConfig {
   bool linear_bias = false;     // Phi: bias on every linear layer
   bool tie_embeddings = false;  // Qwen2: LM head shares the embedding matrix
   bool lm_head_bias = false;    // Phi
+  // Mixture of experts (Mixtral): X experts, each a SwiGLU MLP of width F, K of them per token
+  // (top-K of a linear router's softmax). 0 for the dense families.
+  int64_t num_experts = 0;        // X
+  int64_t experts_per_token = 0;  // K
 
   int64_t num_params() const;  // analytic, counted from the fields (tied head counted once)
 };

@@ -1,4 +1,4 @@
-// Collider on the paper's three families (-debug presets): after filter_backward every parameter
+// Collider on the paper's three families and on Mixtral (a mixture of experts) (-debug presets): after filter_backward every parameter
 // gradient equals the model-level oracle of DESIGN.md section 3 (max|diff| / max|ref| <= 1e-4,
 // fp32), for both attention semantics, filter_ratio 0 / 0.25 / 0.5 / 0.9, batch 1 and 3,
 // T 64 and 97; filter_ratio 0 equals regular; hidden-state gradients are [B, N, D] at every
@@ -120,7 +120,7 @@ TEST_P(ModelGrad, MatchesOracle) {
 
 std::vector<Case> eager_cases() {
   std::vector<Case> out;
-  for (const char* p : {"tinyllama-debug", "qwen2.5-debug", "phi-1.5-debug"})
+  for (const char* p : {"tinyllama-debug", "qwen2.5-debug", "phi-1.5-debug", "mixtral-debug"})
     for (auto a : {AttentionGrad::kKeptOnly, AttentionGrad::kExactQuery})
       for (double r : {0.0, 0.25, 0.5, 0.9})
         for (int64_t B : {1, 3})
@@ -130,7 +130,7 @@ std::vector<Case> eager_cases() {
 
 std::vector<Case> sdpa_cases() {
   std::vector<Case> out;
-  for (const char* p : {"tinyllama-debug", "qwen2.5-debug", "phi-1.5-debug"})
+  for (const char* p : {"tinyllama-debug", "qwen2.5-debug", "phi-1.5-debug", "mixtral-debug"})
     for (auto a : {AttentionGrad::kKeptOnly, AttentionGrad::kExactQuery})
       for (int64_t B : {1, 3}) out.push_back({p, a, 0.5, B, 97, true});
   return out;

@@ -42,7 +42,7 @@ std::map<std::string, std::vector<int64_t>> param_shapes(CausalLM& m) {
 }
 
 // The Hugging Face parameter names and shapes of a config, written out independently of the
-// model code (LlamaForCausalLM / Qwen2ForCausalLM / PhiForCausalLM).
+// model code (LlamaForCausalLM / Qwen2ForCausalLM / PhiForCausalLM / MixtralForCausalLM).
 std::map<std::string, std::vector<int64_t>> hf_shapes(const ModelConfig& c) {
   std::map<std::string, std::vector<int64_t>> s;
   const int64_t D = c.hidden_size, F = c.intermediate_size, V = c.vocab_size;
@@ -70,9 +70,16 @@ std::map<std::string, std::vector<int64_t>> hf_shapes(const ModelConfig& c) {
         s[l + "self_attn.v_proj.bias"] = {kvd};
       }
       s[l + "self_attn.o_proj.weight"] = {D, qd};
-      s[l + "mlp.gate_proj.weight"] = {F, D};
-      s[l + "mlp.up_proj.weight"] = {F, D};
-      s[l + "mlp.down_proj.weight"] = {D, F};
+      if (c.family == Family::kMixtral) {  // MixtralSparseMoeBlock: router and stacked experts
+        const int64_t X = c.num_experts;
+        s[l + "mlp.gate.weight"] = {X, D};
+        s[l + "mlp.experts.gate_up_proj"] = {X, 2 * F, D};
+        s[l + "mlp.experts.down_proj"] = {X, D, F};
+      } else {
+        s[l + "mlp.gate_proj.weight"] = {F, D};
+        s[l + "mlp.up_proj.weight"] = {F, D};
+        s[l + "mlp.down_proj.weight"] = {D, F};
+      }
       s[l + "post_attention_layernorm.weight"] = {D};
     }
   }
@@ -83,7 +90,7 @@ std::map<std::string, std::vector<int64_t>> hf_shapes(const ModelConfig& c) {
     s["lm_head.bias"] = {V};
   } else {
     s["model.norm.weight"] = {D};
-    if (c.family == Family::kLlama) s["lm_head.weight"] = {V, D};  // Qwen2: tied, absent
+    if (c.family != Family::kQwen2) s["lm_head.weight"] = {V, D};  // Qwen2: tied, absent
   }
   return s;
 }

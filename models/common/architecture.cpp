@@ -12,7 +12,8 @@
 namespace collider::models::detail {
 
 const std::vector<const Architecture*>& architectures() {
-  static const std::vector<const Architecture*> all{&llama_architecture(), &qwen2_architecture(), &phi_architecture()};
+  static const std::vector<const Architecture*> all{&llama_architecture(), &qwen2_architecture(), &phi_architecture(),
+                                                    &mixtral_architecture()};
   return all;
 }
 
@@ -44,6 +45,14 @@ void validate_config(const ModelConfig& c) {
   if (c.norm_eps <= 0) fail(fmt::format("norm_eps must be positive, got {}", c.norm_eps));
   if (c.rope_theta <= 0) fail(fmt::format("rope_theta must be positive, got {}", c.rope_theta));
   if (c.tie_embeddings && c.lm_head_bias) fail("a tied LM head cannot have a bias (lm_head_bias with tie_embeddings)");
+  if (architecture(c.family).mlp == MlpKind::kMoE) {
+    if (c.num_experts < 2 || c.experts_per_token < 1 || c.experts_per_token > c.num_experts)
+      fail(fmt::format("a mixture of experts needs num_experts >= 2 and 1 <= experts_per_token <= num_experts, got {} "
+                       "and {}",
+                       c.num_experts, c.experts_per_token));
+  } else if (c.num_experts != 0 || c.experts_per_token != 0) {
+    fail(fmt::format("num_experts / experts_per_token are for mixture-of-experts families, not {}", to_string(c.family)));
+  }
 }
 
 std::shared_ptr<NormImpl> build_norm(const ModelConfig& cfg) {
@@ -66,6 +75,8 @@ std::shared_ptr<DecoderLayerImpl> build_decoder_layer(const ModelConfig& cfg) {
   std::shared_ptr<MlpImpl> mlp;
   if (arch.mlp == MlpKind::kSwiGLU)
     mlp = std::make_shared<SwiGluMlpImpl>(cfg.hidden_size, cfg.intermediate_size, cfg.linear_bias);
+  else if (arch.mlp == MlpKind::kMoE)
+    mlp = std::make_shared<MoeMlpImpl>(cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.experts_per_token);
   else
     mlp = std::make_shared<GeluMlpImpl>(cfg.hidden_size, cfg.intermediate_size, cfg.linear_bias);
   if (arch.block == BlockKind::kSequential)

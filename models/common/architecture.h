@@ -1,6 +1,6 @@
 // What distinguishes one architecture from another, as data: which norm, which MLP, which
 // decoder-block shape, the HF names that differ, and the family's presets. Each architecture
-// file (llama.cpp, qwen2.cpp, phi.cpp) defines one Architecture; the generic builder
+// file (llama.cpp, qwen2.cpp, phi.cpp, mixtral.cpp) defines one Architecture; the generic builder
 // (build_decoder_layer) and the analytic parameter / FLOP counts (model.cpp, flops.cpp) read it.
 // The table is explicit (architectures()) rather than filled by static registrars, which a
 // static library's linker would silently drop.
@@ -15,7 +15,7 @@
 namespace collider::models::detail {
 
 enum class NormKind { kRMSNorm, kLayerNorm };
-enum class MlpKind { kSwiGLU, kGeluTanh };  // SwiGLU: 3 matrices D x F; GELU: 2
+enum class MlpKind { kSwiGLU, kGeluTanh, kMoE };  // SwiGLU: 3 matrices D x F; GELU: 2; MoE: X SwiGLU experts
 enum class BlockKind { kSequential, kParallel };
 
 struct Architecture {
@@ -31,6 +31,7 @@ struct Architecture {
 const Architecture& llama_architecture();  // llama.cpp
 const Architecture& qwen2_architecture();  // qwen2.cpp
 const Architecture& phi_architecture();    // phi.cpp
+const Architecture& mixtral_architecture();  // mixtral.cpp
 const std::vector<const Architecture*>& architectures();
 const Architecture& architecture(Family f);
 

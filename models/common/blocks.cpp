@@ -68,6 +68,39 @@ torch::Tensor GeluMlpImpl::forward(const torch::Tensor& x_BTD) const {
   return fc2->forward(torch::gelu(fc1->forward(x_BTD), "tanh"));
 }
 
+MoeMlpImpl::MoeMlpImpl(int64_t hidden, int64_t ffn, int64_t num_experts, int64_t k) : experts_per_token(k) {
+  gate = register_module("gate", Linear(hidden, num_experts, false));
+  auto experts = register_module("experts", std::make_shared<torch::nn::Module>());
+  gate_up_proj = experts->register_parameter("gate_up_proj", torch::zeros({num_experts, 2 * ffn, hidden}));
+  down_proj = experts->register_parameter("down_proj", torch::zeros({num_experts, hidden, ffn}));
+}
+
+torch::Tensor MoeMlpImpl::forward(const torch::Tensor& x_BTD) const {
+  const int64_t B = x_BTD.size(0), T = x_BTD.size(1), D = x_BTD.size(2), X = gate_up_proj.size(0);
+  auto x_MD = x_BTD.reshape({B * T, D});
+  auto probs_MX = torch::softmax(gate->forward(x_MD).to(compute_dtype(x_MD.scalar_type())), -1);
+  auto [top_MK, expert_MK] = torch::topk(probs_MX, experts_per_token, -1);
+  top_MK = top_MK / top_MK.sum(-1, /*keepdim=*/true);
+  auto out_MD = torch::zeros_like(x_MD);
+  for (int64_t e = 0; e < X; ++e) {
+    torch::Tensor tok_R, slot_R;  // the routed tokens' rows and their top-K slot
+    {
+      torch::NoGradGuard no_grad;
+      auto where_R2 = (expert_MK == e).nonzero();
+      if (where_R2.size(0) == 0) continue;
+      tok_R = where_R2.select(1, 0).contiguous();
+      slot_R = where_R2.select(1, 1).contiguous();
+    }
+    auto rows_RD = x_MD.index({tok_R});
+    auto gate_up = torch::nn::functional::linear(rows_RD, gate_up_proj.select(0, e)).chunk(2, -1);
+    auto h_RF = torch::silu(gate_up[0]) * gate_up[1];
+    auto o_RD = torch::nn::functional::linear(h_RF, down_proj.select(0, e));
+    o_RD = o_RD * top_MK.index({tok_R, slot_R}).unsqueeze(-1);
+    out_MD.index_add_(0, tok_R, o_RD.to(out_MD.scalar_type()));
+  }
+  return out_MD.view({B, T, D});
+}
+
 SequentialBlockImpl::SequentialBlockImpl(std::shared_ptr<NormImpl> in_norm, std::shared_ptr<SelfAttentionImpl> attn,
                                          std::shared_ptr<NormImpl> post_norm, std::shared_ptr<MlpImpl> mlp_) {
   self_attn = register_module("self_attn", std::move(attn));

@@ -1,11 +1,11 @@
-// Shared building blocks of the three paper architectures (Llama, Qwen2, Phi): linear and
-// embedding layers, RMSNorm / LayerNorm, SwiGLU / GELU(tanh) MLPs, and the two decoder-block
+// Shared building blocks of the architectures (Llama, Qwen2, Phi, Mixtral): linear and
+// embedding layers, RMSNorm / LayerNorm, SwiGLU / GELU(tanh) / mixture-of-experts MLPs, and the two decoder-block
 // shapes (sequential pre-norm: Llama, Qwen2; parallel: Phi). Attention lives in attention.h,
 // rotary embedding in rotary.h. Numerics follow Hugging Face transformers op for op, so that
 // logits match its checkpoints; submodule names are the HF names (checkpoints map by name).
 // Tested by tests/test_models.cpp.
 // Legend: B batch, T sequence, D hidden, H heads, G kv-heads, E head-dim, F ffn, V vocab,
-// R rotary dims.
+// R rotary dims, M = B*T token rows, X experts, K experts per token, R (MoE) rows routed to one expert.
 #pragma once
 
 #include "models/model.h"
@@ -90,6 +90,22 @@ class GeluMlpImpl : public MlpImpl {
   GeluMlpImpl(int64_t hidden, int64_t ffn, bool bias);
   torch::Tensor forward(const torch::Tensor& x_BTD) const override;
   Linear fc1{nullptr}, fc2{nullptr};
+};
+
+// Mixtral's sparse MoE block (HF MixtralSparseMoeBlock with experts_implementation="eager"): a
+// router gate [X, D], softmax over the X experts (fp32), the top K renormalised to sum to 1; each
+// expert e runs SwiGLU on the rows of the tokens routed to it,
+//   rows_RD = x_MD[tok_R];  h = silu(rows W_gate_e^T) * (rows W_up_e^T);  out_RD = h W_down_e^T * w_R
+// and adds them back, out_MD.index_add_(0, tok_R, out_RD) (M = B*T token rows, R = tokens routed
+// to e). Parameters as HF: gate.weight [X, D], experts.gate_up_proj [X, 2F, D] (gate rows first),
+// experts.down_proj [X, D, F]. An expert that receives no token is skipped, as in HF.
+class MoeMlpImpl : public MlpImpl {
+ public:
+  MoeMlpImpl(int64_t hidden, int64_t ffn, int64_t num_experts, int64_t experts_per_token);
+  torch::Tensor forward(const torch::Tensor& x_BTD) const override;
+  Linear gate{nullptr};
+  torch::Tensor gate_up_proj, down_proj;  // registered under "experts."
+  int64_t experts_per_token;
 };
 
 class SelfAttentionImpl;  // attention.h
