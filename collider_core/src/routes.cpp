@@ -64,8 +64,42 @@ bool is_index_op(const std::string& type) {
          type.find("Gather") != std::string::npos || type.find("MaskedSelect") != std::string::npos;
 }
 
+// Gives node x's fields a routed dimension wherever a dimension has the route's lengths in the
+// two traces (rows_a, rows_b), adding the fields that classify() left without one: a route that
+// received no token in either trace has 0 rows in both, which classify() reads as a constant
+// (no field of a route is empty otherwise). Returns whether the node has routed fields now.
+bool mark_routed_fields(const std::vector<ObservedNode>& oa, const std::vector<ObservedNode>& ob, PlanData& plan,
+                        int x, int64_t rows_a, int64_t rows_b) {
+  NodeSpec& xs = plan.nodes[x];
+  bool any = false;
+  for (size_t k = 0; k < oa[x].fields.size() && k < ob[x].fields.size(); ++k) {
+    const Observed& a = oa[x].fields[k];
+    const Observed& b = ob[x].fields[k];
+    if (!a.defined || !b.defined || a.scalar || a.kind == FieldKind::kStrides || a.values.size() != b.values.size()) {
+      continue;
+    }
+    std::vector<int32_t> dims;
+    for (size_t d = 0; d < a.values.size(); ++d)
+      if (a.values[d] == rows_a && b.values[d] == rows_b) dims.push_back(static_cast<int32_t>(d));
+    if (dims.empty()) continue;
+    if (dims.size() > 1) refuse(xs, x, fmt::format("field {} has two dimensions of a route's length", a.name));
+    FieldSpec* f = field(xs, a.kind, a.name, a.item);
+    if (!f) {
+      ShapeSpec spec;
+      spec.rank = static_cast<int32_t>(a.values.size());
+      spec.dims.push_back(DimSpec{dims[0], DimKind::kRouted, Role::kQuery, 1});
+      xs.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
+    } else if (f->shape.dims.size() != 1 || f->shape.dims[0].dim != dims[0] || !f->shape.dims[0].routed()) {
+      refuse(xs, x, fmt::format("field {} mixes a mixture-of-experts route's rows with other dimensions that scale", a.name));
+    }
+    any = true;
+  }
+  return any;
+}
+
 // The source side of scatter s: row-wise ops on the routed rows down to the gathers.
-void walk_route(const Graph& g, PlanData& plan, int s) {
+void walk_route(const Graph& g, const std::vector<ObservedNode>& oa, const std::vector<ObservedNode>& ob,
+                PlanData& plan, int s, int64_t rows_a, int64_t rows_b) {
   std::vector<int> stack;
   const auto& edges = g.nodes[s]->next_edges();
   if (edges.size() > 1 && edges[1].function) stack.push_back(g.index.at(edges[1].function.get()));
@@ -75,7 +109,7 @@ void walk_route(const Graph& g, PlanData& plan, int s) {
     stack.pop_back();
     if (!seen.insert(x).second) continue;
     NodeSpec& xs = plan.nodes[x];
-    if (!any_routed(xs)) continue;  // off the route (an expert's weight, the router's top-k)
+    if (!mark_routed_fields(oa, ob, plan, x, rows_a, rows_b)) continue;  // off the route (an expert's weight)
     if (xs.type == "IndexBackward0") {
       // The gather: rows of the [B*T, ..] token rows by the route's index (indices_[0]); a second
       // index of routed rows picks along another dimension (the top-k slot of a routing weight).
@@ -120,14 +154,18 @@ void assign_routes(const Graph& g, const std::vector<ObservedNode>& oa, const st
     const FieldSpec* in = ns.find(FieldKind::kInputMeta, 0);
     if (!in || !in->shape.has_token()) continue;  // not into token rows: an unclaimed routed field is refused below
     // The route's length in the two traces: one the batch's own sizes could explain (the same in
-    // both, T, B*T, a multiple of B) would make its rows indistinguishable from those dimensions.
+    // both, T, B*T, a multiple of B) would make its rows indistinguishable from those dimensions,
+    // except 0 in both (an expert that received no token: no other dimension is empty).
+    int64_t rows_a = -1, rows_b = -1;
     for (size_t k = 0; k < oa[s].fields.size(); ++k) {
       const Observed& a = oa[s].fields[k];
       const Observed& b = ob[s].fields[k];
       if (a.name != "index_" || a.values.size() != 1 || b.values.size() != 1) continue;
+      rows_a = a.values[0];
+      rows_b = b.values[0];
       ShapeSpec ordinary;
       std::string why;
-      if (classify(a, b, sa, sb, ordinary, why)) {
+      if (!(rows_a == 0 && rows_b == 0) && classify(a, b, sa, sb, ordinary, why)) {
         throw AmbiguousRoute(fmt::format(
             "trace_plan: an expert of the mixture-of-experts layer at node {} (#{}) received {} and {} tokens in the "
             "two traces (B={}, T={} and B={}, T={}), sizes that cannot be told from the batch's own; trace again "
@@ -135,6 +173,7 @@ void assign_routes(const Graph& g, const std::vector<ObservedNode>& oa, const st
             ns.type, s, a.values[0], b.values[0], sa.B, sa.T, sb.B, sb.T));
       }
     }
+    if (rows_a >= 0) mark_routed_fields(oa, ob, plan, s, rows_a, rows_b);
     FieldSpec* index = field(ns, FieldKind::kSaved, "index_");
     if (!index || !index->shape.has_routed()) {
       refuse(ns, s, "it adds rows into token rows by an index whose length does not follow the batch; collider "
@@ -145,7 +184,7 @@ void assign_routes(const Graph& g, const std::vector<ObservedNode>& oa, const st
     }
     index->shape.dims[0].kind = DimKind::kRoutedPositions;
     claim(ns, s, s);
-    walk_route(g, plan, s);
+    walk_route(g, oa, ob, plan, s, rows_a, rows_b);
   }
   for (const auto& c : candidates) {
     const NodeSpec& ns = plan.nodes[c.node];

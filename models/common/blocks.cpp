@@ -86,8 +86,9 @@ torch::Tensor MoeMlpImpl::forward(const torch::Tensor& x_BTD) const {
     torch::Tensor tok_R, slot_R;  // the routed tokens' rows and their top-K slot
     {
       torch::NoGradGuard no_grad;
+      // An expert that receives no token still runs, on 0 rows (HF skips it): the graph then has
+      // the same nodes whatever the routing, which a plan needs.
       auto where_R2 = (expert_MK == e).nonzero();
-      if (where_R2.size(0) == 0) continue;
       tok_R = where_R2.select(1, 0).contiguous();
       slot_R = where_R2.select(1, 1).contiguous();
     }

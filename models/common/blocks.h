@@ -98,7 +98,8 @@ class GeluMlpImpl : public MlpImpl {
 //   rows_RD = x_MD[tok_R];  h = silu(rows W_gate_e^T) * (rows W_up_e^T);  out_RD = h W_down_e^T * w_R
 // and adds them back, out_MD.index_add_(0, tok_R, out_RD) (M = B*T token rows, R = tokens routed
 // to e). Parameters as HF: gate.weight [X, D], experts.gate_up_proj [X, 2F, D] (gate rows first),
-// experts.down_proj [X, D, F]. An expert that receives no token is skipped, as in HF.
+// experts.down_proj [X, D, F]. An expert that receives no token runs on 0 rows (HF skips it), so
+// that the autograd graph has the same nodes for every routing (a Collider plan replays nodes).
 class MoeMlpImpl : public MlpImpl {
  public:
   MoeMlpImpl(int64_t hidden, int64_t ffn, int64_t num_experts, int64_t experts_per_token);
