@@ -239,18 +239,28 @@ json config_to_hf_json(const ModelConfig& c, torch::ScalarType dtype) {
   j["attention_dropout"] = 0.0;
   switch (c.family) {
     case Family::kLlama:
+    case Family::kMixtral: {  // Mixtral: Llama's attention and norms, a mixture of experts for the MLP
+      const bool moe = c.family == Family::kMixtral;
       if (c.qkv_bias || c.linear_bias || c.lm_head_bias || c.partial_rotary_factor != 1.0)
         throw std::invalid_argument(
-            fmt::format("model '{}': a Llama config with biases or partial rotary has no "
-                        "Hugging Face LlamaForCausalLM equivalent",
-                        c.name));
-      j["architectures"] = {"LlamaForCausalLM"};
-      j["model_type"] = "llama";
+            fmt::format("model '{}': a {} config with biases or partial rotary has no "
+                        "Hugging Face {} equivalent",
+                        c.name, moe ? "Mixtral" : "Llama", moe ? "MixtralForCausalLM" : "LlamaForCausalLM"));
+      j["architectures"] = {moe ? "MixtralForCausalLM" : "LlamaForCausalLM"};
+      j["model_type"] = moe ? "mixtral" : "llama";
       j["hidden_act"] = "silu";
       j["rms_norm_eps"] = c.norm_eps;
-      j["attention_bias"] = false;
-      j["mlp_bias"] = false;
+      if (moe) {
+        j["num_local_experts"] = c.num_experts;
+        j["num_experts_per_tok"] = c.experts_per_token;
+        j["router_jitter_noise"] = 0.0;
+        j["experts_implementation"] = "eager";
+      } else {
+        j["attention_bias"] = false;
+        j["mlp_bias"] = false;
+      }
       break;
+    }
     case Family::kQwen2:
       if (!c.qkv_bias || c.linear_bias || c.lm_head_bias || c.partial_rotary_factor != 1.0)
         throw std::invalid_argument(
@@ -262,21 +272,6 @@ json config_to_hf_json(const ModelConfig& c, torch::ScalarType dtype) {
       j["hidden_act"] = "silu";
       j["rms_norm_eps"] = c.norm_eps;
       j["use_sliding_window"] = false;
-      break;
-    case Family::kMixtral:
-      if (c.qkv_bias || c.linear_bias || c.lm_head_bias || c.partial_rotary_factor != 1.0)
-        throw std::invalid_argument(
-            fmt::format("model '{}': a Mixtral config with biases or partial rotary has no "
-                        "Hugging Face MixtralForCausalLM equivalent",
-                        c.name));
-      j["architectures"] = {"MixtralForCausalLM"};
-      j["model_type"] = "mixtral";
-      j["hidden_act"] = "silu";
-      j["rms_norm_eps"] = c.norm_eps;
-      j["num_local_experts"] = c.num_experts;
-      j["num_experts_per_tok"] = c.experts_per_token;
-      j["router_jitter_noise"] = 0.0;
-      j["experts_implementation"] = "eager";
       break;
     case Family::kPhi:
       if (!c.linear_bias || !c.lm_head_bias || c.tie_embeddings)

@@ -36,22 +36,13 @@ class CloneOnUnpack final : public torch::autograd::SavedVariableHooks {
 };
 
 // Puts every saved tensor of the graph behind CloneOnUnpack.
-class HookEverySaved final : public collider::detail::FieldVisitor {
+class HookEverySaved final : public collider::detail::IgnoringFieldVisitor {
  public:
   int hooked = 0;
   void saved(const char*, torch::autograd::SavedVariable& v) override { hook(v); }
   void saved_list(const char*, std::vector<torch::autograd::SavedVariable>& vs) override {
     for (auto& v : vs) hook(v);
   }
-  void sizes(const char*, std::vector<c10::SymInt>&) override {}
-  void sizes_list(const char*, std::vector<std::vector<c10::SymInt>>&) override {}
-  void symint(const char*, c10::SymInt&) override {}
-  void opt_symint(const char*, std::optional<c10::SymInt>&) override {}
-  void opt_sizes(const char*, c10::OptionalArray<c10::SymInt>&) override {}
-  void int_sizes(const char*, std::vector<int64_t>&) override {}
-  void type_and_size(const char*, torch::autograd::generated::TypeAndSize&) override {}
-  void geometry(const char*, at::TensorGeometry&) override {}
-  void int64(const char*, int64_t&) override {}
 
  private:
   void hook(torch::autograd::SavedVariable& v) {

@@ -32,6 +32,21 @@ struct FieldVisitor {
   virtual void int64(const char* name, int64_t& v) = 0;
 };
 
+// A visitor that ignores every field; derive and override the kinds you read.
+struct IgnoringFieldVisitor : FieldVisitor {
+  void saved(const char*, SavedVariable&) override {}
+  void saved_list(const char*, std::vector<SavedVariable>&) override {}
+  void sizes(const char*, std::vector<c10::SymInt>&) override {}
+  void sizes_list(const char*, std::vector<std::vector<c10::SymInt>>&) override {}
+  void symint(const char*, c10::SymInt&) override {}
+  void opt_symint(const char*, std::optional<c10::SymInt>&) override {}
+  void opt_sizes(const char*, c10::OptionalArray<c10::SymInt>&) override {}
+  void int_sizes(const char*, std::vector<int64_t>&) override {}
+  void type_and_size(const char*, torch::autograd::generated::TypeAndSize&) override {}
+  void geometry(const char*, at::TensorGeometry&) override {}
+  void int64(const char*, int64_t&) override {}
+};
+
 struct NodeFields {
   const char* node_name;
   void (*visit)(torch::autograd::Node* node, FieldVisitor& v);

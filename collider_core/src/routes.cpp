@@ -224,21 +224,11 @@ void assign_routes(const Graph& g, const std::vector<ObservedNode>& oa, const st
 namespace {
 
 // Finds a node's saved `index_`.
-struct IndexField final : FieldVisitor {
+struct IndexField final : IgnoringFieldVisitor {
   SavedVariable* index = nullptr;
   void saved(const char* name, SavedVariable& v) override {
     if (std::string(name) == "index_") index = &v;
   }
-  void saved_list(const char*, std::vector<SavedVariable>&) override {}
-  void sizes(const char*, std::vector<c10::SymInt>&) override {}
-  void sizes_list(const char*, std::vector<std::vector<c10::SymInt>>&) override {}
-  void symint(const char*, c10::SymInt&) override {}
-  void opt_symint(const char*, std::optional<c10::SymInt>&) override {}
-  void opt_sizes(const char*, c10::OptionalArray<c10::SymInt>&) override {}
-  void int_sizes(const char*, std::vector<int64_t>&) override {}
-  void type_and_size(const char*, torch::autograd::generated::TypeAndSize&) override {}
-  void geometry(const char*, at::TensorGeometry&) override {}
-  void int64(const char*, int64_t&) override {}
 };
 
 }  // namespace
