@@ -53,8 +53,8 @@ struct ModelConfig {
   int64_t num_params() const;  // analytic, counted from the fields (tied head counted once)
 };
 
-// Every preset: the three paper models, their CPU-scale `-mini` versions (and tinyllama-micro for
-// the utility table) and `-debug` sizes.
+// Every preset: the three paper models and their CPU-scale `-mini` versions, the mixture of
+// experts mixtral-mini (CPU scale), tinyllama-micro for the utility table, and `-debug` sizes.
 const std::vector<ModelConfig>& presets();
 // Throws std::invalid_argument listing the known names when `name` is unknown.
 const ModelConfig& preset(const std::string& name);
