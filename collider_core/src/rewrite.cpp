@@ -208,14 +208,18 @@ struct CacheKey {
   std::vector<int64_t> sizes;
   bool padding_keys_zeroed = false;  // a cut whose padding keys are zeroed is shared apart
   int64_t cut_numel = -1;            // what it is cut to; -1: packed rows (cut_saved_packed)
+  bool route_positions = false;      // a route's index, whose cut rewrites its values (routes.h)
   bool operator<(const CacheKey& o) const {
-    return std::tie(data, numel, dtype, strides, sizes, padding_keys_zeroed, cut_numel) <
-           std::tie(o.data, o.numel, o.dtype, o.strides, o.sizes, o.padding_keys_zeroed, o.cut_numel);
+    return std::tie(data, numel, dtype, strides, sizes, padding_keys_zeroed, cut_numel, route_positions) <
+           std::tie(o.data, o.numel, o.dtype, o.strides, o.sizes, o.padding_keys_zeroed, o.cut_numel,
+                    o.route_positions);
   }
 };
 
-CacheKey key_of(const torch::Tensor& t, bool with_strides, bool padding_keys_zeroed, int64_t cut_numel) {
-  CacheKey key{t.data_ptr(), t.numel(), static_cast<int>(t.scalar_type()), {}, {}, padding_keys_zeroed, cut_numel};
+CacheKey key_of(const torch::Tensor& t, bool with_strides, bool padding_keys_zeroed, int64_t cut_numel,
+                bool route_positions = false) {
+  CacheKey key{t.data_ptr(),      t.numel(), static_cast<int>(t.scalar_type()), {}, {}, padding_keys_zeroed,
+               cut_numel,         route_positions};
   if (with_strides) {
     key.strides = t.strides().vec();
     key.sizes = t.sizes().vec();
@@ -422,7 +426,7 @@ class Rewriter {
     // its view of the contiguous cut); any other is shared only by its own sizes and strides.
     // Broadcast fields (pad_rank > 0) are cut apart.
     std::optional<CacheKey> key;
-    if (spec.pad_rank == 0) key = key_of(t, !t.is_contiguous(), zero_padding_keys, want_numel);
+    if (spec.pad_rank == 0) key = key_of(t, !t.is_contiguous(), zero_padding_keys, want_numel, spec.has_route_positions());
     if (key) {
       if (auto it = cache_.find(*key); it != cache_.end()) {
         return CutRef{it->second, t.is_contiguous() ? want : std::vector<int64_t>{}};

@@ -97,14 +97,14 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
   plan.batch_b = sb.B;
   plan.seq_b = sb.T;
   const size_t n = ga.nodes.size();
+  // transformers' eager experts skip an expert that receives no token: a mixture-of-experts graph
+  // (scatters back into token rows) differs then, and other random tokens may use them all.
+  auto scatters = [](const Graph& g) {
+    for (const auto& node : g.nodes)
+      if (node->name() == "IndexAddBackward0") return true;
+    return false;
+  };
   if (gb.nodes.size() != n) {
-    // transformers' eager experts skip an expert that receives no token: a mixture-of-experts
-    // graph (scatters back into token rows) differs then, and other random tokens may use them all.
-    auto scatters = [](const Graph& g) {
-      for (const auto& node : g.nodes)
-        if (node->name() == "IndexAddBackward0") return true;
-      return false;
-    };
     if (scatters(ga) || scatters(gb)) {
       throw AmbiguousRoute(fmt::format(
           "trace_plan: the loss graph has {} nodes for (B={}, T={}) but {} for (B={}, T={}): an expert of a "
@@ -121,6 +121,12 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
     oa[i] = observe(ga.nodes[i]);
     ob[i] = observe(gb.nodes[i]);
     if (oa[i].type != ob[i].type || oa[i].fields.size() != ob[i].fields.size()) {
+      if (scatters(ga)) {
+        throw AmbiguousRoute(fmt::format(
+            "trace_plan: node #{} is {} in one trace and {} in the other: an expert of a mixture-of-experts layer "
+            "received no token in one trace; trace with more tokens (TraceOptions)",
+            i, oa[i].type, ob[i].type));
+      }
       throw Error(
           fmt::format("trace_plan: node #{} is {} in one trace and {} in the other; the graph must not "
                       "depend on the batch or sequence size",
