@@ -507,13 +507,16 @@ void TokenIndex::add_route(int32_t id, const torch::Tensor& positions_R) {
           id, lo, hi, B_ * T_, B_, T_));
     }
   }
-  // Row of [B*T] -> row of the cut [B*N] (-1 where cut away).
-  auto rows_BN = (torch::arange(B_, torch::kLong) * T_).unsqueeze(1) + idx_BN_.cpu();
-  auto cut_row = torch::full({B_ * T_}, -1, torch::kLong);
-  cut_row.index_put_({rows_BN.reshape(-1)}, torch::arange(B_ * N_, torch::kLong));
-  auto keep_M = keep_BT_.reshape(-1).to(dev);
-  r.kept_K = keep_M.index_select(0, positions_R).nonzero().squeeze(1);
-  r.cut_positions_K = cut_row.to(dev).index_select(0, positions_R.index_select(0, r.kept_K));
+  // Row of [B*T] -> row of the cut [B*N] (-1 where cut away), built once for every route.
+  if (!cut_row_M_.defined()) {
+    auto rows_BN = (torch::arange(B_, torch::kLong) * T_).unsqueeze(1) + idx_BN_.cpu();
+    cut_row_M_ = torch::full({B_ * T_}, -1, torch::kLong);
+    cut_row_M_.index_put_({rows_BN.reshape(-1)}, torch::arange(B_ * N_, torch::kLong));
+    cut_row_M_ = cut_row_M_.to(dev);
+    keep_M_ = keep_BT_.reshape(-1).to(dev);
+  }
+  r.kept_K = keep_M_.index_select(0, positions_R).nonzero().squeeze(1);
+  r.cut_positions_K = cut_row_M_.index_select(0, positions_R.index_select(0, r.kept_K));
   routes_[id] = std::move(r);
 }
 

@@ -113,6 +113,7 @@ class TokenIndex {
   std::vector<std::unique_ptr<TokenIndex>> rows_;  // row(b), built on first use
   std::vector<torch::Tensor> live_slots_;          // [B] x int64 [N_b], ragged only
   std::map<int32_t, Route> routes_;                // add_route
+  torch::Tensor cut_row_M_, keep_M_;               // add_route: [B*T] row -> cut row (-1: cut away); the mask flat
 };
 
 }  // namespace collider::detail

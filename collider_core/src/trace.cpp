@@ -162,12 +162,10 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
       } else if (!why.empty()) {
         // Its saved fields, which help whoever extends the rewriter, only under COLLIDER_DEBUG_PLAN=1:
         // the message itself stays short enough to read (node, reason, what to do).
-        const bool routed = ns.type == "IndexAddBackward0" || ns.type == "IndexBackward0" ||
-                            ns.type == "TopkBackward0" || ns.type == "SortBackward0";
+        // (A size that follows neither B nor T reaches here only with a rank that differs between
+        // the traces; a routed one is assign_routes' to refuse, with its advice.)
         throw Error(fmt::format(
-            "collider cannot rewrite node {} (#{}): field {} {}.{}{}", ns.type, i, a.name, why,
-            routed ? " Tokens routed by data (a mixture-of-experts layer) are not filtered yet; use method loss_only"
-                   : "",
+            "collider cannot rewrite node {} (#{}): field {} {}.{}", ns.type, i, a.name, why,
             debug_plan() ? fmt::format(" Saved fields: {}", oa[i].described.empty() ? "(none)" : oa[i].described)
                          : std::string()));
       }
