@@ -174,4 +174,45 @@ TEST(Plan, FusedAttentionWithBiasOrMaskIsFiltered) {
   }
 }
 
+// A tensor assembled in place from two parts along its last dimension (x[..., :n].copy_(a),
+// x[..., n:].copy_(b), as DeepSeek's latent attention builds its keys): its CopySlices nodes are
+// cut, and the filtered gradient equals the masked method's. Another op written in place into a
+// slice (mul_) is refused with the graph untouched.
+TEST(Plan, SliceWrittenInPlaceIsCut) {
+  torch::manual_seed(4);
+  auto wa = torch::randn({8, 4}, torch::dtype(torch::kDouble).requires_grad(true));
+  auto wb = torch::randn({8, 4}, torch::dtype(torch::kDouble).requires_grad(true));
+  auto loss_of = [&](const torch::Tensor& x_BTD, const torch::Tensor& keep_BT, bool mul) {
+    auto k = torch::empty({x_BTD.size(0), x_BTD.size(1), 8}, torch::kDouble);
+    k.narrow(2, 0, 4).copy_(x_BTD.matmul(wa));
+    k.narrow(2, 4, 4).copy_(x_BTD.matmul(wb).tanh());
+    if (mul) k.narrow(2, 4, 4).mul_(2);
+    return ((k * k).sum(2) * keep_BT.to(torch::kDouble)).sum();
+  };
+  auto trace = [&](bool mul) {
+    return trace_plan([&](int64_t B, int64_t T) {
+      return loss_of(torch::randn({B, T, 8}, torch::kDouble), torch::ones({B, T}, torch::kBool), mul);
+    });
+  };
+  Plan plan = trace(false);
+  auto x = torch::randn({3, 17, 8}, torch::kDouble);
+  auto keep = random_keep(3, 17, 0.5, 2);
+  for (auto method : {0, 1}) {
+    std::vector<torch::Tensor> got;
+    for (auto fn : {&filter_backward, &mask_backward}) {
+      wa.mutable_grad() = torch::Tensor();
+      wb.mutable_grad() = torch::Tensor();
+      auto loss = loss_of(x, keep, false);
+      auto stats = (*fn)(loss, keep, plan, {method ? AttentionGrad::kExactQuery : AttentionGrad::kKeptOnly});
+      if (fn == &filter_backward) EXPECT_GT(stats.nodes_rewritten, 2);
+      loss.backward();
+      got.push_back(torch::cat({wa.grad().flatten(), wb.grad().flatten()}));
+    }
+    EXPECT_TRUE(torch::allclose(got[0], got[1], 1e-9, 1e-12)) << (got[0] - got[1]).abs().max().item<double>();
+  }
+  auto refused = error_of([&] { trace(true); });
+  EXPECT_NE(refused.find("not copy_"), std::string::npos) << refused;
+  EXPECT_LE(refused.size(), 300u) << refused;
+}
+
 }  // namespace

@@ -18,6 +18,11 @@ namespace {
 // mask closes gives 0, not NaN) has softmax's backward and saved fields.
 bool is_softmax(const std::string& t) { return t == "SoftmaxBackward0" || t == "SafeSoftmaxBackward0"; }
 bool is_bmm(const std::string& t) { return t == "BmmBackward0"; }
+// Q K^T may carry an additive bias: BLOOM's ALiBi, bias.baddbmm(Q, K^T) (its operands batch1, batch2).
+bool is_qk_matmul(const std::string& t) { return is_bmm(t) || t == "BaddbmmBackward0"; }
+bool is_key_operand(const std::string& type, const std::string& field) {
+  return field.rfind(type == "BaddbmmBackward0" ? "batch2" : "mat2", 0) == 0;
+}
 bool is_shape_or_scale(const std::string& t) {
   static const std::set<std::string> k = {
       "ToCopyBackward0",       "ExpandBackward0", "ViewBackward0",       "UnsafeViewBackward0",
@@ -47,7 +52,7 @@ AttentionCoreNodes locate_attention_core(const Graph& g, const PlanData& plan, i
       }
     }
     if (next < 0) break;
-    if (is_bmm(type(next))) {
+    if (is_qk_matmul(type(next))) {
       core.qk = next;
       break;
     }
@@ -101,11 +106,11 @@ void find_attention_cores(const Graph& g, PlanData& plan) {
     for (int c : core) plan.nodes[c].attention_core = true;
     ++plan.num_attention_cores;
     // Roles: in core nodes a field with two token dims is [.., Tq, Tk]; in the matmuls the
-    // second operand (mat2: K^T or V) is key-side.
+    // second operand (mat2, baddbmm's batch2: K^T or V) is key-side.
     for (int c : core) {
       for (auto& f : plan.nodes[c].fields) {
         auto toks = token_dims(f.shape);
-        const bool mat2 = f.name.rfind("mat2", 0) == 0;
+        const bool mat2 = is_key_operand(type(c), f.name);
         int seen = 0;
         for (auto& d : f.shape.dims) {
           if (d.kind != DimKind::kToken) continue;
@@ -117,16 +122,18 @@ void find_attention_cores(const Graph& g, PlanData& plan) {
         }
       }
     }
-    // Gradient edges into K^T (qk, edge 1) and V (pv, edge 1) carry all key rows.
+    // Gradient edges into K^T (qk, edge 1; baddbmm's edge 2, after the bias) and V (pv, edge 1)
+    // carry all key rows.
     for (int m : {qk, pv}) {
+      const bool baddbmm = type(m) == "BaddbmmBackward0";
       const FieldSpec* sizes = nullptr;
       for (const auto& f : plan.nodes[m].fields)
-        if ((f.name == "mat2_" || f.name == "mat2_sym_sizes") && !sizes) sizes = &f;
+        if ((f.name == (baddbmm ? "batch2_" : "mat2_") || f.name == "mat2_sym_sizes") && !sizes) sizes = &f;
       if (!sizes) {
         problems.push_back(fmt::format("matmul node #{} has no token-shaped mat2 sizes", m));
         continue;
       }
-      plan.inserts.push_back(EdgeInsert{m, 1, sizes->shape});
+      plan.inserts.push_back(EdgeInsert{m, baddbmm ? 2 : 1, sizes->shape});
     }
   }
   // Every two-token-dim field outside a recognised core, and every SDPA node, blocks exact_query.

@@ -5,6 +5,7 @@
 
 #include "node_fields.h"
 #include "passthrough.h"
+#include "slices.h"
 
 #include <fmt/format.h>
 
@@ -90,6 +91,12 @@ ObservedNode observe(const std::shared_ptr<torch::autograd::Node>& node) {
     out.described = "ctx.saved_tensors";
     RecordVisitor rec(out, node);
     rec.saved_list("ctx.saved_tensors", *saved);
+  } else if (auto* cs = as_copy_slices(*node)) {  // x[..., :n].copy_(y): its two geometries' sizes (slices.h)
+    out.described = copy_slices_unsupported(*cs);
+    if (out.described.empty()) {
+      out.fields.push_back(Observed{"slice:base", FieldKind::kSizes, 0, to_ints(cs->base.sym_sizes())});
+      out.fields.push_back(Observed{"slice:view", FieldKind::kSizes, 0, to_ints(cs->view.sym_sizes())});
+    }
   }
   for (uint32_t i = 0; i < node->num_inputs(); ++i) {
     const auto& meta = node->input_metadata(i);

@@ -1,8 +1,13 @@
 // Non-ATen autograd nodes (see passthrough.h): the passthrough registry, a set of node names
-// behind a mutex, and the reader of Python custom Functions' saved tensors.
+// behind a mutex, the reader of Python custom Functions' saved tensors, and their row check.
 #include "passthrough.h"
 
+#include "node_fields.h"
+#include "token_index.h"
+
 #include <collider/collider.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <atomic>
 #include <mutex>
@@ -39,6 +44,72 @@ void set_custom_saved_reader(CustomSavedReader r) { reader().store(r); }
 std::vector<torch::autograd::SavedVariable>* custom_saved(torch::autograd::Node& node) {
   CustomSavedReader r = reader().load();
   return r ? r(node) : nullptr;
+}
+
+std::string row_mismatch(const std::shared_ptr<torch::autograd::Node>& node, const NodeSpec& spec,
+                         const std::vector<const FieldSpec*>& output_specs, int64_t B, int64_t T) {
+  using torch::autograd::SavedVariable;
+  auto* saved = custom_saved(*node);
+  if (!saved) return "its saved tensors cannot be read";
+  torch::NoGradGuard no_grad;
+  // Every third position dropped, shifted per row: each row keeps and drops some.
+  auto keep_BT = (torch::arange(T).unsqueeze(0) + torch::arange(B).unsqueeze(1)).remainder(3) != 1;
+  TokenIndex ix(keep_BT);
+  torch::manual_seed(0x5eed);
+  torch::autograd::variable_list full_in, cut_in;
+  for (uint32_t i = 0; i < node->num_inputs(); ++i) {
+    const auto& meta = node->input_metadata(i);
+    auto g = torch::randn(to_ints(meta.shape_as_dim_vector()), meta.options());
+    const FieldSpec* f = spec.find(FieldKind::kInputMeta, static_cast<int32_t>(i));
+    full_in.push_back(g);
+    cut_in.push_back(f ? ix.cut(g, f->shape, true) : g);
+  }
+  torch::autograd::variable_list full_out;
+  try {
+    full_out = (*node)(std::move(full_in));
+  } catch (const std::exception& e) {
+    return "its backward fails when run on the traced batch (" +
+           std::string(e.what()).substr(0, std::string(e.what()).find('\n')) + ")";
+  }
+  // The saved tensors cut in place for the second run, put back after it.
+  std::vector<std::pair<size_t, SavedVariable>> originals;
+  for (const auto& f : spec.fields) {
+    if (f.kind != FieldKind::kSaved || f.item < 0 || static_cast<size_t>(f.item) >= saved->size()) continue;
+    auto& slot = (*saved)[f.item];
+    auto cut = ix.cut(slot.unpack(node), f.shape, true);
+    originals.emplace_back(f.item, std::move(slot));
+    slot = SavedVariable(cut, false);
+  }
+  torch::autograd::variable_list cut_out;
+  std::string error;
+  try {
+    cut_out = (*node)(std::move(cut_in));
+  } catch (const std::exception& e) {
+    error = std::string(e.what()).substr(0, std::string(e.what()).find('\n'));
+  }
+  for (auto& [item, original] : originals) (*saved)[item] = std::move(original);
+  if (!error.empty()) return "its backward fails on cut rows (" + error + ")";
+  if (cut_out.size() != full_out.size()) return "its backward returns a different number of gradients on cut rows";
+  for (size_t j = 0; j < full_out.size(); ++j) {
+    if (!full_out[j].defined() && !cut_out[j].defined()) continue;
+    if (full_out[j].defined() != cut_out[j].defined()) return fmt::format("gradient {} is defined in one run only", j);
+    const FieldSpec* f = j < output_specs.size() ? output_specs[j] : nullptr;
+    if (!f) return fmt::format("gradient {} has no token dimension (a sum over rows, which cut rows would change)", j);
+    auto want = ix.cut(full_out[j], f->shape, true);
+    if (want.sizes() != cut_out[j].sizes()) {
+      return fmt::format("gradient {} is [{}] on cut rows, not [{}]", j, fmt::join(cut_out[j].sizes(), ", "),
+                         fmt::join(want.sizes(), ", "));
+    }
+    const auto dtype = want.scalar_type();
+    const double eps = dtype == torch::kDouble ? 1e-12 : dtype == torch::kFloat ? 1e-5 : 1e-2;
+    const double scale = want.numel() ? want.abs().max().item<double>() : 0.0;
+    const double diff = want.numel() ? (want - cut_out[j]).abs().max().item<double>() : 0.0;
+    if (diff > eps * std::max(scale, 1.0)) {
+      return fmt::format("gradient {} on cut rows differs from the kept rows of the full backward (by {:.3g})", j,
+                         diff);
+    }
+  }
+  return {};
 }
 
 bool is_reentrant_checkpoint(const std::string& name) { return name == "CheckpointFunctionBackward"; }

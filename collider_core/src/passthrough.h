@@ -5,10 +5,15 @@
 //   - the saved tensors of a Python torch.autograd.Function node (what ctx.save_for_backward
 //     kept): the core has no Python, so the Python module installs a reader
 //     (python/src/bindings.cpp); without it they are unknown.
-// trace_plan uses both to refuse a node whose backward would read full-length rows (plan checks
+//   - the row check of a Python custom Function with token-shaped inputs or saved tensors
+//     (BLOOM's GELU): trace_plan runs its backward on the traced batch twice, as traced and cut to a
+//     keep mask, and takes it (its saved tensors cut like any op's) only where the two agree.
+// trace_plan uses them to refuse a node whose backward would read full-length rows (plan checks
 // in trace.cpp), filter_backward checks a registered node again. Tests: tests/test_core_plan.cpp,
 // python/tests/test_api.py, python/tests/test_checkpointing.py.
 #pragma once
+
+#include "plan_impl.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -25,6 +30,14 @@ bool is_passthrough(const std::string& name);
 using CustomSavedReader = std::vector<torch::autograd::SavedVariable>* (*)(torch::autograd::Node& node);
 void set_custom_saved_reader(CustomSavedReader reader);
 std::vector<torch::autograd::SavedVariable>* custom_saved(torch::autograd::Node& node);
+
+// A Python custom Function's backward run on the traced batch (B, T) twice: as traced, and with its
+// token-shaped saved tensors (spec's kSaved fields) and gradients cut to a fixed keep mask, the
+// gradients it returns (shaped by output_specs, one per next edge, nullptr where the edge carries
+// no token dimension) compared on the kept rows. Empty when they agree (the node maps rows one to
+// one and may be cut like an ATen op), else what differs. The node is left as it was.
+std::string row_mismatch(const std::shared_ptr<torch::autograd::Node>& node, const NodeSpec& spec,
+                         const std::vector<const FieldSpec*>& output_specs, int64_t B, int64_t T);
 
 // Reentrant activation checkpointing's node (torch.utils.checkpoint with use_reentrant=True): it
 // recomputes its block inside the backward, in a graph the plan never saw.

@@ -22,6 +22,7 @@
 #include "plan_impl.h"
 #include "routes.h"
 #include "row_attention.h"
+#include "slices.h"
 #include "saved_cut.h"
 #include "sdpa.h"
 #include "token_index.h"
@@ -553,6 +554,18 @@ class Rewriter::Apply final : public FieldVisitor {
   void geometry(const char*, at::TensorGeometry&) override {}
   void int64(const char*, int64_t&) override {}
 
+  // CopySlices: its two geometries, cut together (slices.h).
+  void copy_slices(torch::autograd::CopySlices& cs) {
+    const FieldSpec* base = find("slice:base", 0, FieldKind::kSizes);
+    const FieldSpec* view = find("slice:view", 0, FieldKind::kSizes);
+    if (!base || !view) return;
+    if (auto why = copy_slices_unsupported(cs); !why.empty()) mismatch(*base, why);
+    auto cut = cut_copy_slices(cs, apply_sizes(*base, to_ints(cs.base.sym_sizes())),
+                               apply_sizes(*view, to_ints(cs.view.sym_sizes())));
+    assign(cs.base, std::move(cut.first));
+    assign(cs.view, std::move(cut.second));
+  }
+
   void inputs() {
     for (const auto& f : spec_.fields) {
       if (f.kind != FieldKind::kInputMeta) continue;
@@ -686,7 +699,13 @@ class Rewriter::Apply final : public FieldVisitor {
 
 void Rewriter::rewrite_node(const std::shared_ptr<Node>& node, const NodeSpec& spec, int index) {
   Apply apply(*this, node, spec, index);
-  if (const NodeFields* nf = find_node_fields(*node)) nf->visit(node.get(), apply);
+  if (const NodeFields* nf = find_node_fields(*node)) {
+    nf->visit(node.get(), apply);
+  } else if (auto* saved = custom_saved(*node)) {  // a Python custom Function trace_plan ran row for row
+    apply.saved_list("ctx.saved_tensors", *saved);
+  } else if (auto* cs = as_copy_slices(*node)) {  // x[..., :n].copy_(y) (slices.h)
+    apply.copy_slices(*cs);
+  }
   apply.inputs();
   if (apply.changed) ++stats_.nodes_rewritten;
 }
@@ -833,21 +852,22 @@ RewrittenGraphs& rewritten_graphs() {
   return r;
 }
 
-// A node declared passthrough must save nothing token-shaped (checked by trace_plan too, where a
-// Python custom Function's saved tensors are visible; a plan read from text skipped that).
+// A Python custom Function must save nothing token-shaped beyond what the plan cuts (trace_plan
+// ran those row for row; a plan read from text, or a node registered passthrough, skipped that).
 void check_passthrough_nodes(const Graph& g, const PlanData& plan, const TokenIndex& ix, const char* who) {
   for (size_t i = 0; i < g.nodes.size(); ++i) {
     if (plan.nodes[i].fields.empty() || find_node_fields(*g.nodes[i])) continue;
     auto* saved = custom_saved(*g.nodes[i]);
     if (!saved) continue;
-    for (const auto& v : *saved) {
-      auto raw = v.get_raw_data();
+    for (size_t k = 0; k < saved->size(); ++k) {
+      if (plan.nodes[i].find(FieldKind::kSaved, static_cast<int32_t>(k))) continue;
+      auto raw = (*saved)[k].get_raw_data();
       if (!raw || !raw->defined()) continue;
       for (int64_t size : raw->sizes()) {
         if (size != ix.T() && size != ix.B() * ix.T()) continue;
         throw Error(fmt::format(
-            "{}: node #{} {} is declared passthrough but saves a token-shaped tensor ([{}]), which its backward "
-            "would read at full length; write it with torch operations",
+            "{}: node #{} {} saves a token-shaped tensor ([{}]) the plan does not cut, which its backward "
+            "would read at full length; re-trace the plan, or write the op with torch operations",
             who, i, plan.nodes[i].type, fmt::join(raw->sizes(), ", ")));
       }
     }

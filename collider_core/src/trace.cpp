@@ -16,6 +16,7 @@
 #include "passthrough.h"
 #include "plan_impl.h"
 #include "routes.h"
+#include "slices.h"
 #include "sdpa.h"
 
 #include <fmt/format.h>
@@ -24,6 +25,7 @@
 #include <cstdlib>
 #include <deque>
 #include <optional>
+#include <set>
 #include <vector>
 
 namespace collider {
@@ -90,6 +92,32 @@ void refuse_token_gradients_born_opaque(const Graph& g, const PlanData& plan) {
 
 }  // namespace
 
+// Python custom Functions with token-shaped inputs or saved tensors (BLOOM's GELU) are cut like an
+// ATen op where their backward maps rows one to one: rows only (no key or routed dimension), every
+// gradient they return token-shaped, and the backward run on cut rows giving the full run's kept
+// rows (passthrough.h: row_mismatch).
+void check_python_functions(const Graph& g, const PlanData& plan, const std::set<int>& nodes, Sizes s) {
+  for (int i : nodes) {
+    const NodeSpec& ns = plan.nodes[i];
+    std::string why;
+    for (const auto& f : ns.fields)
+      if (why.empty() && (f.shape.has_routed() || token_dims(f.shape).size() > 1))
+        why = fmt::format("field {} has more than one token dimension", f.name);
+    std::vector<const FieldSpec*> outputs;
+    for (const auto& e : g.nodes[i]->next_edges()) {
+      outputs.push_back(e.function ? plan.nodes[g.index.at(e.function.get())].find(
+                                         FieldKind::kInputMeta, static_cast<int32_t>(e.input_nr))
+                                   : nullptr);
+    }
+    if (why.empty()) why = row_mismatch(g.nodes[i], ns, outputs, s.B, s.T);
+    if (why.empty()) continue;
+    throw Error(fmt::format(
+        "collider cannot filter through node {} (#{}): a custom autograd Function whose backward does not map "
+        "gradient rows one to one ({}; run on the traced batch). Write the op with torch operations",
+        ns.type, i, why));
+  }
+}
+
 PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
   PlanData plan;
   plan.batch_a = sa.B;
@@ -137,6 +165,7 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
   // Raw classification.
   std::vector<std::vector<std::vector<int64_t>>> values(n);  // trace-a values per kept field
   std::vector<RoutedCandidate> candidates;                    // fields taken as routed (routes.h)
+  std::set<int> python_functions;                             // Python custom Functions with token fields
   for (size_t i = 0; i < n; ++i) {
     NodeSpec& ns = plan.nodes[i];
     ns.type = oa[i].type;
@@ -180,13 +209,22 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
                         "and filter the model and loss without torch.compile.",
                         ns.type, i));
       }
+      // A Python custom Function (its saved tensors visible): taken if its backward maps rows one to
+      // one, which check_python_functions runs it to see once the fields are classified. One
+      // declared passthrough is not run (DDP's and FSDP2's queue work for the end of the backward).
+      if (!oa[i].generated && custom_saved(*ga.nodes[i]) && !is_passthrough(ns.type) &&
+          (a.kind == FieldKind::kSaved || a.kind == FieldKind::kInputMeta)) {
+        python_functions.insert(static_cast<int>(i));
+        ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
+        values[i].push_back(a.values);
+        continue;
+      }
       if (!oa[i].generated && a.kind == FieldKind::kSaved) {
         throw Error(fmt::format(
-            "collider cannot filter through node {} (#{}): a custom autograd Function that saves a token-shaped "
-            "tensor (ctx.save_for_backward, [{}]), which its backward would read at full length{}. Write the op "
-            "with torch operations, or save nothing token-shaped",
-            ns.type, i, fmt::join(a.values, ", "),
-            is_passthrough(ns.type) ? "; registering it as a passthrough node does not make that safe" : ""));
+            "collider cannot filter through node {} (#{}): declared passthrough, but it saves a token-shaped tensor "
+            "([{}]), which its backward would read at full length; registering it does not make that safe. Write "
+            "the op with torch operations",
+            ns.type, i, fmt::join(a.values, ", ")));
       }
       if (a.scalar) {
         if (a.name.find("numel") != std::string::npos) continue;  // a divisor fixed by the forward (mean)
@@ -203,24 +241,25 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
                         ns.type, i, a.name.substr(9)));
       }
       if (ns.type == "torch::autograd::CopySlices" && a.kind == FieldKind::kInputMeta) {
-        throw Error(fmt::format(
-            "collider cannot rewrite node {} (#{}): an in-place write into a slice of a token-shaped tensor "
-            "(x[..., :n] = y, as DeepSeek's latent attention assembles its keys), whose geometry collider does not "
-            "cut. Build the tensor with torch.cat",
-            ns.type, i));
+        if (!oa[i].described.empty()) {  // slices.h: the cases it cuts
+          throw Error(fmt::format(
+              "collider cannot rewrite node {} (#{}): an in-place write into a slice of a token-shaped tensor "
+              "that collider does not cut ({}). Build the tensor with torch.cat",
+              ns.type, i, oa[i].described));
+        }
+        ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
+        values[i].push_back(a.values);
+        continue;
       }
       if (!oa[i].generated && a.kind == FieldKind::kInputMeta && !is_passthrough(ns.type) &&
           ns.type != "torch::autograd::AccumulateGrad") {
-        // Advice to register it only where the process can see that it saves nothing token-shaped
-        // (a Python custom Function); otherwise the contract is the user's to check.
-        const bool seen = custom_saved(*ga.nodes[i]) != nullptr;
+        // A node of C++ code (a Python custom Function is checked by running it, above): the contract
+        // is the user's to check.
         throw Error(fmt::format(
-            "collider cannot rewrite node {} (#{}): not an ATen op, and its input has token dimensions. {}"
+            "collider cannot rewrite node {} (#{}): not an ATen op, and its input has token dimensions. Only if "
+            "it saves nothing token-shaped and its backward maps gradient rows one to one, "
             "collider.register_passthrough_node(\"{}\") declares it safe",
-            ns.type, i,
-            seen ? "It saves nothing token-shaped; if its backward maps gradient rows one to one, "
-                 : "Only if it saves nothing token-shaped and its backward maps gradient rows one to one, ",
-            ns.type));
+            ns.type, i, ns.type));
       }
       if (token_mixing_nodes().count(ns.type) && along_token_dim(oa[i], a, spec) &&
           !is_cat_onto_empty(oa[i], ob[i], sa, sb)) {
@@ -267,6 +306,7 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
     }
     node_ref[i] = ref;
   }
+  check_python_functions(ga, plan, python_functions, sa);
   find_attention_cores(ga, plan);
   return plan;
 }

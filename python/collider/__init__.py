@@ -271,11 +271,25 @@ def kept_total(valid: torch.Tensor, filter_ratio: float, policy: str = "per_sequ
 
 
 def register_passthrough_node(name: str) -> None:
-    """Declares a custom autograd node (by its grad_fn name, e.g. a torch.autograd.Function's
-    "MyOpBackward") safe to pass through: it saves nothing token-shaped and maps gradients row for
-    row. Without it such nodes are refused by trace_plan. trace_plan still refuses a Python custom
-    Function that saves a token-shaped tensor, and nodes known not to be passthrough (reentrant
-    checkpointing's CheckpointFunctionBackward, torch.compile graphs) are refused here."""
+    """Declares a custom autograd node (by its grad_fn name, e.g. "MyOpBackward") safe to pass
+    through without running it: it saves nothing token-shaped and maps gradients row for row. A
+    Python torch.autograd.Function needs no declaration: trace_plan runs its backward on cut rows
+    and takes it where it maps rows one to one (saved token-shaped tensors included). Declare one
+    whose backward must not run twice (it queues work for the end of the backward, as DDP's and
+    FSDP2's do), or a C++ custom Function. A declared node that saves a token-shaped tensor is
+    still refused, and nodes known not to be passthrough (reentrant checkpointing's
+    CheckpointFunctionBackward, torch.compile graphs) are refused here."""
     if not isinstance(name, str) or not name:
         raise Error(f"register_passthrough_node: name must be a non-empty str, got {name!r}")
     _C.register_passthrough_node(name)
+
+
+# Python custom Functions of torch.distributed that trace_plan must not run on cut rows (its row
+# check of custom Functions): their backward queues work for the end of the backward.
+# DistributedDataParallel routes outputs through _DDPSink when it looks for unused parameters or
+# runs a static graph; its backward returns the gradients unchanged and it saves nothing.
+register_passthrough_node("_DDPSinkBackward")
+# FSDP2 (torch.distributed.fsdp.fully_shard) routes each sharded module's inputs and outputs through
+# RegisterPostBackwardFunction: its backward returns the gradients unchanged after running the
+# module's post-backward hooks (the reduce-scatter of the parameters' gradients); it saves nothing.
+register_passthrough_node("RegisterPostBackwardFunctionBackward")

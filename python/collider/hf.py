@@ -54,15 +54,6 @@ IGNORE_INDEX = -100  # transformers' "no label here"
 LOSS_FORMS = ("labels", "per_token")
 METHODS = ("collider", "loss_only", "regular")
 
-# DistributedDataParallel routes outputs through this autograd Function when it looks for unused
-# parameters or runs a static graph: its backward returns the gradients unchanged and it saves
-# nothing, so it maps rows one to one.
-_collider.register_passthrough_node("_DDPSinkBackward")
-# FSDP2 (torch.distributed.fsdp.fully_shard) routes each sharded module's inputs and outputs through
-# this Function: its backward returns the gradients unchanged after running the module's
-# post-backward hooks (the reduce-scatter of the parameters' gradients), and it saves nothing.
-_collider.register_passthrough_node("RegisterPostBackwardFunctionBackward")
-
 
 def _unwrap(model: torch.nn.Module, who: str) -> torch.nn.Module:
     """The transformers model inside DDP / PEFT wrappers; refuses torch.compile'd models."""

@@ -140,6 +140,10 @@ def tiny_config(family: str, attn: str, **overrides):
         falcon = {k: v for k, v in common.items() if k not in ("intermediate_size", "max_position_embeddings")}
         return FalconConfig(multi_query=True, new_decoder_architecture=False, parallel_attn=True, bias=False,
                             alibi=False, hidden_dropout=0.0, **falcon, attn_implementation=attn)
+    if family == "bloom":  # ALiBi biases (baddbmm), fused QKV, its GELU a Python custom autograd Function
+        from transformers import BloomConfig
+        return BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4, initializer_range=0.2,
+                           attention_dropout=0.0, hidden_dropout=0.0, use_cache=False, attn_implementation=attn)
     # Mixtures of experts: 4 experts, top-2, transformers' eager experts (one route per expert).
     moe = {"experts_implementation": "eager", **common}
     if family == "mixtral":
@@ -156,6 +160,13 @@ def tiny_config(family: str, attn: str, **overrides):
         return Qwen3MoeConfig(num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
                               moe_intermediate_size=24, decoder_sparse_step=1, norm_topk_prob=True,
                               router_aux_loss_coef=0.5, **moe, attn_implementation=attn)
+    if family == "deepseek_v3":  # latent attention (keys assembled in place), a shared expert, grouped top-k
+        from transformers import DeepseekV3Config
+        ds = {k: v for k, v in moe.items() if k != "intermediate_size"}
+        return DeepseekV3Config(intermediate_size=64, moe_intermediate_size=24, n_routed_experts=4, n_shared_experts=1,
+                                num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=0,
+                                kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                                num_key_value_heads=4, rope_scaling=None, **ds, attn_implementation=attn)
     if family == "olmoe":
         from transformers import OlmoeConfig
         return OlmoeConfig(num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5,
@@ -175,9 +186,9 @@ def moe_inputs_detached(model, keep: torch.Tensor):
         return (torch.where(keep.to(x.device)[..., None], x, x.detach()),) + tuple(args[1:])
 
     for module in model.modules():
-        if type(module).__name__.endswith("SparseMoeBlock"):
+        if type(module).__name__.endswith(("SparseMoeBlock", "V3MoE")):  # DeepseekV3MoE
             hooks.append(module.register_forward_pre_hook(detach_dropped))
-    assert hooks, "no SparseMoeBlock in the model"
+    assert hooks, "no mixture-of-experts block in the model"
     try:
         yield
     finally:
@@ -207,6 +218,44 @@ def falcon_oracle_keep(model, keep: torch.Tensor):
         assert calls, "Falcon's _split_heads was never called"
     finally:
         modeling_falcon.FalconAttention._split_heads = split
+
+
+@contextlib.contextmanager
+def bloom_oracle_keep(model, keep: torch.Tensor, attention: str):
+    """The oracle for BLOOM, whose attention does not dispatch through transformers'
+    AttentionInterface: BloomAttention.forward replaced, inside the context, by the same math
+    (ALiBi bias + Q K^T / sqrt(E), the additive mask, softmax in float32, P V, the output
+    projection and residual) with oracle_attention's detaches for `attention`. Dropout must be 0."""
+    from transformers.models.bloom import modeling_bloom
+    forward = modeling_bloom.BloomAttention.forward
+    calls = []
+
+    def oracle_forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
+                       output_attentions=False, **kwargs):
+        B, T, _ = hidden_states.shape
+        query, key, value = self._reshape(self.query_key_value(hidden_states))  # [B, H, T, E]
+        m_kv = keep.to(key.device)[:, None, :, None]
+        key = torch.where(m_kv, key, key.detach())
+        value = torch.where(m_kv, value, value.detach())
+        s = alibi.view(B, self.num_heads, 1, T) * self.beta + self.inv_norm_factor * (query @ key.transpose(-1, -2))
+        if attention_mask is not None:
+            s = s + attention_mask
+        m_col = keep.to(s.device)[:, None, None, :]
+        if attention == "kept_only":
+            s = torch.where(m_col, s, s.detach())
+        p = torch.softmax(s.float(), dim=-1).to(query.dtype)
+        if attention == "kept_only":
+            p = torch.where(m_col, p, p.detach())
+        out = self.dense((p @ value).transpose(1, 2).reshape(B, T, -1))
+        calls.append(1)
+        return modeling_bloom.dropout_add(out, residual, self.hidden_dropout, self.training), p
+
+    modeling_bloom.BloomAttention.forward = oracle_forward
+    try:
+        yield
+        assert calls, "BLOOM's attention was never called"
+    finally:
+        modeling_bloom.BloomAttention.forward = forward
 
 
 def tiny_model(family: str, attn: str, dtype=torch.float64, seed: int = 0, **overrides):

@@ -174,7 +174,7 @@ def test_refusal_leaves_the_graph_unchanged():
 
 
 class Twice(torch.autograd.Function):
-    """A custom op that maps rows one to one and saves nothing: safe once declared."""
+    """A custom op that maps rows one to one and saves nothing."""
 
     @staticmethod
     def forward(ctx, x):
@@ -185,13 +185,53 @@ class Twice(torch.autograd.Function):
         return g * 2
 
 
-def test_custom_function_needs_register_passthrough_node():
-    model = TinyLM(custom=Twice)
-    with pytest.raises(collider.Error, match=r'register_passthrough_node\("TwiceBackward"\)'):
-        tiny_plan(model)
-    collider.register_passthrough_node("TwiceBackward")
+class Square(torch.autograd.Function):
+    """A custom op that saves its token-shaped input and maps rows one to one (as BLOOM's GELU)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+class RunningSum(torch.autograd.Function):
+    """Row-shaped, but its backward sums gradients along the positions."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.cumsum(1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.flip(1).cumsum(1).flip(1)
+
+
+class ScaledByLength(torch.autograd.Function):
+    """Row-shaped, but its backward divides by the sequence length it sees."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x / x.shape[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g / x.shape[1]
+
+
+@pytest.mark.parametrize("custom", [Twice, Square])
+def test_custom_function_mapping_rows_one_to_one_is_filtered_without_registration(custom):
+    """trace_plan runs a Python custom Function's backward on cut rows and takes it where that gives
+    the full backward's kept rows; its saved tensors are cut like an ATen op's."""
+    model = TinyLM(custom=custom)
     plan = tiny_plan(model)
-    ids = torch.randint(0, 64, (3, 29))
+    ids = torch.randint(0, 64, (3, 29), generator=torch.Generator().manual_seed(4))
     keep = keep_mask(3, 29)
     got = {}
     for fn in (collider.filter_backward, collider.mask_backward):
@@ -201,6 +241,16 @@ def test_custom_function_needs_register_passthrough_node():
         loss.backward()
         got[fn.__name__] = grads(model)
     assert max_rel_diff(got["filter_backward"], got["mask_backward"]) < 1e-5
+
+
+@pytest.mark.parametrize("custom", [RunningSum, ScaledByLength])
+def test_custom_function_not_mapping_rows_one_to_one_is_refused(custom):
+    model = TinyLM(custom=custom)
+    with pytest.raises(collider.Error) as refused:
+        tiny_plan(model)
+    msg = str(refused.value)
+    assert f"{custom.__name__}Backward" in msg and "does not map gradient rows one to one" in msg, msg
+    assert len(msg) <= 300 and "register_passthrough_node" not in msg, msg
 
 
 def test_torch_compile_is_refused():

@@ -2,7 +2,9 @@
 
 Families (tiny random configs, 4 experts, top-2, experts_implementation="eager", float64):
 Mixtral; Qwen2-MoE (a shared expert with its sigmoid gate beside the routed ones); Qwen3-MoE (q/k
-norms, renormalised top-k weights); OLMoE. attn_implementation eager and sdpa; both semantics;
+norms, renormalised top-k weights); OLMoE; DeepSeek-V3 (multi-head latent attention, whose keys
+are assembled in place, key_states[..., :n].copy_(k_nope); a shared expert; top-k within the
+top groups of experts). attn_implementation eager and sdpa; both semantics;
 both loss forms (the per-token loss and transformers' labels loss); B = 3, T = 37, filter ratios
 0.25 and 0.5, and ragged kept counts (batch_topk). The oracle: attention as everywhere
 (oracle.oracle_keep), and each MoE block's input rows of dropped tokens detached
@@ -10,8 +12,7 @@ both loss forms (the per-token loss and transformers' labels loss); B = 3, T = 3
 give dropped tokens nothing. Max relative difference <= 1e-4 (transformers' eager softmax runs in
 float32); a plain backward of the same loss is far from the oracle. The load-balancing loss over
 the kept tokens (collider.hf.training_loss(router_aux=True)) against the same oracle. What is
-refused, briefly and with the graph untouched: grouped experts, DeepSeek-V3's latent attention,
-GPT-OSS's attention sinks, a batch in which an expert receives no token.
+refused, briefly and with the graph untouched: grouped experts, GPT-OSS's attention sinks, a batch in which an expert receives no token.
   pytest python/tests/test_moe.py
 """
 import pytest
@@ -22,7 +23,7 @@ import collider.hf as chf
 from oracle import grads, max_rel_diff, moe_inputs_detached, oracle_keep, tiny_model
 from test_hf_gradients import LOSS_FORMS, T, TOL, batch_and_mask, model_for, plan_for, plain_grads, step_loss
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
 
 
 def collider_and_oracle(model, plan, loss_fn, keep, attention):
@@ -129,18 +130,6 @@ def _refused_on_trace(model, needle):
 def test_grouped_experts_are_refused_with_the_eager_advice():
     _refused_on_trace(tiny_model("mixtral", "eager", dtype=torch.float32, experts_implementation="grouped_mm"),
                       'experts_implementation="eager"')
-
-
-def test_deepseek_v3_latent_attention_is_refused_briefly():
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
-    torch.manual_seed(0)
-    cfg = DeepseekV3Config(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
-                           n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
-                           first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
-                           qk_nope_head_dim=4, v_head_dim=8, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=4, max_position_embeddings=128, use_cache=False, rope_scaling=None,
-                           attn_implementation="eager", experts_implementation="eager")
-    _refused_on_trace(AutoModelForCausalLM.from_config(cfg).double().train(), "CopySlices")
 
 
 def test_gpt_oss_attention_sinks_are_refused_briefly():

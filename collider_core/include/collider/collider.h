@@ -125,7 +125,9 @@ FilterStats mask_backward(const torch::Tensor& loss, const torch::Tensor& keep_m
                           const FilterOptions& opts = {});
 
 // Custom autograd nodes (torch::autograd::Function) that carry no token-shaped saved state and
-// map gradients row-for-row can be declared safe by their node name (e.g. timing markers).
+// map gradients row-for-row can be declared safe by their node name (e.g. timing markers). A
+// Python custom Function needs no declaration: trace_plan runs its backward on cut rows and takes
+// it where it maps rows one to one; a declared node is not run.
 void register_passthrough_node(const std::string& node_name);
 
 }  // namespace collider
