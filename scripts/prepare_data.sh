@@ -4,7 +4,7 @@
 # train and eval sets, trains the SentencePiece tokenizer and writes the token shards.
 # Idempotent: a complete output directory (meta.json present) is left as it is.
 #   ./scripts/prepare_data.sh                       # -> ${COLLIDER_DATA:-~/.cache/collider/data}
-#   ./scripts/prepare_data.sh --out DIR --sample    # small sample (tests/test_token_data.cpp)
+#   ./scripts/prepare_data.sh --out DIR --sample    # small sample (tests/test_prepare_data.cpp)
 # What the data is: scripts/prepare_data.py (header) and experiments/METHODOLOGY.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."

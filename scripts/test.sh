@@ -6,6 +6,8 @@
 #   ./scripts/test.sh                 # all tests that need no GPU, then the fuzzers
 #   ./scripts/test.sh -L cpu          # extra arguments go to ctest
 #   ./scripts/test.sh --no-fuzz       # without the fuzzing step (also: COLLIDER_FUZZ_SECONDS=0)
+#   ./scripts/test.sh --quick         # the edit-test loop: no CTest test labelled slow, no pytest
+#                                     # module marked stack (whole training stacks), no fuzzing
 #   ./scripts/test.sh --fuzz-only     # only the fuzzing step (no build/, CTest or pytest)
 #   COLLIDER_FUZZ_SECONDS=120 ./scripts/test.sh   # seconds per fuzz target (default 60)
 #   COLLIDER_PYTEST_ARGS="-k trainer" ./scripts/test.sh   # extra arguments for pytest
@@ -16,16 +18,23 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 ASAN=0
 FUZZ_ONLY=0
+QUICK=0
 FUZZ_SECONDS=${COLLIDER_FUZZ_SECONDS:-60}
 CTEST_ARGS=()
+PYTEST_ARGS=()
 for a in "$@"; do
   case $a in
     --asan) ASAN=1 ;;
     --no-fuzz) FUZZ_SECONDS=0 ;;
     --fuzz-only) FUZZ_ONLY=1 ;;
+    --quick) QUICK=1 FUZZ_SECONDS=0 ;;
     *) CTEST_ARGS+=("$a") ;;
   esac
 done
+if ((QUICK)); then
+  CTEST_ARGS+=(-LE slow)
+  PYTEST_ARGS+=(-m "not stack")
+fi
 # One torch intra-op thread per test process; ctest runs two processes at once on 2 cores.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
@@ -73,7 +82,7 @@ if ((FUZZ_ONLY)); then
   :
 elif [[ -d build/python/collider ]]; then
   # shellcheck disable=SC2086
-  (cd "$ROOT" && "$PY" -m pytest python/tests -q -p no:cacheprovider ${COLLIDER_PYTEST_ARGS:-}) || pytest_rc=$?
+  (cd "$ROOT" && "$PY" -m pytest python/tests -q -p no:cacheprovider "${PYTEST_ARGS[@]}" ${COLLIDER_PYTEST_ARGS:-}) || pytest_rc=$?
   # pytest's 5 means it collected no test: the suite exists, so that is a failure here too.
   if [[ $pytest_rc -eq 5 ]]; then echo "[test] pytest collected no tests" >&2; fi
 else

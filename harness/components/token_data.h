@@ -3,7 +3,7 @@
 // them deterministically by (seed, step, rank), and the per-token reference-loss file that RHO-1
 // selection reads (stored beside the shards, computed once by the reference model).
 // Legend: B batch, T sequence (window length), W windows.
-// Tests: tests/test_token_data.cpp (sample data from scripts/prepare_data.sh --sample).
+// Tests: tests/test_prepare_data.cpp (sample data from scripts/prepare_data.sh --sample).
 #pragma once
 
 #include "harness/components/train_step.h"
