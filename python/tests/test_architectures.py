@@ -17,13 +17,10 @@ relative difference <= 1e-4 (Gemma2's norms run in float32).
   pytest python/tests/test_architectures.py
 """
 import pytest
-import torch
 
-import collider
-import collider.hf as chf
 from oracle import bloom_oracle_keep, falcon_oracle_keep, grads, max_rel_diff
-from test_hf_gradients import (LOSS_FORMS, T, TOL, batch_and_mask, collider_grads, model_for, oracle_grads,
-                               plain_grads, plan_for, step_loss)
+from test_hf_gradients import (LOSS_FORMS, TOL, batch_and_mask, collider_grads, model_for, oracle_grads, plain_grads,
+                               plan_for, ragged_batch, step_loss)
 
 
 @pytest.mark.parametrize("form", LOSS_FORMS)
@@ -40,11 +37,7 @@ def test_gemma2_soft_capping_matches_oracle(form):
             worst[(attention, ratio)] = max_rel_diff(got, ref)
             apart[(attention, ratio)] = max_rel_diff(plain_grads(model, form, ids, keep)[0], ref)
         # Ragged rows (RHO-1's batch_topk): the soft-capped cores stay on the padded path.
-        gen = torch.Generator().manual_seed(3)
-        ids = torch.randint(0, 128, (3, T), generator=gen)
-        keep = collider.select_tokens(torch.rand(3, T, generator=gen), 0.5, valid=chf.keep_mask_from_labels(ids),
-                                      policy="batch_topk")
-        assert len(set(keep.sum(1).tolist())) > 1
+        ids, keep = ragged_batch(seed=3)
         got, _, _ = collider_grads(model, plan, form, ids, keep, attention)
         worst[(attention, "batch_topk")] = max_rel_diff(got, oracle_grads(model, form, ids, keep, attention)[0])
     bad = {k: v for k, v in worst.items() if not v <= TOL}
@@ -107,11 +100,7 @@ def test_bloom_alibi_and_custom_gelu_match_oracle(form):
             worst[(attention, ratio)] = max_rel_diff(got, ref)
             apart[(attention, ratio)] = max_rel_diff(plain_grads(model, form, ids, keep)[0], ref)
         # Ragged rows (batch_topk): the ALiBi cores stay on the padded path.
-        gen = torch.Generator().manual_seed(5)
-        ids = torch.randint(0, 128, (3, T), generator=gen)
-        keep = collider.select_tokens(torch.rand(3, T, generator=gen), 0.5, valid=chf.keep_mask_from_labels(ids),
-                                      policy="batch_topk")
-        assert len(set(keep.sum(1).tolist())) > 1
+        ids, keep = ragged_batch(seed=5)
         got, _, _ = collider_grads(model, plan, form, ids, keep, attention)
         model.zero_grad(set_to_none=True)
         with bloom_oracle_keep(model, keep, attention):

@@ -57,6 +57,16 @@ def batch_and_mask(batch: int, filter_ratio: float, seed: int, seq_len: int = T)
     return ids, keep
 
 
+def ragged_batch(seed: int):
+    """B = 3 rows with different kept counts (RHO-1's batch_topk at 0.5)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (3, T), generator=gen)
+    keep = collider.select_tokens(torch.rand(3, T, generator=gen), 0.5, valid=chf.keep_mask_from_labels(ids),
+                                  policy="batch_topk")
+    assert len(set(keep.sum(1).tolist())) > 1
+    return ids, keep
+
+
 def collider_grads(model, plan, form, ids, keep, attention):
     model.zero_grad(set_to_none=True)
     loss = step_loss(model, form, ids, keep)

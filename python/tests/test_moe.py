@@ -21,7 +21,8 @@ import torch
 import collider
 import collider.hf as chf
 from oracle import grads, max_rel_diff, moe_inputs_detached, oracle_keep, tiny_model
-from test_hf_gradients import LOSS_FORMS, T, TOL, batch_and_mask, model_for, plan_for, plain_grads, step_loss
+from test_hf_gradients import (LOSS_FORMS, T, TOL, batch_and_mask, model_for, plain_grads, plan_for, ragged_batch,
+                               step_loss)
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
 
@@ -36,15 +37,6 @@ def collider_and_oracle(model, plan, loss_fn, keep, attention):
     with oracle_keep(model, keep, attention), moe_inputs_detached(model, keep):
         loss_fn().backward()
     return got, grads(model), stats
-
-
-def ragged_batch(seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 128, (3, T), generator=gen)
-    keep = collider.select_tokens(torch.rand(3, T, generator=gen), 0.5, valid=chf.keep_mask_from_labels(ids),
-                                  policy="batch_topk")
-    assert len(set(keep.sum(1).tolist())) > 1
-    return ids, keep
 
 
 @pytest.mark.parametrize("form", LOSS_FORMS)
