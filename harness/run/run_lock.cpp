@@ -18,11 +18,24 @@
 namespace collider::harness {
 namespace {
 
+// The holder's record, or "" while it is not complete (it ends in a newline).
 std::string read_record(int fd) {
   std::array<char, 512> buf{};
   const ssize_t n = ::pread(fd, buf.data(), buf.size() - 1, 0);
   std::string s(buf.data(), n > 0 ? static_cast<size_t>(n) : 0);
+  if (s.empty() || s.back() != '\n') return "";
   while (!s.empty() && (s.back() == '\n' || s.back() == '\0')) s.pop_back();
+  return s;
+}
+
+// A holder writes its record right after it takes the lock; one that has the lock but no record
+// yet gets up to two seconds (a loaded machine), so that a refusal can name it.
+std::string await_record(int fd) {
+  std::string s = read_record(fd);
+  for (int i = 0; s.empty() && i < 400; ++i) {
+    ::usleep(5000);
+    s = read_record(fd);
+  }
   return s;
 }
 
@@ -49,7 +62,7 @@ RunDirLock RunDirLock::take(const std::string& dir, const std::string& what, std
       ::close(fd);
       throw std::runtime_error(fmt::format("cannot lock '{}': {}", path, std::strerror(e)));
     }
-    std::string holder = read_record(fd);
+    std::string holder = await_record(fd);
     if (holder.empty()) holder = "a process that has not written its record yet";
     if (wait_log == nullptr) {
       ::close(fd);
