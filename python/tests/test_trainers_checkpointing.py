@@ -3,7 +3,7 @@ filtered gradient equals the oracle at that step's weights.
 
 - collider.hf.Rho1Trainer with TrainingArguments(gradient_checkpointing=True), 3 steps;
 - TRL's SFTTrainer with its defaults (SFTConfig's gradient_checkpointing=True, its collator and
-  loss scaling), 3 steps, with the compute_loss the README gives (RHO-1 selection, the per-token
+  loss scaling), 3 steps, with the compute_loss docs/PYTHON.md gives (RHO-1 selection, the per-token
   loss, filter_backward), on a tokenized dataset of equal-length rows.
 Tiny random Llama (float64), eager and sdpa, both semantics, B = 3, T = 37, 40% filtered, each
 case on 8 fresh models (seeds 0-7). A spy records each step's batch, keep mask, weights before the
@@ -118,7 +118,7 @@ def test_trl_sft_trainer_with_its_defaults_matches_oracle(tmp_path, attn, attent
         steps = []
 
         class Rho1SFTTrainer(trl.SFTTrainer):
-            """The README's compute_loss: RHO-1 selection (random scores stand in for the excess loss)."""
+            """docs/PYTHON.md's compute_loss: RHO-1 selection (random scores stand in for the excess loss)."""
 
             plan = None
 
