@@ -17,6 +17,7 @@ namespace {
 class RecordVisitor final : public FieldVisitor {
  public:
   RecordVisitor(ObservedNode& out, const std::shared_ptr<torch::autograd::Node>& node) : out_(out), node_(node) {}
+  bool keep_custom_saved = false;
 
   void saved(const char* name, SavedVariable& v) override { add_saved(name, v, 0); }
   void saved_list(const char* name, std::vector<SavedVariable>& v) override {
@@ -64,6 +65,7 @@ class RecordVisitor final : public FieldVisitor {
     o.defined = t.defined();
     if (t.defined()) o.values = t.sizes().vec();
     out_.fields.push_back(std::move(o));
+    if (keep_custom_saved) out_.custom_saved.push_back(t);
   }
   void add_sizes(const char* name, std::vector<int64_t> values, int32_t item) {
     out_.fields.push_back(
@@ -90,6 +92,7 @@ ObservedNode observe(const std::shared_ptr<torch::autograd::Node>& node) {
   } else if (auto* saved = custom_saved(*node)) {  // a Python custom Function: ctx.save_for_backward's tensors
     out.described = "ctx.saved_tensors";
     RecordVisitor rec(out, node);
+    rec.keep_custom_saved = true;
     rec.saved_list("ctx.saved_tensors", *saved);
   } else if (auto* cs = as_copy_slices(*node)) {  // x[..., :n].copy_(y): its two geometries' sizes (slices.h)
     out.described = copy_slices_unsupported(*cs);

@@ -31,6 +31,9 @@ struct ObservedNode {
   std::string described;  // saved fields, for messages
   std::vector<Observed> fields;
   std::optional<int64_t> dim;  // an `int64_t dim` field, for token-mixing checks
+  // A Python custom Function's saved tensors as read (ctx.saved_tensors, by item): behind
+  // checkpointing's hooks they can be unpacked only once, and its row check runs them again.
+  std::vector<torch::Tensor> custom_saved;
 };
 
 // Every field of `node` (saved tensors' sizes, size fields, scalars, input metadata), in the

@@ -47,6 +47,7 @@ std::vector<torch::autograd::SavedVariable>* custom_saved(torch::autograd::Node&
 }
 
 std::string row_mismatch(const std::shared_ptr<torch::autograd::Node>& node, const NodeSpec& spec,
+                         const std::vector<torch::Tensor>& saved_tensors,
                          const std::vector<const FieldSpec*>& output_specs, int64_t B, int64_t T) {
   using torch::autograd::SavedVariable;
   auto* saved = custom_saved(*node);
@@ -64,31 +65,39 @@ std::string row_mismatch(const std::shared_ptr<torch::autograd::Node>& node, con
     full_in.push_back(g);
     cut_in.push_back(f ? ix.cut(g, f->shape, true) : g);
   }
-  torch::autograd::variable_list full_out;
-  try {
-    full_out = (*node)(std::move(full_in));
-  } catch (const std::exception& e) {
-    return "its backward fails when run on the traced batch (" +
-           std::string(e.what()).substr(0, std::string(e.what()).find('\n')) + ")";
-  }
-  // The saved tensors cut in place for the second run, put back after it.
+  // Each token-shaped saved tensor as the trace read it (behind checkpointing's hooks a second
+  // unpack is refused), held as it is for the full run and cut for the second; the originals go back.
+  auto first_line = [](const std::exception& e) {
+    std::string w = e.what();
+    w = w.substr(0, w.find('\n'));
+    return w.size() > 80 ? w.substr(0, 77) + "..." : w;
+  };
   std::vector<std::pair<size_t, SavedVariable>> originals;
+  std::vector<std::pair<size_t, torch::Tensor>> full_saved, cut_saved;
   for (const auto& f : spec.fields) {
-    if (f.kind != FieldKind::kSaved || f.item < 0 || static_cast<size_t>(f.item) >= saved->size()) continue;
-    auto& slot = (*saved)[f.item];
-    auto cut = ix.cut(slot.unpack(node), f.shape, true);
-    originals.emplace_back(f.item, std::move(slot));
-    slot = SavedVariable(cut, false);
+    if (f.kind != FieldKind::kSaved || f.item < 0) continue;
+    const auto item = static_cast<size_t>(f.item);
+    if (item >= saved->size() || item >= saved_tensors.size() || !saved_tensors[item].defined())
+      return "its saved tensors cannot be read";
+    full_saved.emplace_back(item, saved_tensors[item]);
+    cut_saved.emplace_back(item, ix.cut(saved_tensors[item], f.shape, true));
   }
-  torch::autograd::variable_list cut_out;
+  for (const auto& [item, t] : full_saved) originals.emplace_back(item, std::move((*saved)[item]));
+  auto hold = [&](const std::vector<std::pair<size_t, torch::Tensor>>& tensors) {
+    for (const auto& [item, t] : tensors) (*saved)[item] = SavedVariable(t, false);
+  };
+  torch::autograd::variable_list full_out, cut_out;
   std::string error;
   try {
+    hold(full_saved);
+    full_out = (*node)(std::move(full_in));
+    hold(cut_saved);
     cut_out = (*node)(std::move(cut_in));
   } catch (const std::exception& e) {
-    error = std::string(e.what()).substr(0, std::string(e.what()).find('\n'));
+    error = first_line(e);
   }
   for (auto& [item, original] : originals) (*saved)[item] = std::move(original);
-  if (!error.empty()) return "its backward fails on cut rows (" + error + ")";
+  if (!error.empty()) return "its backward fails on the traced batch (" + error + ")";
   if (cut_out.size() != full_out.size()) return "its backward returns a different number of gradients on cut rows";
   for (size_t j = 0; j < full_out.size(); ++j) {
     if (!full_out[j].defined() && !cut_out[j].defined()) continue;

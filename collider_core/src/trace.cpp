@@ -96,7 +96,8 @@ void refuse_token_gradients_born_opaque(const Graph& g, const PlanData& plan) {
 // ATen op where their backward maps rows one to one: rows only (no key or routed dimension), every
 // gradient they return token-shaped, and the backward run on cut rows giving the full run's kept
 // rows (passthrough.h: row_mismatch).
-void check_python_functions(const Graph& g, const PlanData& plan, const std::set<int>& nodes, Sizes s) {
+void check_python_functions(const Graph& g, const PlanData& plan, const std::vector<ObservedNode>& observed,
+                            const std::set<int>& nodes, Sizes s) {
   for (int i : nodes) {
     const NodeSpec& ns = plan.nodes[i];
     std::string why;
@@ -109,11 +110,11 @@ void check_python_functions(const Graph& g, const PlanData& plan, const std::set
                                          FieldKind::kInputMeta, static_cast<int32_t>(e.input_nr))
                                    : nullptr);
     }
-    if (why.empty()) why = row_mismatch(g.nodes[i], ns, outputs, s.B, s.T);
+    if (why.empty()) why = row_mismatch(g.nodes[i], ns, observed[i].custom_saved, outputs, s.B, s.T);
     if (why.empty()) continue;
     throw Error(fmt::format(
-        "collider cannot filter through node {} (#{}): a custom autograd Function whose backward does not map "
-        "gradient rows one to one ({}; run on the traced batch). Write the op with torch operations",
+        "collider cannot filter through node {} (#{}): a custom autograd Function not seen to map gradient rows one "
+        "to one ({}; run on the traced batch). Write the op with torch operations",
         ns.type, i, why));
   }
 }
@@ -306,7 +307,7 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
     }
     node_ref[i] = ref;
   }
-  check_python_functions(ga, plan, python_functions, sa);
+  check_python_functions(ga, plan, oa, python_functions, sa);
   find_attention_cores(ga, plan);
   return plan;
 }

@@ -11,14 +11,17 @@
   a Python custom autograd Function that saves its token-shaped input, which trace_plan runs on
   cut rows to see that it maps rows one to one; both semantics, against an oracle that replaces
   BLOOM's attention forward with the same math and the oracle's detaches
-  (oracle.bloom_oracle_keep). (Mixtures of experts: test_moe.py.)
+  (oracle.bloom_oracle_keep); and under activation checkpointing, where the GELU's saved input
+  exists only behind checkpointing's hooks (3 fresh models). (Mixtures of experts: test_moe.py.)
 Tiny random models, float64, B = 3, T = 37, filter ratios 0.25 and 0.5, both loss forms; max
 relative difference <= 1e-4 (Gemma2's norms run in float32).
   pytest python/tests/test_architectures.py
 """
 import pytest
 
-from oracle import bloom_oracle_keep, falcon_oracle_keep, grads, max_rel_diff
+import collider.hf as chf
+
+from oracle import bloom_oracle_keep, falcon_oracle_keep, grads, max_rel_diff, tiny_model
 from test_hf_gradients import (LOSS_FORMS, TOL, batch_and_mask, collider_grads, model_for, oracle_grads, plain_grads,
                                plan_for, ragged_batch, step_loss)
 
@@ -110,3 +113,23 @@ def test_bloom_alibi_and_custom_gelu_match_oracle(form):
     bad = {k: v for k, v in worst.items() if not v <= TOL}
     assert not bad, f"bloom/{form}: max relative gradient difference above {TOL}: {bad}"
     assert min(apart.values()) > 1e-2, apart
+
+
+def test_bloom_under_activation_checkpointing_matches_oracle():
+    """The row check reads the GELU's saved input as the trace did (behind checkpointing's hooks it
+    can be unpacked only once); the training step cuts it when the backward recomputes it."""
+    worst = {}
+    for seed in range(3):
+        model = tiny_model("bloom", "eager", seed=seed)
+        model.gradient_checkpointing_enable()
+        plan = chf.trace_plan(model, loss="per_token")
+        for attention in ("kept_only", "exact_query"):
+            ids, keep = batch_and_mask(3, 0.4, seed=40 + seed)
+            got, _, _ = collider_grads(model, plan, "per_token", ids, keep, attention)
+            model.gradient_checkpointing_disable()
+            model.zero_grad(set_to_none=True)
+            with bloom_oracle_keep(model, keep, attention):
+                step_loss(model, "per_token", ids, keep).backward()
+            model.gradient_checkpointing_enable()
+            worst[(seed, attention)] = max_rel_diff(got, grads(model))
+    assert all(v <= TOL for v in worst.values()), worst
