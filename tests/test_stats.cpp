@@ -1,5 +1,7 @@
 // Tests of the order statistics every timing row and benchmark reports (base/stats.h): quantiles
-// by linear interpolation (numpy's default), the median, and the relative IQR.
+// by linear interpolation (numpy's default), the median, and the relative IQR; and the h:mm:ss
+// durations of progress lines (base/duration.h).
+#include "base/duration.h"
 #include "base/stats.h"
 
 #include <gtest/gtest.h>
@@ -34,4 +36,11 @@ TEST(Stats, SerpentineRunsOddRoundsInReverse) {
   for (long long round = 0; round < 3; ++round)
     for (size_t j = 0; j < 3; ++j) order.push_back(cs::serpentine(round, j, 3));
   EXPECT_EQ(order, (std::vector<size_t>{0, 1, 2, 2, 1, 0, 0, 1, 2}));
+}
+
+TEST(Duration, ProgressLinesPrintHoursMinutesSeconds) {
+  EXPECT_EQ(collider::hms(0.0), "0:00:00");
+  EXPECT_EQ(collider::hms(59.6), "0:01:00");  // rounded to the nearest second
+  EXPECT_EQ(collider::hms(3725.0), "1:02:05");
+  EXPECT_EQ(collider::hms(93787.0), "26:03:07");  // hours not wrapped
 }

@@ -2,9 +2,9 @@
 // checkpoints by renames, resume, data-parallel rules.
 #include "harness/components/training_loop.h"
 
+#include "base/duration.h"
 #include "base/fault.h"
 #include "base/fsutil.h"
-#include "harness/run/run_dir.h"
 #include "models/checkpoint.h"
 
 #include <fmt/format.h>

@@ -5,6 +5,7 @@
 // failed point's measured keys are cleared (results.h: clear_measurements).
 #include "harness/recipes/sweep.h"
 
+#include "base/duration.h"
 #include "base/fsutil.h"
 #include "base/stats.h"
 #include "harness/components/memory.h"

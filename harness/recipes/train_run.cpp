@@ -8,6 +8,7 @@
 #include "harness/recipes/reference_stage.h"
 
 #include "harness/components/distributed.h"
+#include "base/duration.h"
 #include "base/fsutil.h"
 #include "base/fault.h"
 #include "harness/run/results.h"

@@ -36,11 +36,6 @@ int run_failure_status(std::ostream& err, const std::string& rank_tag, std::exce
   return 1;
 }
 
-std::string hms(double seconds) {
-  const int64_t s = static_cast<int64_t>(seconds + 0.5);
-  return fmt::format("{}:{:02d}:{:02d}", s / 3600, (s / 60) % 60, s % 60);
-}
-
 RunDir::RunDir(std::string dir, bool resume, bool writer, std::ostream& log)
     : dir_(std::move(dir)), results_path_(fsutil::join(dir_, "results.jsonl")), resume_(resume), writer_(writer) {
   if (!writer_) return;

@@ -25,9 +25,6 @@ std::string default_run_dir(const std::string& name, bool resume);
 // 3 for a failed data-parallel run (every rank ends), 1 for any other error.
 int run_failure_status(std::ostream& err, const std::string& rank_tag, std::exception_ptr e);
 
-// Progress lines' durations: h:mm:ss.
-std::string hms(double seconds);
-
 class RunDir {
  public:
   // The writer creates `dir`, takes its lock (a second run on it is refused, naming the holder)
