@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/generated/Functions.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string_view>
@@ -59,6 +60,14 @@ inline std::vector<int64_t> to_ints(c10::SymIntArrayRef a) {
   out.reserve(a.size());
   for (const auto& s : a) out.push_back(s.expect_int());
   return out;
+}
+
+// Contiguous strides of `sizes` (a size-0 or size-1 dimension counts as 1, as torch's own do).
+inline std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> st(sizes.size(), 1);
+  for (int64_t d = static_cast<int64_t>(sizes.size()) - 2; d >= 0; --d)
+    st[d] = st[d + 1] * std::max<int64_t>(sizes[d + 1], 1);
+  return st;
 }
 
 // A size field that holds strides (Functions.h: <x>_sym_strides beside its sizes <x>_sym_sizes).

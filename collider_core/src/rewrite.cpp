@@ -592,12 +592,6 @@ class Rewriter::Apply final : public FieldVisitor {
   void assign(V& field, V value) {
     rw_.defer([&field, value = std::move(value)]() mutable { std::swap(field, value); });
   }
-  static std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes) {
-    std::vector<int64_t> st(sizes.size(), 1);
-    for (int64_t d = static_cast<int64_t>(sizes.size()) - 2; d >= 0; --d)
-      st[d] = st[d + 1] * std::max<int64_t>(sizes[d + 1], 1);
-    return st;
-  }
   const FieldSpec* find(const char* name, int32_t item, FieldKind kind) const { return spec_.find(kind, item, name); }
   [[noreturn]] void mismatch(const FieldSpec& f, const std::string& what) const {
     throw Error(

@@ -9,19 +9,6 @@
 
 namespace collider::detail {
 
-namespace {
-
-std::vector<int64_t> contiguous(const std::vector<int64_t>& sizes) {
-  std::vector<int64_t> st(sizes.size(), 1);
-  for (int64_t d = static_cast<int64_t>(sizes.size()) - 2; d >= 0; --d)
-    st[d] = st[d + 1] * std::max<int64_t>(sizes[d + 1], 1);
-  return st;
-}
-
-std::vector<int64_t> ints(c10::SymIntArrayRef a) { return to_ints(a); }
-
-}  // namespace
-
 torch::autograd::CopySlices* as_copy_slices(torch::autograd::Node& node) {
   return dynamic_cast<torch::autograd::CopySlices*>(&node);
 }
@@ -31,9 +18,9 @@ std::string copy_slices_unsupported(const torch::autograd::CopySlices& node) {
   // copy_'s node saves only the source's options; any other in-place op would have fields to cut.
   if (!node.fn || !dynamic_cast<torch::autograd::CopyBackwards*>(node.fn.get()))
     return fmt::format("the op written in place is {}, not copy_", node.fn ? node.fn->name() : "unknown");
-  const auto base_sizes = ints(node.base.sym_sizes()), view_sizes = ints(node.view.sym_sizes());
-  if (ints(node.base.sym_strides()) != contiguous(base_sizes)) return "the written tensor is not contiguous";
-  if (view_sizes.size() != base_sizes.size() || ints(node.view.sym_strides()) != ints(node.base.sym_strides()))
+  const auto base_sizes = to_ints(node.base.sym_sizes()), view_sizes = to_ints(node.view.sym_sizes());
+  if (to_ints(node.base.sym_strides()) != contiguous_strides(base_sizes)) return "the written tensor is not contiguous";
+  if (view_sizes.size() != base_sizes.size() || to_ints(node.view.sym_strides()) != to_ints(node.base.sym_strides()))
     return "the slice is not a slice of the written tensor's own dimensions";
   return {};
 }
@@ -41,9 +28,11 @@ std::string copy_slices_unsupported(const torch::autograd::CopySlices& node) {
 std::pair<at::TensorGeometry, at::TensorGeometry> cut_copy_slices(const torch::autograd::CopySlices& node,
                                                                   const std::vector<int64_t>& base_sizes,
                                                                   const std::vector<int64_t>& view_sizes) {
-  const auto old_base = ints(node.base.sym_sizes()), old_view = ints(node.view.sym_sizes());
-  const auto strides = contiguous(base_sizes);
-  // The slice keeps every dimension the cut changes whole, and is cut with it.
+  const auto old_base = to_ints(node.base.sym_sizes()), old_view = to_ints(node.view.sym_sizes());
+  const auto strides = contiguous_strides(base_sizes);
+  const int64_t offset = node.view.sym_storage_offset().expect_int() - node.base.sym_storage_offset().expect_int();
+  // The slice keeps every dimension the cut changes whole, is cut with it, and starts inside the
+  // dimensions after the last one the cut changes.
   for (size_t d = 0; d < old_base.size(); ++d) {
     const bool cut = old_base[d] != base_sizes[d];
     if (cut != (old_view[d] != view_sizes[d]) || (cut && (old_view[d] != old_base[d] || view_sizes[d] != base_sizes[d]))) {
@@ -51,12 +40,7 @@ std::pair<at::TensorGeometry, at::TensorGeometry> cut_copy_slices(const torch::a
                               "token dimensions; build the tensor with torch.cat",
                               node.name()));
     }
-  }
-  const int64_t offset = node.view.sym_storage_offset().expect_int() - node.base.sym_storage_offset().expect_int();
-  // The slice starts inside the dimensions after the last one the cut changes.
-  for (size_t d = 0; d < old_base.size(); ++d) {
-    if (old_base[d] == base_sizes[d]) continue;
-    if (offset >= strides[d]) {
+    if (cut && offset >= strides[d]) {
       throw Error(fmt::format("collider cannot cut node {}: the slice written in place starts inside a token "
                               "dimension; build the tensor with torch.cat",
                               node.name()));
