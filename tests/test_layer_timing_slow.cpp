@@ -5,7 +5,7 @@
 // Run: OMP_NUM_THREADS=1 build-harness/tests/test_layer_timing_slow
 #include "harness/config/manifest.h"
 #include "harness/run/results.h"
-#include "harness/recipes/sweep.h"
+#include "harness/measure/group.h"
 #include "harness/components/train_step.h"
 #include "models/model.h"
 

@@ -6,7 +6,7 @@
 #include "base/fsutil.h"
 #include "harness/config/manifest.h"
 #include "harness/run/results.h"
-#include "harness/recipes/sweep.h"
+#include "harness/measure/group.h"
 
 #include "temp_dir.h"
 

@@ -93,7 +93,7 @@ class Trainer {
   StepResult step(const Batch& batch);
 
   // Switches the method and filter ratio of later steps. An interleaved timing group
-  // (harness/recipes/sweep.h) measures all its points on one model, optimizer and traced plan
+  // (harness/measure/group.h) measures all its points on one model, optimizer and traced plan
   // this way; the plan depends only on the model, never on the method or ratio.
   void set_method(const MethodSpec& spec, double filter_ratio);
 

@@ -1,25 +1,19 @@
-// Runs a manifest's points in groups: the points that share model, seq_len and batch_size are
-// measured interleaved on one model (one warm-up of warmup_steps per point, then `repetitions`
-// rounds in which every point takes measure_steps in turn, odd rounds in reverse order; with
-// run.aa_check the group's regular point runs twice). Per point: medians and relative IQRs of every timing, each round's medians,
-// per-layer medians, peak memory, analytic FLOPs, one JSONL row appended to DIR/results.jsonl
-// when its group ends (DESIGN.md section 6). A failing point (error, OOM) becomes a row with its
-// status and message and the sweep goes on; --resume skips points whose row is already "ok".
-// Progress on stderr: one line per round of a group, one per point (i/n, elapsed, ETA).
-// Data-parallel (SweepOptions::dist, harness/components/distributed.h): every rank runs every point on its
-// slice of the same global batch (batch_size rows per rank) with gradients all-reduced; only
-// rank 0 writes files and rows (world_size recorded); the run ends after the group of the first
-// failing point.
-// Tests: tests/test_sweep.cpp, tests/test_trace.cpp, tests/test_layer_timing_slow.cpp,
-// tests/test_distributed.cpp.
+// The sweep: runs a manifest's points group by group through the measurement engine
+// (harness/measure/group.h: the points that share model, seq_len and batch_size measured
+// interleaved on one model, with run.aa_check the group's regular point twice), appends each
+// group's rows to DIR/results.jsonl when the group ends (DESIGN.md section 6), and goes on past a
+// failing point (its row has the status and message); --resume skips points whose row is
+// already "ok". Progress on stderr: one line per round of a group, one per point (i/n, elapsed,
+// ETA). Data-parallel (SweepOptions::dist, harness/components/distributed.h): every rank runs
+// every point on its slice of the same global batch (batch_size rows per rank) with gradients
+// all-reduced; only rank 0 writes files and rows (world_size recorded); the run ends after the
+// group of the first failing point.
+// Tests: tests/test_sweep.cpp, tests/test_trace.cpp, tests/test_distributed.cpp.
 #pragma once
 
 #include "harness/components/distributed.h"
 #include "harness/config/manifest.h"
-#include "harness/components/ranges.h"
-#include "harness/run/results.h"
-
-#include <nlohmann/json.hpp>
+#include "harness/measure/group.h"
 
 #include <cstdint>
 #include <iosfwd>
@@ -51,15 +45,5 @@ struct SweepSummary {
 // off, the directory cannot be created); point failures become rows instead, except in a
 // data-parallel run, where a failed point (its row written by rank 0) or a DistributedError ends it.
 SweepSummary run_sweep(const Manifest& manifest, const SweepOptions& opts);
-
-// Measures one point and returns its row (never throws for a failing point: the row carries
-// status and error). `ranges` may be null. With `dist`, rank r trains on rows [r*B, (r+1)*B) of
-// a global batch of world_size*B rows, and a DistributedError is thrown, not turned into a row.
-nlohmann::json measure_point(const Manifest& manifest, const Point& point, const Provenance& prov,
-                             RangeRecorder* ranges, int64_t profile_begin = -1, int64_t profile_end = -1,
-                             const std::shared_ptr<ProcessGroup>& dist = nullptr);
-
-// Peak dense bf16 FLOP/s of a known device (H100/H200: 989e12), else 0 (MFU left null).
-double device_peak_flops(const std::string& device_name, const std::string& dtype);
 
 }  // namespace collider::harness

@@ -1,0 +1,328 @@
+// The measurement engine's group (group.h): one model and trainer for the points of a group,
+// their warm-up and interleaved rounds, and their rows (identity, measured keys, work).
+#include "harness/measure/group.h"
+
+#include "base/stats.h"
+#include "harness/components/memory.h"
+#include "harness/components/timer.h"
+#include "harness/components/train_step.h"
+#include "harness/measure/failure.h"
+#include "harness/measure/point_measurements.h"
+#include "harness/run/run_dir.h"
+#include "models/flops.h"
+#include "models/model.h"
+
+#include <c10/core/CachingDeviceAllocator.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace collider::harness {
+namespace {
+
+// forward_drop: the tokens per row its middle layers see (Trainer::middle_tokens: the kept count
+// of the other methods, aligned to run.align), known before running; 0 for every other method.
+int64_t middle_tokens_per_seq(const Manifest& m, const Point& p) {
+  return p.spec.method == Method::kForwardDrop ? collider::kept_count(p.seq_len, p.filter_ratio, m.run.align) : 0;
+}
+
+nlohmann::json identity_row(const Manifest& m, const Point& p, const Provenance& prov) {
+  nlohmann::json row = {
+      {"experiment", m.name},
+      {"point_id", p.id()},
+      {"status", "ok"},
+      {"error", nullptr},
+      {"model", p.model},
+      {"seq_len", p.seq_len},
+      {"batch_size", p.batch_size},
+      {"filter_ratio", p.filter_ratio},
+      {"method", p.method},
+      {"attention_grad", p.attention_grad},
+      {"dtype", m.run.dtype},
+      {"device", m.run.device},
+  };
+  clear_measurements(row);
+  row["tokens"] = p.batch_size * p.seq_len;
+  row["flops_fwd"] = nullptr;
+  const nlohmann::json prov_json = to_json(prov);
+  for (auto it = prov_json.begin(); it != prov_json.end(); ++it) row[it.key()] = it.value();
+  row["warmup_steps"] = m.run.warmup_steps;
+  row["measure_steps"] = m.run.measure_steps;
+  row["repetitions"] = m.run.repetitions;
+  row["group"] = p.group_id();
+  row["aa_copy"] = p.aa_copy;
+  row["seed"] = m.run.seed;
+  row["selection"] = collider::to_string(p.spec.policy);
+  row["score"] = to_string(p.spec.score);
+  row["attention_impl"] = m.run.attention_impl;
+  row["align"] = m.run.align;
+  // forward_drop's middle-layer tokens per row (its flops_fwd and flops_bwd count them); null for
+  // the methods whose layers see every token.
+  const int64_t middle = middle_tokens_per_seq(m, p);
+  row["middle_tokens_per_seq"] = middle > 0 ? nlohmann::json(middle) : nlohmann::json(nullptr);
+  return row;
+}
+
+// The StepConfig of a point: its MethodSpec and ratio with the run's optimizer and timing settings.
+StepConfig step_config(const Manifest& m, const Point& p) {
+  StepConfig sc;
+  sc.spec = p.spec;
+  sc.filter_ratio = p.filter_ratio;
+  sc.align = m.run.align;
+  sc.lr = m.run.lr;
+  sc.weight_decay = m.run.weight_decay;
+  sc.beta1 = m.run.beta1;
+  sc.beta2 = m.run.beta2;
+  sc.eps = m.run.eps;
+  sc.grad_clip = m.run.grad_clip;
+  sc.bf16_autocast = m.run.dtype == "bf16";
+  sc.layer_timing = m.run.layer_timing;
+  return sc;
+}
+
+// The work of a point: analytic backward FLOPs for its method and kept counts, throughput, MFU.
+void write_work(nlohmann::json& row, const Manifest& m, const models::ModelConfig& cfg, const Point& p,
+                const PointMeasurements& acc, int world, double peak_flops) {
+  // Collider's backward FLOPs on the actual kept counts, row by row (the FLOP ideal of ragged
+  // rows). Ragged rows execute just that: the token-row GEMMs run on the packed kept rows and the
+  // attention cores row by row (collider_core/src/row_attention.h; a core whose ops the stand-in
+  // cannot replay would run padded, none of this suite's models has one). flops_bwd_executed
+  // stays in the rows for the schema; it equals flops_bwd.
+  const std::vector<int64_t>& kept_per_row = acc.kept_per_row();
+  models::FlopCount bwd_flops{};
+  if (p.spec.method == Method::kCollider && !kept_per_row.empty()) {
+    for (int64_t n : kept_per_row) {
+      if (n == 0) continue;  // a row that keeps nothing has no backward
+      const auto f = models::backward_flops(cfg, 1, p.seq_len, n, p.spec);
+      bwd_flops.linear += f.linear;
+      bwd_flops.attention += f.attention;
+      bwd_flops.lm_head += f.lm_head;
+    }
+  } else {
+    // collider: the kept count; forward_drop: its middle layers' count; the dense methods ignore N.
+    const int64_t N = p.spec.method == Method::kCollider      ? acc.kept_per_seq()
+                      : p.spec.method == Method::kForwardDrop ? middle_tokens_per_seq(m, p)
+                                                              : p.seq_len;
+    bwd_flops = models::backward_flops(cfg, p.batch_size, p.seq_len, N, p.spec);
+  }
+  const auto bwd_dense = models::backward_flops(cfg, p.batch_size, p.seq_len, p.seq_len, MethodSpec{});  // regular
+  row["flops_bwd"] = bwd_flops.total();
+  row["flops_bwd_executed"] = bwd_flops.total();
+  row["flops_bwd_dense"] = bwd_dense.total();
+  row["flop_ideal_bwd_reduction"] = 1.0 - bwd_flops.total() / bwd_dense.total();
+  const double step_s = acc.step_ms() / 1e3;
+  // tokens, tokens_kept, FLOPs and tokens_per_s are this rank's (one device's); global_* all ranks'.
+  row["tokens_per_s"] = step_s > 0 ? static_cast<double>(p.batch_size * p.seq_len) / step_s : 0.0;
+  row["global_tokens"] = p.batch_size * p.seq_len * world;
+  row["global_tokens_per_s"] = step_s > 0 ? static_cast<double>(p.batch_size * p.seq_len * world) / step_s : 0.0;
+  row["device_peak_flops"] = peak_flops > 0 ? nlohmann::json(peak_flops) : nlohmann::json(nullptr);
+  row["mfu"] = peak_flops > 0 && step_s > 0
+                   ? nlohmann::json((row["flops_fwd"].get<double>() + bwd_flops.total()) / step_s / peak_flops)
+                   : nlohmann::json(nullptr);
+}
+
+}  // namespace
+
+double device_peak_flops(const std::string& device_name, const std::string& dtype) {
+  if (dtype != "bf16") return 0.0;
+  if (device_name.find("H100") != std::string::npos || device_name.find("H200") != std::string::npos) return 989e12;
+  return 0.0;
+}
+
+namespace {
+
+// One point of an interleaved group while the group is measured.
+struct Member {
+  const Point* point;
+  nlohmann::json row;
+  PointMeasurements acc;
+  int64_t steps = 0;    // its steps so far, warm-up and measured (what the profiling window counts)
+  int64_t wall_ns = 0;  // its own steps' wall time
+  bool failed = false;
+};
+
+// The short name of a point in a round's progress line: method[/attention_grad][/aa].
+std::string short_name(const Point& p) {
+  std::string s = p.method;
+  if (models::uses_attention_grad(p.spec.method)) s += "/" + p.attention_grad;
+  if (p.filter_ratio > 0 && p.spec.method != Method::kRegular) s += fmt::format("@{:g}", p.filter_ratio);
+  if (p.aa_copy) s += "/aa";
+  return s;
+}
+
+}  // namespace
+
+GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& points, const Provenance& prov,
+                        RangeRecorder* ranges, int64_t profile_begin, int64_t profile_end,
+                        const std::shared_ptr<ProcessGroup>& dist, std::ostream* log, const std::string& group_label) {
+  const int world = dist ? dist->world_size() : 1, rank = dist ? dist->rank() : 0;
+  // One device per rank on a machine: cuda:LOCAL_RANK.
+  const torch::Device device = m.run.device != "cuda" ? torch::Device(torch::kCPU)
+                               : dist
+                                   ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(dist->env().local_rank))
+                                   : torch::Device(torch::kCUDA);
+  std::vector<Member> members;
+  members.reserve(points.size());
+  for (const Point* p : points) {
+    Member mb{p, identity_row(m, *p, prov), PointMeasurements(rank)};
+    mb.row["world_size"] = world;
+    mb.row["global_batch_size"] = p->batch_size * world;
+    members.push_back(std::move(mb));
+  }
+  GroupRows out;
+  // A data-parallel run ends after the group of its first failing point. A failure before any
+  // collective (the point's own checks, the same on every rank) lets the group's other points
+  // run; one during set-up or a step stops the group at once, since the other ranks may wait
+  // in that point's collectives.
+  bool stop_now = false;
+  auto fail = [&](Member& mb, const std::exception_ptr& e, bool in_collectives) {
+    record_failure(mb.row, e);
+    mb.failed = true;
+    if (dist && out.first_failed < 0) out.first_failed = static_cast<int>(&mb - members.data());
+    if (in_collectives) stop_now = true;
+  };
+  auto stopped = [&] { return dist && stop_now; };
+  ScopedRange group_range(ranges, "group " + group_label);
+
+  const Point& first = *points.front();
+  std::unique_ptr<Trainer> trainer;
+  std::unique_ptr<MemoryProbe> probe;
+  const models::ModelConfig* cfg = nullptr;
+  try {
+    cfg = &models::preset(first.model);
+    if (!device.is_cuda()) install_cpu_memory_tracking();  // before the model's tensors exist
+    probe = std::make_unique<MemoryProbe>(device);
+  } catch (...) {
+    for (auto& mb : members) fail(mb, std::current_exception(), /*in_collectives=*/false);
+  }
+  for (auto& mb : members) {
+    if (mb.failed) continue;
+    try {
+      // Work known before running: forward FLOPs, attention/linear ratio.
+      const Point& p = *mb.point;
+      mb.row["flops_fwd"] =
+          models::forward_flops(*cfg, p.batch_size, p.seq_len, middle_tokens_per_seq(m, p), p.spec).total();
+      mb.row["attention_linear_ratio"] = models::attention_linear_ratio(*cfg, p.seq_len);
+      mb.row["num_params"] = cfg->num_params();
+      if (!m.run.fail_point.empty() && p.id().find(m.run.fail_point) != std::string::npos) {
+        throw std::runtime_error("injected failure (run.fail_point = \"" + m.run.fail_point + "\")");
+      }
+    } catch (...) { fail(mb, std::current_exception(), /*in_collectives=*/false); }
+  }
+  const uint64_t seed = static_cast<uint64_t>(m.run.seed);
+  torch::Generator data_gen = at::detail::createCPUGenerator(seed * 7919 + 17);
+  const bool any_left = std::any_of(members.begin(), members.end(), [](const Member& mb) { return !mb.failed; });
+  if (any_left && !stopped()) {
+    try {
+      const auto attn = m.run.attention_impl == "sdpa" ? models::AttentionImpl::kSdpa : models::AttentionImpl::kEager;
+      trainer =
+          std::make_unique<Trainer>(models::build_model(*cfg, attn, seed), step_config(m, first), device, seed, ranges);
+      if (dist) trainer->set_reducer(std::make_shared<GradientReducer>(dist, trainer->model()->parameters()));
+      for (auto& mb : members) {
+        mb.acc.set_timer_kind(trainer->timer().kind());
+        if (trainer->reducer()) mb.acc.set_overlaps(trainer->reducer()->overlaps_backward());
+      }
+    } catch (...) {
+      for (auto& mb : members)
+        if (!mb.failed) fail(mb, std::current_exception(), /*in_collectives=*/true);
+    }
+  }
+  bool profiling = false;
+  // measure_steps (or warm-up) steps of one point; `rep` < 0 for its warm-up.
+  auto run_block = [&](Member& mb, int64_t rep) {
+    const bool measured = rep >= 0;
+    const int64_t n = measured ? m.run.measure_steps : m.run.warmup_steps;
+    if (n == 0) return;
+    const Point& p = *mb.point;
+    ScopedRange block_range(ranges, (measured ? "point " : "warm-up ") + p.id());
+    trainer->set_method(p.spec, p.filter_ratio);
+    if (device.is_cuda()) torch::cuda::synchronize();
+    const int64_t t0 = host_now_ns();
+    if (measured) {
+      probe->reset_peak();
+      mb.acc.begin_measured();
+    }
+    for (int64_t s = 0; s < n; ++s, ++mb.steps) {
+      if (mb.steps == profile_begin && !profiling) {
+        cuda_profiler_start();
+        profiling = true;
+      }
+      // Every rank draws the same global batch and takes its own rows (world 1: the whole batch).
+      Batch batch = random_batch(p.batch_size * world, p.seq_len, cfg->vocab_size, data_gen, device);
+      if (world > 1) {
+        batch.input_ids_BT = batch.input_ids_BT.narrow(0, rank * p.batch_size, p.batch_size);
+        batch.labels_BT = batch.labels_BT.narrow(0, rank * p.batch_size, p.batch_size);
+      }
+      StepResult r;
+      {
+        ScopedRange sr(ranges, measured ? fmt::format("measure.{:03d}", rep * m.run.measure_steps + s)
+                                        : fmt::format("warmup.{:03d}", s));
+        r = trainer->step(batch);
+      }
+      if (mb.steps + 1 == profile_end && profiling) {
+        cuda_profiler_stop();
+        profiling = false;
+      }
+      mb.acc.add_step(r, measured);
+    }
+    if (device.is_cuda()) torch::cuda::synchronize();
+    if (measured) mb.acc.end_repetition(probe->peak_bytes());
+    mb.wall_ns += host_now_ns() - t0;
+  };
+  auto guarded_block = [&](Member& mb, int64_t rep) {
+    if (mb.failed || stopped()) return;
+    try {
+      run_block(mb, rep);
+    } catch (...) {
+      fail(mb, std::current_exception(), /*in_collectives=*/true);
+      if (device.is_cuda() && mb.row["status"] == "oom") c10::getDeviceAllocator(c10::DeviceType::CUDA)->emptyCache();
+    }
+  };
+  if (trainer) {
+    for (auto& mb : members) guarded_block(mb, -1);
+    for (int64_t rep = 0; rep < m.run.repetitions && !stopped(); ++rep) {
+      // Serpentine order (base/stats.h): odd rounds run the points in reverse.
+      for (size_t j = 0; j < members.size(); ++j) guarded_block(members[stats::serpentine(rep, j, members.size())], rep);
+      std::string line;  // in manifest order, whatever the round's order was
+      for (auto& mb : members) {
+        line +=
+            fmt::format("{}{} {}", line.empty() ? "" : ", ", short_name(*mb.point),
+                        mb.failed ? std::string("failed") : fmt::format("{:.2f}", mb.acc.last_repetition_step_ms()));
+      }
+      if (log && (!dist || dist->rank() == 0) && m.run.repetitions > 1) {
+        *log << fmt::format("  {} round {}/{}: step ms {}\n", group_label, rep + 1, m.run.repetitions, line);
+        log->flush();
+      }
+    }
+  }
+  if (profiling) cuda_profiler_stop();
+
+  for (auto& mb : members) {
+    if (!mb.failed && stopped()) {
+      mb.row["status"] = "error";
+      mb.row["error"] = fmt::format(
+          "not measured to the end: point {} of the same interleaved group failed first, and a data-parallel run "
+          "stops at the first failing point",
+          members[static_cast<size_t>(out.first_failed)].point->id());
+      mb.failed = true;
+    }
+    if (!mb.failed) {
+      mb.acc.write(mb.row, dist.get(), probe->method());
+      write_work(mb.row, m, *cfg, *mb.point, mb.acc, world, device_peak_flops(prov.device_name, m.run.dtype));
+    } else {
+      clear_measurements(mb.row);  // a failed point leaves no partial timings behind
+    }
+    mb.row["group_points"] = static_cast<int64_t>(members.size());
+    mb.row["point_wall_s"] = static_cast<double>(mb.wall_ns) * 1e-9;
+    mb.row["timestamp"] = utc_timestamp();
+    out.rows.push_back(std::move(mb.row));
+  }
+  return out;
+}
+
+nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance& prov, RangeRecorder* ranges,
+                             int64_t profile_begin, int64_t profile_end, const std::shared_ptr<ProcessGroup>& dist) {
+  return measure_group(m, {&p}, prov, ranges, profile_begin, profile_end, dist, nullptr, p.group_id()).rows.at(0);
+}
+
+}  // namespace collider::harness
