@@ -72,6 +72,28 @@ FlopCount backward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N
   return f;
 }
 
+FlopCount backward_flops_rows(const ModelConfig& cfg, int64_t T, const std::vector<int64_t>& kept_per_row,
+                              const MethodSpec& spec) {
+  if (kept_per_row.empty()) throw std::invalid_argument("backward_flops_rows: no rows");
+  const int64_t B = static_cast<int64_t>(kept_per_row.size());
+  if (spec.method != Method::kCollider) return backward_flops(cfg, B, T, kept_per_row.front(), spec);
+  FlopCount sum{};
+  for (int64_t N : kept_per_row) {
+    if (N == 0) continue;  // a row that keeps nothing has no backward
+    const FlopCount f = backward_flops(cfg, 1, T, N, spec);
+    sum.linear += f.linear;
+    sum.attention += f.attention;
+    sum.lm_head += f.lm_head;
+  }
+  return sum;
+}
+
+double flop_ideal_reduction(const ModelConfig& cfg, int64_t T, const std::vector<int64_t>& kept_per_row,
+                            const MethodSpec& spec) {
+  const int64_t B = static_cast<int64_t>(kept_per_row.size());
+  return 1.0 - backward_flops_rows(cfg, T, kept_per_row, spec).total() / backward_flops(cfg, B, T, T, MethodSpec{}).total();
+}
+
 FlopCount forward_drop_forward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N) {
   check_sizes(B, T);
   if (cfg.num_layers < 3)

@@ -12,6 +12,7 @@
 #include "models/model.h"
 
 #include <cstdint>
+#include <vector>
 
 namespace collider::models {
 
@@ -49,6 +50,19 @@ FlopCount forward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N,
 //                gathered: 4 GEMMs of 2*B*H*N*T*E, per layer.
 //   The embedding backward is a scatter-add: 0 GEMM FLOPs.
 FlopCount backward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N, const MethodSpec& spec);
+
+// The backward of a batch whose rows keep different counts (kept_per_row: one count per row, as
+// batch_topk selects): collider row by row, a row that keeps nothing has no backward (ragged rows
+// run just that: the token-row GEMMs on the packed kept rows, the attention cores row by row,
+// collider_core/src/row_attention.h). Every other method: backward_flops(B = the rows, T, N =
+// the first row's count, spec). Throws std::invalid_argument for no rows.
+FlopCount backward_flops_rows(const ModelConfig& cfg, int64_t T, const std::vector<int64_t>& kept_per_row,
+                              const MethodSpec& spec);
+
+// The FLOP ideal of DESIGN.md section 7: 1 - backward_flops_rows(kept_per_row, spec) / regular's
+// backward on the same B x T batch.
+double flop_ideal_reduction(const ModelConfig& cfg, int64_t T, const std::vector<int64_t>& kept_per_row,
+                            const MethodSpec& spec);
 
 // forward_drop (forward token dropping, CausalLM::forward(input_ids, middle_BN)), N = tokens per
 // row the middle layers see (0 < N <= T; needs L >= 3):

@@ -1,7 +1,8 @@
 // Unit tests of the analytic FLOP counts (models/flops.h): hand-computed paper-model values,
 // dense backward = 2x forward, the filtered modes at N = T equal dense and grow with N, the
 // attention/linear ratio of the paper models, the -mini sizing rule of DESIGN.md section 7, and
-// forward_drop (middle layers at N tokens per row; also through its MethodSpec, as rows count it).
+// forward_drop (middle layers at N tokens per row; also through its MethodSpec, as rows count it),
+// ragged rows counted row by row and the FLOP ideal on them.
 // Run: build/tests/test_flops
 // Legend: B batch, T sequence, N kept tokens per row.
 #include "models/flops.h"
@@ -68,6 +69,23 @@ TEST(Flops, FilteredModesAtFullKeepEqualDenseAndGrowWithN) {
     EXPECT_DOUBLE_EQ(eq.linear, ko.linear);
     EXPECT_DOUBLE_EQ(ko.attention, 2 * forward_flops(c, 2, T / 2).attention);
   }
+}
+
+TEST(Flops, RaggedRowsCountRowByRow) {
+  const auto& c = preset("tinyllama-mini");
+  const int64_t T = 512;
+  for (const MethodSpec& mode : {kKeptOnly, kExactQuery}) {
+    // Equal rows: the same as the batch count; a row that keeps nothing adds nothing.
+    EXPECT_DOUBLE_EQ(backward_flops_rows(c, T, {304, 304, 304}, mode).total(),
+                     backward_flops(c, 3, T, 304, mode).total());
+    EXPECT_DOUBLE_EQ(backward_flops_rows(c, T, {200, 0, 400}, mode).total(),
+                     backward_flops(c, 1, T, 200, mode).total() + backward_flops(c, 1, T, 400, mode).total());
+    EXPECT_DOUBLE_EQ(flop_ideal_reduction(c, T, {304, 304}, mode),
+                     1 - backward_flops(c, 2, T, 304, mode).total() / backward_flops(c, 2, T, T, kDense).total());
+  }
+  // The dense methods count every token whatever the kept counts say.
+  EXPECT_DOUBLE_EQ(flop_ideal_reduction(c, T, {T, T}, kDense), 0.0);
+  EXPECT_THROW(backward_flops_rows(c, T, {}, kKeptOnly), std::invalid_argument);
 }
 
 TEST(Flops, RejectsBadSizes) {
