@@ -8,6 +8,7 @@
 #include "harness/components/train_step.h"
 #include "harness/measure/failure.h"
 #include "harness/measure/point_measurements.h"
+#include "harness/measure/rounds.h"
 #include "harness/run/run_dir.h"
 #include "models/flops.h"
 #include "models/model.h"
@@ -84,20 +85,12 @@ StepConfig step_config(const Manifest& m, const Point& p) {
 void write_work(nlohmann::json& row, const Manifest& m, const models::ModelConfig& cfg, const Point& p,
                 const PointMeasurements& acc, int world, double peak_flops) {
   // Collider's backward FLOPs on the actual kept counts, row by row (the FLOP ideal of ragged
-  // rows). Ragged rows execute just that: the token-row GEMMs run on the packed kept rows and the
-  // attention cores row by row (collider_core/src/row_attention.h; a core whose ops the stand-in
-  // cannot replay would run padded, none of this suite's models has one). flops_bwd_executed
-  // stays in the rows for the schema; it equals flops_bwd.
+  // rows, models/flops.h: backward_flops_rows). flops_bwd_executed stays in the rows for the
+  // schema; it equals flops_bwd.
   const std::vector<int64_t>& kept_per_row = acc.kept_per_row();
   models::FlopCount bwd_flops{};
   if (p.spec.method == Method::kCollider && !kept_per_row.empty()) {
-    for (int64_t n : kept_per_row) {
-      if (n == 0) continue;  // a row that keeps nothing has no backward
-      const auto f = models::backward_flops(cfg, 1, p.seq_len, n, p.spec);
-      bwd_flops.linear += f.linear;
-      bwd_flops.attention += f.attention;
-      bwd_flops.lm_head += f.lm_head;
-    }
+    bwd_flops = models::backward_flops_rows(cfg, p.seq_len, kept_per_row, p.spec);
   } else {
     // collider: the kept count; forward_drop: its middle layers' count; the dense methods ignore N.
     const int64_t N = p.spec.method == Method::kCollider      ? acc.kept_per_seq()
@@ -269,8 +262,8 @@ GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& poin
     if (measured) mb.acc.end_repetition(probe->peak_bytes());
     mb.wall_ns += host_now_ns() - t0;
   };
+  // interleave() runs a block only for a point still standing in a group not stopped.
   auto guarded_block = [&](Member& mb, int64_t rep) {
-    if (mb.failed || stopped()) return;
     try {
       run_block(mb, rep);
     } catch (...) {
@@ -279,21 +272,23 @@ GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& poin
     }
   };
   if (trainer) {
-    for (auto& mb : members) guarded_block(mb, -1);
-    for (int64_t rep = 0; rep < m.run.repetitions && !stopped(); ++rep) {
-      // Serpentine order (base/stats.h): odd rounds run the points in reverse.
-      for (size_t j = 0; j < members.size(); ++j) guarded_block(members[stats::serpentine(rep, j, members.size())], rep);
+    Interleaving how;
+    how.warm_up = [&](size_t j) { guarded_block(members[j], -1); };
+    how.measure = [&](size_t j, int64_t rep) { guarded_block(members[j], rep); };
+    how.standing = [&](size_t j) { return !members[j].failed; };
+    how.stop = stopped;
+    how.after_round = [&](int64_t rep) {
+      if (!log || (dist && dist->rank() != 0) || m.run.repetitions <= 1) return;
       std::string line;  // in manifest order, whatever the round's order was
       for (auto& mb : members) {
         line +=
             fmt::format("{}{} {}", line.empty() ? "" : ", ", short_name(*mb.point),
                         mb.failed ? std::string("failed") : fmt::format("{:.2f}", mb.acc.last_repetition_step_ms()));
       }
-      if (log && (!dist || dist->rank() == 0) && m.run.repetitions > 1) {
-        *log << fmt::format("  {} round {}/{}: step ms {}\n", group_label, rep + 1, m.run.repetitions, line);
-        log->flush();
-      }
-    }
+      *log << fmt::format("  {} round {}/{}: step ms {}\n", group_label, rep + 1, m.run.repetitions, line);
+      log->flush();
+    };
+    interleave(members.size(), m.run.repetitions, how);
   }
   if (profiling) cuda_profiler_stop();
 

@@ -11,7 +11,6 @@
 namespace collider::harness {
 
 using stats::median;
-using stats::rel_iqr;
 
 namespace {
 
@@ -25,19 +24,18 @@ int64_t process_cpu_ns() {
 
 void PointMeasurements::begin_measured() {
   cpu_ns_begin_ = process_cpu_ns();
-  rep_begin_ = step_.size();
 }
 
 void PointMeasurements::add_step(const StepResult& r, bool measured) {
   losses_.push_back(r.loss);
   if (!measured) return;
-  fwd_.push_back(r.fwd_ms);
-  bwd_.push_back(r.bwd_ms);
+  fwd_.add(r.fwd_ms);
+  bwd_.add(r.bwd_ms);
   filter_.push_back(r.filter_ms);
   select_.push_back(r.select_ms);
   rewrite_.push_back(r.rewrite_ms);
   optim_.push_back(r.optim_ms);
-  step_.push_back(r.step_ms);
+  step_.add(r.step_ms);
   allreduce_.push_back(r.allreduce_ms);
   tokens_kept_ = r.dist ? r.dist->rank_tokens_kept[rank_] : r.tokens_kept;
   global_tokens_kept_ = r.tokens_kept;
@@ -67,22 +65,19 @@ void PointMeasurements::end_repetition(int64_t peak_bytes) {
   measured_cpu_ns_ += process_cpu_ns() - cpu_ns_begin_;
   peak_ = std::max(peak_, peak_bytes);
   // This repetition's steps are the samples since begin_measured.
-  auto since_begin = [&](const std::vector<double>& v) {
-    return median(std::vector<double>(v.begin() + static_cast<std::ptrdiff_t>(rep_begin_), v.end()));
-  };
-  rep_step_medians_.push_back(since_begin(step_));
-  rep_fwd_medians_.push_back(since_begin(fwd_));
-  rep_bwd_medians_.push_back(since_begin(bwd_));
+  step_.end_round();
+  fwd_.end_round();
+  bwd_.end_round();
 }
 
-double PointMeasurements::step_ms() const { return median(step_); }
+double PointMeasurements::step_ms() const { return step_.median(); }
 
 void PointMeasurements::write(nlohmann::json& row, const ProcessGroup* dist, const std::string& peak_mem_method) const {
-  row["fwd_ms"] = median(fwd_);
-  row["bwd_ms"] = median(bwd_);
+  row["fwd_ms"] = fwd_.median();
+  row["bwd_ms"] = bwd_.median();
   row["filter_ms"] = median(filter_);
   row["optim_ms"] = median(optim_);
-  row["step_ms"] = median(step_);
+  row["step_ms"] = step_.median();
   row["select_ms"] = median(select_);
   row["rewrite_ms"] = median(rewrite_);
   row["allreduce_ms"] = median(allreduce_);  // 0 in single-process runs
@@ -100,22 +95,22 @@ void PointMeasurements::write(nlohmann::json& row, const ProcessGroup* dist, con
     row["rank_tokens_kept"] = rank_tokens_kept_;  // last measured step, per rank
     row["rank_loss_last"] = rank_loss_;
   }
-  row["samples_step_ms"] = step_;
-  row["samples_fwd_ms"] = fwd_;
-  row["samples_bwd_ms"] = bwd_;
+  row["samples_step_ms"] = step_.samples();
+  row["samples_fwd_ms"] = fwd_.samples();
+  row["samples_bwd_ms"] = bwd_.samples();
   // The spread, as nvbench reports it: (q75 - q25) / median over every measured step of every
   // repetition; and each interleaved repetition's median (the tables pair them across methods).
-  row["step_ms_rel_iqr"] = rel_iqr(step_);
-  row["fwd_ms_rel_iqr"] = rel_iqr(fwd_);
-  row["bwd_ms_rel_iqr"] = rel_iqr(bwd_);
-  row["repetition_step_ms"] = rep_step_medians_;
-  row["repetition_fwd_ms"] = rep_fwd_medians_;
-  row["repetition_bwd_ms"] = rep_bwd_medians_;
+  row["step_ms_rel_iqr"] = step_.rel_iqr();
+  row["fwd_ms_rel_iqr"] = fwd_.rel_iqr();
+  row["bwd_ms_rel_iqr"] = bwd_.rel_iqr();
+  row["repetition_step_ms"] = step_.round_medians();
+  row["repetition_fwd_ms"] = fwd_.round_medians();
+  row["repetition_bwd_ms"] = bwd_.round_medians();
   row["timer"] = timer_kind_;
   // CPU time this process used per measured step (all its threads): on a shared machine,
   // wall time well above it (times the threads) means the process waited for a core.
   row["process_cpu_ms_per_step"] =
-      static_cast<double>(measured_cpu_ns_) * 1e-6 / static_cast<double>(std::max<size_t>(1, step_.size()));
+      static_cast<double>(measured_cpu_ns_) * 1e-6 / static_cast<double>(std::max<size_t>(1, step_.samples().size()));
   double layers_fwd_sum = 0, layers_bwd_sum = 0;
   nlohmann::json layers = nlohmann::json::array();
   for (const auto& name : layer_names_) {

@@ -6,6 +6,7 @@
 
 #include "harness/components/distributed.h"
 #include "harness/components/train_step.h"
+#include "harness/measure/rounds.h"
 
 #include <collider/collider.h>
 #include <nlohmann/json.hpp>
@@ -35,7 +36,7 @@ class PointMeasurements {
   void set_overlaps(bool overlaps) { overlaps_ = overlaps; }
 
   double step_ms() const;
-  double last_repetition_step_ms() const { return rep_step_medians_.empty() ? 0.0 : rep_step_medians_.back(); }
+  double last_repetition_step_ms() const { return step_.last_round_median(); }
   int64_t kept_per_seq() const { return kept_per_seq_; }
   const std::vector<int64_t>& kept_per_row() const { return kept_per_row_; }  // this rank's, last measured step
 
@@ -44,9 +45,8 @@ class PointMeasurements {
 
  private:
   int rank_;
-  std::vector<double> fwd_, bwd_, filter_, select_, rewrite_, optim_, step_, losses_, allreduce_, ar_wait_, ar_bucket_;
-  std::vector<double> rep_step_medians_, rep_fwd_medians_, rep_bwd_medians_;
-  size_t rep_begin_ = 0;  // index in step_ / fwd_ / bwd_ of the current repetition's first step
+  Series step_, fwd_, bwd_;  // with each repetition's median
+  std::vector<double> filter_, select_, rewrite_, optim_, losses_, allreduce_, ar_wait_, ar_bucket_;
   std::vector<double> bwd_coverage_;
   std::map<std::string, std::vector<double>> layer_fwd_, layer_bwd_;
   std::vector<std::string> layer_names_;  // model order
