@@ -89,31 +89,32 @@ ATTENTION = {"collider kept_only": "kept_only", "collider exact_query": "exact_q
 
 
 # ---- analytic FLOPs (models/flops.cpp, Llama: SwiGLU MLP = 3 matrices) --------------------------
-def linear_flops_per_token(c: dict) -> float:
-    D, F, H, G = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
+def linear_flops_per_token(dims: dict) -> float:
+    D, F = dims["hidden_size"], dims["intermediate_size"]
+    H, G = dims["num_attention_heads"], dims["num_key_value_heads"]
     E = D // H
-    return 2.0 * c["num_hidden_layers"] * (D * H * E + 2 * D * G * E + H * E * D + 3 * D * F)
+    return 2.0 * dims["num_hidden_layers"] * (D * H * E + 2 * D * G * E + H * E * D + 3 * D * F)
 
 
-def attention_gemm_flops(c: dict, B: int, Tq: int, Tk: int) -> float:
-    H = c["num_attention_heads"]
-    return 2.0 * c["num_hidden_layers"] * B * H * Tq * Tk * (c["hidden_size"] // H)
+def attention_gemm_flops(dims: dict, B: int, Tq: int, Tk: int) -> float:
+    H = dims["num_attention_heads"]
+    return 2.0 * dims["num_hidden_layers"] * B * H * Tq * Tk * (dims["hidden_size"] // H)
 
 
-def forward_flops(c: dict, B: int, T: int) -> dict:
-    return {"linear": B * T * linear_flops_per_token(c), "attention": 2 * attention_gemm_flops(c, B, T, T),
-            "lm_head": 2.0 * B * T * c["hidden_size"] * c["vocab_size"]}
+def forward_flops(dims: dict, B: int, T: int) -> dict:
+    return {"linear": B * T * linear_flops_per_token(dims), "attention": 2 * attention_gemm_flops(dims, B, T, T),
+            "lm_head": 2.0 * B * T * dims["hidden_size"] * dims["vocab_size"]}
 
 
-def backward_flops(c: dict, B: int, T: int, N: int, mode: str, recompute: bool = False) -> float:
+def backward_flops(dims: dict, B: int, T: int, N: int, mode: str, recompute: bool = False) -> float:
     """mode: dense, kept_only or exact_query. recompute: activation checkpointing of every decoder
     layer, whose forward (full length, dense: the recomputation is not filtered) the backward runs again."""
-    full = forward_flops(c, B, T)
+    full = forward_flops(dims, B, T)
     again = full["linear"] + full["attention"] if recompute else 0.0
     if mode == "dense":
         return 2 * sum(full.values()) + again
-    kept = forward_flops(c, B, N)
-    attention = 4 * attention_gemm_flops(c, B, N, N if mode == "kept_only" else T)
+    kept = forward_flops(dims, B, N)
+    attention = 4 * attention_gemm_flops(dims, B, N, N if mode == "kept_only" else T)
     return 2 * kept["linear"] + 2 * kept["lm_head"] + attention + again
 
 
@@ -231,9 +232,9 @@ def packed_documents(B: int, T: int, gen: torch.Generator):
     return pos_BT, starts
 
 
-def make_batch(shape: dict, B: int, T: int, filter_ratio: float, layout: str, seed: int, dev: torch.device) -> Batch:
+def make_batch(V: int, B: int, T: int, filter_ratio: float, layout: str, seed: int, dev: torch.device) -> Batch:
     gen = torch.Generator().manual_seed(seed)
-    ids_BT = torch.randint(0, shape["vocab_size"], (B, T), generator=gen)
+    ids_BT = torch.randint(0, V, (B, T), generator=gen)
     labels_BT, forward_BT = ids_BT, {}
     if layout == "packed":
         forward_BT["position_ids"], starts = packed_documents(B, T, gen)
@@ -255,10 +256,10 @@ def make_batch(shape: dict, B: int, T: int, filter_ratio: float, layout: str, se
                  {k: v.to(dev) for k, v in forward_BT.items()}, forward_BS)
 
 
-def build_model(shape: str, attn: str, T: int, checkpointing: str, dev: torch.device, seed: int):
+def build_model(shapes: str, attn: str, T: int, checkpointing: str, dev: torch.device, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=max(2048, T), rms_norm_eps=1e-5,
+    cfg = LlamaConfig(**SHAPES[shapes], max_position_embeddings=max(2048, T), rms_norm_eps=1e-5,
                       tie_word_embeddings=False, attention_dropout=0.0, use_cache=False, attn_implementation=attn)
     with torch.device(dev):  # initialised on the device: 1.1B parameters on the host take minutes
         model = LlamaForCausalLM(cfg).train()
@@ -291,7 +292,8 @@ def run_once(model, plan, batch: Batch, method: str, clock: Clock, bf16: bool) -
     t1 = clock.now()
     sample = {}
     if method in ATTENTION:
-        sample["rewrite_ms"] = collider.filter_backward(loss, batch.keep_BT, plan, attention=ATTENTION[method]).rewrite_ms
+        stats = collider.filter_backward(loss, batch.keep_BT, plan, attention=ATTENTION[method])
+        sample["rewrite_ms"] = stats.rewrite_ms
         sample["call_ms"] = (clock.now() - t1) * 1e3
     loss.backward()
     t2 = clock.now()
@@ -335,29 +337,30 @@ def method_figures(samples: dict, method: str, ideal: float | None) -> dict:
 
 @dataclass
 class Point:
-    shape: str
+    """One point of the sweep: the preset's shapes, attn_implementation, T and checkpointing."""
+    shapes: str
     attn: str
     T: int
     checkpointing: str
 
 
 def bench_point(p: Point, args, dev: torch.device, methods: tuple) -> dict:
-    shape, B, recompute = SHAPES[p.shape], args.batch, p.checkpointing == "layers"
-    model = build_model(p.shape, p.attn, p.T, p.checkpointing, dev, args.seed)
+    dims, B, recompute = SHAPES[p.shapes], args.batch, p.checkpointing == "layers"
+    model = build_model(p.shapes, p.attn, p.T, p.checkpointing, dev, args.seed)
     plan, trace_s = None, None
     if any(m in ATTENTION for m in methods):
         t0 = time.perf_counter()
         with autocast(dev, args.bf16):  # the steps' graph: traced under the steps' autocast
             plan = chf.trace_plan(model, loss="per_token")
         trace_s = time.perf_counter() - t0
-    batch = make_batch(shape, B, p.T, args.filter_ratio, args.layout, args.seed, dev)
+    batch = make_batch(dims["vocab_size"], B, p.T, args.filter_ratio, args.layout, args.seed, dev)
     clock = Clock(dev)
     samples = side_by_side(lambda m: run_once(model, plan, batch, m, clock, args.bf16), methods, args.warmup, args.reps)
     model.zero_grad(set_to_none=True)
-    N, dense = batch.kept, backward_flops(shape, B, p.T, batch.kept, "dense", recompute)
-    fwd = forward_flops(shape, 1, p.T)
-    point = {"source": "bench_hf_backward", "model": f"{p.shape} (transformers LlamaForCausalLM)",
-             "shapes": p.shape, "num_params": sum(q.numel() for q in model.parameters()),
+    N, dense = batch.kept, backward_flops(dims, B, p.T, batch.kept, "dense", recompute)
+    fwd = forward_flops(dims, 1, p.T)
+    point = {"source": "bench_hf_backward", "model": f"{p.shapes} (transformers LlamaForCausalLM)",
+             "shapes": p.shapes, "num_params": sum(q.numel() for q in model.parameters()),
              "attn_implementation": p.attn, "seq_len": p.T, "batch_size": B, "filter_ratio": args.filter_ratio,
              "kept": N, "labelled": p.T - 1, "reps": args.reps, "warmup": args.warmup, "order": "serpentine",
              "attention_linear_ratio": fwd["attention"] / fwd["linear"],
@@ -365,7 +368,9 @@ def bench_point(p: Point, args, dev: torch.device, methods: tuple) -> dict:
              "checkpointing": p.checkpointing, "layout": args.layout, "labelled_per_row": batch.labelled,
              "methods": {}}
     for method in methods:
-        ideal = 1 - backward_flops(shape, B, p.T, N, ATTENTION[method], recompute) / dense if method in ATTENTION else None
+        ideal = None
+        if method in ATTENTION:
+            ideal = 1 - backward_flops(dims, B, p.T, N, ATTENTION[method], recompute) / dense
         point["methods"][method] = method_figures(samples, method, ideal)
     return point
 
@@ -378,7 +383,8 @@ def cell(x, spec: str, width: int, scale: float = 1.0, suffix: str = "") -> str:
 def print_point(p: dict) -> None:
     print(f"\n{p['shapes']} ({p['attn_implementation']}, {p['device']} {p['dtype']})  T={p['seq_len']}  "
           f"B={p['batch_size']}  T'={p['kept']} of {p['labelled_per_row']} labelled  {p['layout']}  "
-          f"checkpointing {p['checkpointing']}  attention/linear FLOPs {p['attention_linear_ratio']:.3f}  [{p['plan']}]")
+          f"checkpointing {p['checkpointing']}  attention/linear FLOPs {p['attention_linear_ratio']:.3f}  "
+          f"[{p['plan']}]")
     print(f"  {'method':22} {'fwd_ms':>9} {'bwd_ms':>9} {'IQR':>7} {'reduction':>10} {'ideal':>7} {'of ideal':>9} "
           f"{'vs floor':>9} {'call_ms':>8} {'rewrite':>8} {'py ovh':>8} {'ovh/bwd':>8} {'peak_MiB':>9}")
     for m, r in p["methods"].items():
@@ -427,6 +433,8 @@ def parse_args():
         ap.error("--device cuda, but torch sees no CUDA device: run on a GPU machine or pass --device cpu")
     if args.bf16 and args.device != "cuda":
         ap.error("--bf16 needs --device cuda (CPU runs are fp32): drop --bf16 or pass --device cuda")
+    if args.reps < 1 or args.warmup < 0:
+        ap.error(f"--reps {args.reps} --warmup {args.warmup}: give at least one timed round and no negative warm-up")
     if not set(args.checkpointing.split(",")) <= {"none", "layers"}:
         ap.error(f"--checkpointing takes none and layers, got {args.checkpointing}")
     return args

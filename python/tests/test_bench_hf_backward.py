@@ -36,30 +36,31 @@ def presets(build_dir):
     return {p["name"]: p for p in json.loads(out.stdout)}
 
 
-SHAPES = ["tinyllama-mini", "tinyllama-1.1b", "tinyllama-debug"]
+PRESETS = ["tinyllama-mini", "tinyllama-1.1b", "tinyllama-debug"]
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_shapes_are_the_cli_presets(bench, presets, shape):
-    c, p = bench.SHAPES[shape], presets[shape]
-    assert (c["num_hidden_layers"], c["hidden_size"], c["intermediate_size"], c["num_attention_heads"],
-            c["num_key_value_heads"], c["vocab_size"]) == (p["num_layers"], p["hidden_size"], p["intermediate_size"],
-                                                           p["num_heads"], p["num_kv_heads"], p["vocab_size"])
-    assert (c["hidden_size"] // c["num_attention_heads"], p["family"], p["tie_embeddings"]) == (p["head_dim"], "llama", False)
+@pytest.mark.parametrize("shapes", PRESETS)
+def test_shapes_are_the_cli_presets(bench, presets, shapes):
+    dims, p = bench.SHAPES[shapes], presets[shapes]
+    names = {"num_hidden_layers": "num_layers", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+             "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads", "vocab_size": "vocab_size"}
+    assert dims == {ours: p[theirs] for ours, theirs in names.items()}
+    assert (dims["hidden_size"] // dims["num_attention_heads"], p["family"], p["tie_embeddings"]) == \
+        (p["head_dim"], "llama", False)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_flops_per_token_are_the_cli_counts(bench, presets, shape):
-    c = bench.SHAPES[shape]
-    for f in presets[shape]["flops"]:
+@pytest.mark.parametrize("shapes", PRESETS)
+def test_flops_per_token_are_the_cli_counts(bench, presets, shapes):
+    dims = bench.SHAPES[shapes]
+    for f in presets[shapes]["flops"]:
         T, N = f["seq_len"], f["kept"]
         assert collider.kept_count(T, f["filter_ratio"]) == N
-        fwd = bench.forward_flops(c, 1, T)
+        fwd = bench.forward_flops(dims, 1, T)
         assert sum(fwd.values()) / T == pytest.approx(f["fwd_flops_per_token"], rel=1e-12)
         assert fwd["attention"] / fwd["linear"] == pytest.approx(f["attention_linear_ratio"], rel=1e-12)
         for mode in ("dense", "kept_only", "exact_query"):
-            assert bench.backward_flops(c, 1, T, N, mode) / T == pytest.approx(
-                f[f"bwd_flops_per_token_{mode}"], rel=1e-12), f"{shape} T={T} {mode}"
+            assert bench.backward_flops(dims, 1, T, N, mode) / T == pytest.approx(
+                f[f"bwd_flops_per_token_{mode}"], rel=1e-12), f"{shapes} T={T} {mode}"
 
 
 def test_rounds_run_in_serpentine_order(bench):
