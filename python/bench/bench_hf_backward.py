@@ -1,31 +1,50 @@
-"""Backward time of transformers' LlamaForCausalLM with Collider from Python, every method side by side.
+"""Backward time of transformers' LlamaForCausalLM with Collider from Python, every method side by side,
+on the CPU or on a CUDA device.
 
-tinyllama-mini's shapes (models/llama.cpp: 4 layers, D 512, FFN 1536, 8 heads, 1 KV head, vocab
-8192), attn_implementation eager and sdpa, batch 2, 40% of each sequence filtered. Per point, in one
-process and interleaved repetition by repetition (the order rotates every repetition):
+The model has the shapes of one of models/llama.cpp's presets (--shapes; random weights, nothing
+downloaded): tinyllama-mini (4 layers, D 512, FFN 1536, 8 heads, 1 KV head, vocab 8192; the
+default), tinyllama-1.1b (the paper's TinyLlama-1.1B) or tinyllama-debug. attn_implementation eager
+and sdpa, batch 2, 40% of each row's labelled positions filtered: the keep mask from
+collider.select_tokens, T' = collider.kept_count of the labelled positions. Per point, in one
+process: warm-up rounds, then timed rounds, every round running each method once in serpentine order
+(even rounds in the order below, odd rounds reversed, as collider::stats::serpentine orders the C++
+sweeps and bm_collider_backward; this program used to rotate the order by one each round instead):
   regular               dense backward of the mean over every labelled position
   loss_only             RHO-1 as existing systems run it: masked loss, dense backward
   collider kept_only    collider.filter_backward(...) from Python, then the backward
   collider exact_query
   floor                 regular's backward on a batch of T' tokens (DESIGN.md section 7: what a
                         backward that never saw the dropped tokens costs here, with no gather)
-Medians with IQR; Collider's time includes the Python call of filter_backward. FLOP ideal =
-1 - backward GEMM FLOPs of the method / regular's, counted as models/flops.h does (eager-style
-full T x T attention scores). Python overhead = the filter_backward call's time from Python minus
-the C++ rewrite_ms it reports. The CPU allocator is the C++ harness's caching one (as
-bm_collider_backward uses); --allocator system keeps glibc's. peak_MiB: the step's live tensors at
-their most (forward, filter_backward and backward; the caching allocator's count, as
-bm_collider_backward's). --checkpointing layers: transformers' gradient_checkpointing_enable()
-(non-reentrant) on every decoder layer, so each backward recomputes the layers' forward at full
-length; the FLOP ideal then counts that recomputation, dense, on both sides. --layout packed: every
-row packs documents of mixed lengths (32 to T/2 positions, position_ids restarting per document, no
-label across a document boundary), so transformers passes SDPA a block-diagonal document mask;
-the FLOP ideal is counted as for one causal sequence (what regular's kernel computes with a mask).
-CPU numbers are CPU scale.
+--methods runs a subset ("collider kept_only" may be written collider_kept_only). Medians with IQR;
+per-round medians: the median over rounds of each round's reduction against the same round's
+regular (reduction_per_round, of_ideal_per_round). bwd_ms runs from the end of the forward to the
+end of loss.backward(), so Collider's includes the Python call of filter_backward. FLOP ideal = 1 -
+backward GEMM FLOPs of the method / regular's, counted as models/flops.cpp does (eager-style full
+T x T attention scores; python/tests/test_bench_flops.py pins these formulas to `collider models`).
+Python overhead = the filter_backward call's time from Python minus the C++ rewrite_ms it reports.
+The CPU allocator is the C++ harness's caching one (as bm_collider_backward uses); --allocator
+system keeps glibc's. peak_MiB: the step's live tensors at their most (forward, filter_backward and
+backward; on the CPU the caching allocator's count, as bm_collider_backward's; on CUDA torch.cuda's).
+--checkpointing layers: transformers' gradient_checkpointing_enable() (non-reentrant) on every
+decoder layer, so each backward recomputes the layers' forward at full length; the FLOP ideal then
+counts that recomputation, dense, on both sides. --layout packed: every row packs documents of mixed
+lengths (32 to T/2 positions, position_ids restarting per document, no label across a document
+boundary), so transformers passes SDPA a block-diagonal document mask; the FLOP ideal is counted as
+for one causal sequence (what regular's kernel computes with a mask).
+--device cuda: the model is initialised on the device and every timing is bracketed by device
+synchronisation; --bf16 (CUDA only) runs the forward and loss under bfloat16 autocast with fp32
+weights, and traces the plan under the same autocast. CPU numbers are CPU scale.
+--json appends one row per point: "source": "bench_hf_backward", the point's figures with
+provenance, and "methods": {method: its figures}. The GPU run (scripts/device/run_gpu_checks.sh)
+writes them to hf_llama.jsonl, which scripts/device/summarize.py tabulates.
   python python/bench/bench_hf_backward.py                       # T 512,1024, eager+sdpa, 5 reps
   python python/bench/bench_hf_backward.py --seq 512 --reps 3 --json out.jsonl
   python python/bench/bench_hf_backward.py --seq 1024 --attn sdpa --checkpointing none,layers
   python python/bench/bench_hf_backward.py --seq 1024 --attn sdpa --layout packed
+  python python/bench/bench_hf_backward.py --shapes tinyllama-debug --seq 64 --methods regular,collider_kept_only
+  python3 python/bench/bench_hf_backward.py --device cuda --bf16 --shapes tinyllama-1.1b --seq 2048 --attn sdpa \\
+      --warmup 2 --json hf_llama.jsonl
+Legend: B batch, T sequence, S = T' + 1 the floor's sequence (T' labelled positions), V vocab.
 Not a test: nothing here asserts a speed.
 """
 from __future__ import annotations
@@ -39,49 +58,63 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-if (ROOT / "build" / "python" / "collider").exists() and os.environ.get("COLLIDER_TEST_INSTALLED") != "1":
-    sys.path.insert(0, str(ROOT / "build" / "python"))  # this checkout's build, as the tests use
+BUILD_PKG = Path(os.environ.get("COLLIDER_BUILD_DIR", ROOT / "build")) / "python"
+if (BUILD_PKG / "collider").exists() and os.environ.get("COLLIDER_TEST_INSTALLED") != "1":
+    sys.path.insert(0, str(BUILD_PKG))  # this checkout's build, as the tests use
 
-import collider  # noqa: E402
-import collider.hf as chf  # noqa: E402
+try:
+    import collider
+    import collider.hf as chf
+except ImportError as e:
+    raise SystemExit(f"error: the collider Python package is not importable ({e}); build this checkout "
+                     "(./scripts/bootstrap.sh) or install it (pip install --no-build-isolation ./python)") from e
 
-# tinyllama-mini (models/llama.cpp): layers, hidden D, ffn F, heads H, kv heads G, vocab V
-MINI = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=1,
-            vocab_size=8192)
+# models/llama.cpp's presets of the same names: layers, hidden D, ffn F, heads H, kv heads G, vocab V.
+SHAPES = {
+    "tinyllama-mini": dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1536, num_attention_heads=8,
+                           num_key_value_heads=1, vocab_size=8192),
+    "tinyllama-1.1b": dict(num_hidden_layers=22, hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
+                           num_key_value_heads=4, vocab_size=32000),
+    "tinyllama-debug": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=176, num_attention_heads=8,
+                            num_key_value_heads=1, vocab_size=256),
+}
 METHODS = ("regular", "loss_only", "collider kept_only", "collider exact_query", "floor")
+ATTENTION = {"collider kept_only": "kept_only", "collider exact_query": "exact_query"}  # filter_backward's
 
 
-# ---- analytic FLOPs (models/flops.h, Llama: SwiGLU MLP = 3 matrices) ----------------------------
-def linear_flops_per_token(c: dict) -> float:
-    D, F, H, G = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
+# ---- analytic FLOPs (models/flops.cpp, Llama: SwiGLU MLP = 3 matrices) --------------------------
+def linear_flops_per_token(dims: dict) -> float:
+    D, F = dims["hidden_size"], dims["intermediate_size"]
+    H, G = dims["num_attention_heads"], dims["num_key_value_heads"]
     E = D // H
-    return 2.0 * c["num_hidden_layers"] * (D * H * E + 2 * D * G * E + H * E * D + 3 * D * F)
+    return 2.0 * dims["num_hidden_layers"] * (D * H * E + 2 * D * G * E + H * E * D + 3 * D * F)
 
 
-def attention_gemm_flops(c: dict, B: int, Tq: int, Tk: int) -> float:
-    H = c["num_attention_heads"]
-    return 2.0 * c["num_hidden_layers"] * B * H * Tq * Tk * (c["hidden_size"] // H)
+def attention_gemm_flops(dims: dict, B: int, Tq: int, Tk: int) -> float:
+    H = dims["num_attention_heads"]
+    return 2.0 * dims["num_hidden_layers"] * B * H * Tq * Tk * (dims["hidden_size"] // H)
 
 
-def forward_flops(c: dict, B: int, T: int) -> dict:
-    return {"linear": B * T * linear_flops_per_token(c), "attention": 2 * attention_gemm_flops(c, B, T, T),
-            "lm_head": 2.0 * B * T * c["hidden_size"] * c["vocab_size"]}
+def forward_flops(dims: dict, B: int, T: int) -> dict:
+    return {"linear": B * T * linear_flops_per_token(dims), "attention": 2 * attention_gemm_flops(dims, B, T, T),
+            "lm_head": 2.0 * B * T * dims["hidden_size"] * dims["vocab_size"]}
 
 
-def backward_flops(c: dict, B: int, T: int, N: int, mode: str, recompute: bool = False) -> float:
-    """recompute: activation checkpointing of every decoder layer, whose forward (full length,
-    dense: the recomputation is not filtered) the backward runs again."""
-    full = forward_flops(c, B, T)
+def backward_flops(dims: dict, B: int, T: int, N: int, mode: str, recompute: bool = False) -> float:
+    """mode: dense, kept_only or exact_query. recompute: activation checkpointing of every decoder
+    layer, whose forward (full length, dense: the recomputation is not filtered) the backward runs again."""
+    full = forward_flops(dims, B, T)
     again = full["linear"] + full["attention"] if recompute else 0.0
     if mode == "dense":
         return 2 * sum(full.values()) + again
-    kept = forward_flops(c, B, N)
-    attention = 4 * attention_gemm_flops(c, B, N, N if mode == "kept_only" else T)
+    kept = forward_flops(dims, B, N)
+    attention = 4 * attention_gemm_flops(dims, B, N, N if mode == "kept_only" else T)
     return 2 * kept["linear"] + 2 * kept["lm_head"] + attention + again
 
 
@@ -103,23 +136,85 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def provenance(allocator: str) -> dict:
+def provenance(allocator: str, dev: torch.device, bf16: bool) -> dict:
+    """What the numbers ran on. Without a .git (a copied tree), the commit comes from COLLIDER_GIT_SHA."""
     import transformers
-    return {"git_sha": git("rev-parse", "--short", "HEAD"), "git_dirty": bool(git("status", "--porcelain", "-uno")),
-            "torch_version": torch.__version__, "transformers_version": transformers.__version__,
-            "device": "cpu", "device_name": cpu_name(), "num_cores": os.cpu_count(), "num_threads": torch.get_num_threads(),
+    sha = git("rev-parse", "--short", "HEAD")
+    cuda = dev.type == "cuda"
+    return {"git_sha": sha or os.environ.get("COLLIDER_GIT_SHA", "")[:7],
+            "git_dirty": bool(git("status", "--porcelain", "-uno")) if sha else None,
+            "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
+            "transformers_version": transformers.__version__, "collider_version": collider.__version__,
+            "device": dev.type, "device_name": torch.cuda.get_device_name(dev) if cuda else cpu_name(),
+            "dtype": "bf16" if bf16 else "fp32", "num_cores": os.cpu_count(), "num_threads": torch.get_num_threads(),
             "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "cpu_allocator": allocator,
-            "scale": "CPU scale (relative figures only)", "python": platform.python_version(),
+            "scale": "device scale" if cuda else "CPU scale (relative figures only)",
+            "python": platform.python_version(),
             "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-# ---- one point ----------------------------------------------------------------------------------
+# ---- side by side -------------------------------------------------------------------------------
+def serpentine(methods: tuple, rnd: int) -> tuple:
+    """The order of round `rnd`: even rounds as given, odd rounds reversed (collider::stats::serpentine)."""
+    return methods if rnd % 2 == 0 else methods[::-1]
+
+
+def side_by_side(run_once, methods: tuple, warmup: int, reps: int) -> dict:
+    """`warmup` rounds, then `reps` timed ones; each round calls run_once(method) for every method in
+    serpentine order. Returns each method's samples (what run_once returned), round by round."""
+    samples = {m: [] for m in methods}
+    for rnd in range(warmup + reps):
+        for method in serpentine(methods, rnd):
+            sample = run_once(method)
+            if rnd >= warmup:
+                samples[method].append(sample)
+    return samples
+
+
 def median_iqr(xs):
     xs = sorted(xs)
     if len(xs) < 2:
         return xs[0], 0.0
     q = statistics.quantiles(xs, n=4, method="inclusive")
     return statistics.median(xs), q[2] - q[0]
+
+
+class Clock:
+    """Time and peak memory on the device the steps run on: synchronises before reading a CUDA clock."""
+
+    def __init__(self, dev: torch.device):
+        self.cuda = dev.type == "cuda"
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            collider._C._cpu_memory_reset_peak()
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated() if self.cuda else collider._C._cpu_memory_peak_bytes()
+
+
+# ---- one point ----------------------------------------------------------------------------------
+@dataclass
+class Batch:
+    """The point's inputs on the device: the full batch and the floor's (its first S = T' + 1 tokens)."""
+    ids_BT: torch.Tensor
+    labels_BT: torch.Tensor
+    valid_BT: torch.Tensor  # the labelled positions
+    keep_BT: torch.Tensor  # collider.select_tokens' keep mask
+    ids_BS: torch.Tensor
+    labels_BS: torch.Tensor
+    valid_BS: torch.Tensor
+    kept: int  # T' per row
+    labelled: int  # labelled positions per row
+    forward_BT: dict = field(default_factory=dict)  # extra forward arguments (position_ids of packed rows)
+    forward_BS: dict = field(default_factory=dict)
 
 
 def packed_documents(B: int, T: int, gen: torch.Generator):
@@ -130,118 +225,195 @@ def packed_documents(B: int, T: int, gen: torch.Generator):
     for _ in range(B):
         cuts = torch.sort(torch.randperm(T // 32 - 1, generator=gen)[:docs - 1] + 1).values * 32
         starts.append([0] + cuts.tolist())
-    pos = torch.zeros(B, T, dtype=torch.long)
+    pos_BT = torch.zeros(B, T, dtype=torch.long)
     for b, row in enumerate(starts):
         for s0, s1 in zip(row, row[1:] + [T]):
-            pos[b, s0:s1] = torch.arange(s1 - s0)
-    return pos, starts
+            pos_BT[b, s0:s1] = torch.arange(s1 - s0)
+    return pos_BT, starts
 
 
-def bench_point(attn: str, T: int, B: int, filter_ratio: float, reps: int, warmup: int, seed: int,
-                checkpointing: str = "none", layout: str = "causal") -> dict:
+def make_batch(V: int, B: int, T: int, filter_ratio: float, layout: str, seed: int, dev: torch.device) -> Batch:
+    gen = torch.Generator().manual_seed(seed)
+    ids_BT = torch.randint(0, V, (B, T), generator=gen)
+    labels_BT, forward_BT = ids_BT, {}
+    if layout == "packed":
+        forward_BT["position_ids"], starts = packed_documents(B, T, gen)
+        labels_BT = ids_BT.clone()
+        for b, row in enumerate(starts):
+            labels_BT[b, row[1:]] = -100  # a document's first token is not predicted from the one before
+    valid_BT = chf.keep_mask_from_labels(labels_BT)  # the labelled positions, as many in every row
+    labelled = int(valid_BT[0].sum())
+    kept = collider.kept_count(labelled, filter_ratio)
+    keep_BT = collider.select_tokens(torch.rand(B, T, generator=gen), filter_ratio, valid=valid_BT)
+    if keep_BT.sum(1).ne(kept).any():
+        raise RuntimeError(f"select_tokens kept {keep_BT.sum(1).tolist()} per row where kept_count says {kept}: "
+                           "the collider package is out of date; rebuild it (./scripts/bootstrap.sh)")
+    S = kept + 1  # regular on T' labelled positions (T' + 1 tokens, the last unlabelled)
+    labels_BS = labels_BT[:, :S]
+    forward_BS = {k: v[:, :S].to(dev) for k, v in forward_BT.items()}
+    return Batch(ids_BT.to(dev), labels_BT.to(dev), valid_BT.to(dev), keep_BT.to(dev), ids_BT[:, :S].to(dev),
+                 labels_BS.to(dev), chf.keep_mask_from_labels(labels_BS).to(dev), kept, labelled,
+                 {k: v.to(dev) for k, v in forward_BT.items()}, forward_BS)
+
+
+def build_model(shapes: str, attn: str, T: int, checkpointing: str, dev: torch.device, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**MINI, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                      attention_dropout=0.0, use_cache=False, attn_implementation=attn)
-    model = LlamaForCausalLM(cfg).train()
-    recompute = checkpointing == "layers"
-    if recompute:
+    cfg = LlamaConfig(**SHAPES[shapes], max_position_embeddings=max(2048, T), rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, attention_dropout=0.0, use_cache=False, attn_implementation=attn)
+    with torch.device(dev):  # initialised on the device: 1.1B parameters on the host take minutes
+        model = LlamaForCausalLM(cfg).train()
+    if checkpointing == "layers":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    plan = chf.trace_plan(model, loss="per_token")
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, MINI["vocab_size"], (B, T), generator=gen)
-    labels, forward = ids, {}
-    if layout == "packed":
-        pos, starts = packed_documents(B, T, gen)
-        forward["position_ids"] = pos
-        labels = ids.clone()
-        for b, row in enumerate(starts):
-            labels[b, row[1:]] = -100  # a document's first token is not predicted from the one before
-    valid = chf.keep_mask_from_labels(labels)  # the labelled positions, as many in every row
-    keep = collider.select_tokens(torch.rand(B, T, generator=gen), filter_ratio, valid=valid)
-    N = int(keep[0].sum())
-    ids_floor = ids[:, :N + 1]  # regular on T' labelled positions (N + 1 tokens, the last unlabelled)
-    labels_floor = labels[:, :N + 1]
-    forward_floor = {k: v[:, :N + 1] for k, v in forward.items()}
-    valid_floor = chf.keep_mask_from_labels(labels_floor)
+    return model
 
-    def loss_of(x, lab, kw, mask):
-        return chf.masked_mean(chf.token_losses(model(input_ids=x, use_cache=False, **kw).logits, lab), mask)
 
-    samples = {m: [] for m in METHODS}
-    peak = {m: 0 for m in METHODS}
-    py_call, rewrite = {m: [] for m in METHODS[2:4]}, {m: [] for m in METHODS[2:4]}
-    for rep in range(warmup + reps):
-        order = METHODS[rep % len(METHODS):] + METHODS[:rep % len(METHODS)]
-        for method in order:
-            model.zero_grad(set_to_none=True)
-            collider._C._cpu_memory_reset_peak()
-            if method == "floor":
-                loss = loss_of(ids_floor, labels_floor, forward_floor, valid_floor)
-            else:
-                loss = loss_of(ids, labels, forward, valid if method == "regular" else keep)
-            t0 = time.perf_counter()
-            if method.startswith("collider"):
-                stats = collider.filter_backward(loss, keep, plan, attention=method.split()[1])
-                t_call = time.perf_counter()
-            loss.backward()
-            t1 = time.perf_counter()
-            if rep >= warmup:
-                samples[method].append((t1 - t0) * 1e3)
-                peak[method] = max(peak[method], collider._C._cpu_memory_peak_bytes())
-                if method.startswith("collider"):
-                    py_call[method].append((t_call - t0) * 1e3)
-                    rewrite[method].append(stats.rewrite_ms)
-            del loss
+def autocast(dev: torch.device, bf16: bool):
+    return torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=bf16)
+
+
+def method_loss(model, batch: Batch, method: str, bf16: bool) -> torch.Tensor:
+    if method == "floor":
+        ids, labels, forward, mask = batch.ids_BS, batch.labels_BS, batch.forward_BS, batch.valid_BS
+    else:
+        mask = batch.valid_BT if method == "regular" else batch.keep_BT
+        ids, labels, forward = batch.ids_BT, batch.labels_BT, batch.forward_BT
+    with autocast(ids.device, bf16):
+        logits_BTV = model(input_ids=ids, use_cache=False, **forward).logits
+        return chf.masked_mean(chf.token_losses(logits_BTV, labels), mask)
+
+
+def run_once(model, plan, batch: Batch, method: str, clock: Clock, bf16: bool) -> dict:
+    """One step of `method`: times in ms (bwd_ms from the end of the forward, filter_backward included)."""
     model.zero_grad(set_to_none=True)
+    clock.reset_peak()
+    t0 = clock.now()
+    loss = method_loss(model, batch, method, bf16)
+    t1 = clock.now()
+    sample = {}
+    if method in ATTENTION:
+        stats = collider.filter_backward(loss, batch.keep_BT, plan, attention=ATTENTION[method])
+        sample["rewrite_ms"] = stats.rewrite_ms
+        sample["call_ms"] = (clock.now() - t1) * 1e3
+    loss.backward()
+    t2 = clock.now()
+    sample.update(fwd_ms=(t1 - t0) * 1e3, bwd_ms=(t2 - t1) * 1e3, peak=clock.peak())
+    return sample
 
-    dense = backward_flops(MINI, B, T, N, "dense", recompute)
-    fwd = forward_flops(MINI, 1, T)
-    point = {"model": "tinyllama-mini (transformers LlamaForCausalLM)", "attn_implementation": attn, "seq_len": T,
-             "batch_size": B, "filter_ratio": filter_ratio, "kept": N, "labelled": T - 1, "reps": reps,
-             "warmup": warmup, "attention_linear_ratio": fwd["attention"] / fwd["linear"], "plan": plan.summary(),
-             "checkpointing": checkpointing, "layout": layout, "labelled_per_row": int(valid[0].sum()),
+
+def per_round_median(xs: list, refs: list) -> float:
+    """Median over rounds of each round's reduction against the same round's reference."""
+    return statistics.median(1 - x / r for x, r in zip(xs, refs))
+
+
+def collider_figures(samples: list, row: dict, ideal: float, bwd: list, reg: list | None) -> dict:
+    call = [s["call_ms"] for s in samples]
+    rewrite = [s["rewrite_ms"] for s in samples]
+    over = [c - r for c, r in zip(call, rewrite)]
+    call_med, rw_med = statistics.median(call), statistics.median(rewrite)
+    return {"ideal": ideal, "of_ideal": None if row["reduction"] is None else row["reduction"] / ideal,
+           "of_ideal_per_round": None if reg is None else per_round_median(bwd, reg) / ideal,
+           "filter_call_ms": call_med, "rewrite_ms": rw_med, "python_overhead_ms": statistics.median(over),
+           "python_overhead_of_bwd": statistics.median(over) / (row["bwd_ms"] - call_med),
+           "rewrite_of_bwd": rw_med / row["bwd_ms"]}
+
+
+def method_figures(samples: dict, method: str, ideal: float | None) -> dict:
+    """A method's row from its samples; reduction and vs_floor are None when regular or floor did not run."""
+    bwd = [s["bwd_ms"] for s in samples[method]]
+    reg = [s["bwd_ms"] for s in samples["regular"]] if "regular" in samples else None
+    floor = [s["bwd_ms"] for s in samples["floor"]] if "floor" in samples else None
+    med, iqr = median_iqr(bwd)
+    row = {"bwd_ms": med, "iqr_ms": iqr, "samples_bwd_ms": bwd,
+           "fwd_ms": statistics.median(s["fwd_ms"] for s in samples[method]),
+           "reduction": None if reg is None else 1 - med / median_iqr(reg)[0],
+           "reduction_per_round": None if reg is None else per_round_median(bwd, reg),
+           "peak_mem_bytes": max(s["peak"] for s in samples[method])}
+    if method in ATTENTION:
+        row.update(collider_figures(samples[method], row, ideal, bwd, reg))
+    row["vs_floor"] = None if floor is None else med / median_iqr(floor)[0]
+    return row
+
+
+@dataclass
+class Point:
+    """One point of the sweep: the preset's shapes, attn_implementation, T and checkpointing."""
+    shapes: str
+    attn: str
+    T: int
+    checkpointing: str
+
+
+def bench_point(p: Point, args, dev: torch.device, methods: tuple) -> dict:
+    dims, B, recompute = SHAPES[p.shapes], args.batch, p.checkpointing == "layers"
+    model = build_model(p.shapes, p.attn, p.T, p.checkpointing, dev, args.seed)
+    plan, trace_s = None, None
+    if any(m in ATTENTION for m in methods):
+        t0 = time.perf_counter()
+        with autocast(dev, args.bf16):  # the steps' graph: traced under the steps' autocast
+            plan = chf.trace_plan(model, loss="per_token")
+        trace_s = time.perf_counter() - t0
+    batch = make_batch(dims["vocab_size"], B, p.T, args.filter_ratio, args.layout, args.seed, dev)
+    clock = Clock(dev)
+    samples = side_by_side(lambda m: run_once(model, plan, batch, m, clock, args.bf16), methods, args.warmup, args.reps)
+    model.zero_grad(set_to_none=True)
+    N, dense = batch.kept, backward_flops(dims, B, p.T, batch.kept, "dense", recompute)
+    fwd = forward_flops(dims, 1, p.T)
+    point = {"source": "bench_hf_backward", "model": f"{p.shapes} (transformers LlamaForCausalLM)",
+             "shapes": p.shapes, "num_params": sum(q.numel() for q in model.parameters()),
+             "attn_implementation": p.attn, "seq_len": p.T, "batch_size": B, "filter_ratio": args.filter_ratio,
+             "kept": N, "labelled": p.T - 1, "reps": args.reps, "warmup": args.warmup, "order": "serpentine",
+             "attention_linear_ratio": fwd["attention"] / fwd["linear"],
+             "plan": plan.summary() if plan else "not traced (no Collider method)", "plan_trace_s": trace_s,
+             "checkpointing": p.checkpointing, "layout": args.layout, "labelled_per_row": batch.labelled,
              "methods": {}}
-    reg_ms = median_iqr(samples["regular"])[0]
-    for method in METHODS:
-        med, iqr = median_iqr(samples[method])
-        mode = {"collider kept_only": "kept_only", "collider exact_query": "exact_query"}.get(method)
-        row = {"bwd_ms": med, "iqr_ms": iqr, "samples_bwd_ms": samples[method], "reduction": 1 - med / reg_ms,
-               "peak_mem_bytes": peak[method]}
-        if mode:
-            ideal = 1 - backward_flops(MINI, B, T, N, mode, recompute) / dense
-            call_med = statistics.median(py_call[method])
-            rw_med = statistics.median(rewrite[method])
-            over = [c - r for c, r in zip(py_call[method], rewrite[method])]
-            row.update(ideal=ideal, of_ideal=row["reduction"] / ideal, filter_call_ms=call_med, rewrite_ms=rw_med,
-                       python_overhead_ms=statistics.median(over),
-                       python_overhead_of_bwd=statistics.median(over) / (med - call_med),
-                       rewrite_of_bwd=rw_med / med)
-        row["vs_floor"] = med / median_iqr(samples["floor"])[0]
-        point["methods"][method] = row
+    for method in methods:
+        ideal = None
+        if method in ATTENTION:
+            ideal = 1 - backward_flops(dims, B, p.T, N, ATTENTION[method], recompute) / dense
+        point["methods"][method] = method_figures(samples, method, ideal)
     return point
 
 
+# ---- output -------------------------------------------------------------------------------------
+def cell(x, spec: str, width: int, scale: float = 1.0, suffix: str = "") -> str:
+    return f"{'-':>{width}}" if x is None else f"{format(x * scale, spec)}{suffix}".rjust(width)
+
+
 def print_point(p: dict) -> None:
-    print(f"\ntinyllama-mini ({p['attn_implementation']})  T={p['seq_len']}  B={p['batch_size']}  "
-          f"T'={p['kept']} of {p.get('labelled_per_row', p['labelled'])} labelled  {p.get('layout', 'causal')}  "
-          f"checkpointing {p['checkpointing']}  "
-          f"attention/linear FLOPs {p['attention_linear_ratio']:.3f}  [{p['plan']}]")
-    print(f"  {'method':22} {'bwd_ms':>9} {'IQR':>7} {'reduction':>10} {'ideal':>7} {'of ideal':>9} {'vs floor':>9} "
-          f"{'call_ms':>8} {'rewrite':>8} {'py ovh':>8} {'ovh/bwd':>8} {'peak_MiB':>9}")
+    print(f"\n{p['shapes']} ({p['attn_implementation']}, {p['device']} {p['dtype']})  T={p['seq_len']}  "
+          f"B={p['batch_size']}  T'={p['kept']} of {p['labelled_per_row']} labelled  {p['layout']}  "
+          f"checkpointing {p['checkpointing']}  attention/linear FLOPs {p['attention_linear_ratio']:.3f}  "
+          f"[{p['plan']}]")
+    print(f"  {'method':22} {'fwd_ms':>9} {'bwd_ms':>9} {'IQR':>7} {'reduction':>10} {'ideal':>7} {'of ideal':>9} "
+          f"{'vs floor':>9} {'call_ms':>8} {'rewrite':>8} {'py ovh':>8} {'ovh/bwd':>8} {'peak_MiB':>9}")
     for m, r in p["methods"].items():
-        extra = ""
-        if "ideal" in r:
-            extra = (f" {r['ideal'] * 100:6.1f}% {r['of_ideal']:9.3f} {r['vs_floor']:8.2f}x {r['filter_call_ms']:8.2f} "
-                     f"{r['rewrite_ms']:8.2f} {r['python_overhead_ms']:8.3f} {r['python_overhead_of_bwd'] * 100:7.2f}%")
-        else:
-            extra = f" {'':7} {'':9} {r['vs_floor']:8.2f}x {'':8} {'':8} {'':8} {'':8}"
-        print(f"  {m:22} {r['bwd_ms']:9.2f} {r['iqr_ms']:7.2f} {r['reduction'] * 100:9.1f}%{extra} "
+        g = r.get
+        print(f"  {m:22} {r['fwd_ms']:9.2f} {r['bwd_ms']:9.2f} {r['iqr_ms']:7.2f} "
+              f"{cell(g('reduction'), '.1f', 10, 100, '%')} {cell(g('ideal'), '.1f', 7, 100, '%')} "
+              f"{cell(g('of_ideal'), '.3f', 9)} {cell(g('vs_floor'), '.2f', 9, 1, 'x')} "
+              f"{cell(g('filter_call_ms'), '.2f', 8)} {cell(g('rewrite_ms'), '.2f', 8)} "
+              f"{cell(g('python_overhead_ms'), '.3f', 8)} {cell(g('python_overhead_of_bwd'), '.2f', 8, 100, '%')} "
               f"{r['peak_mem_bytes'] / 2**20:9.1f}")
 
 
-def main() -> int:
+def parse_methods(text: str) -> tuple:
+    """--methods' comma list, in METHODS' order; collider_kept_only is collider kept_only."""
+    asked = {m.strip().replace("collider_", "collider ", 1) for m in text.split(",") if m.strip()}
+    unknown = sorted(asked - set(METHODS))
+    if unknown or not asked:
+        raise SystemExit(f"error: --methods {text!r}: unknown {unknown}; give a comma list of "
+                         f"{', '.join(m.replace(' ', '_') for m in METHODS)}")
+    return tuple(m for m in METHODS if m in asked)
+
+
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--bf16", action="store_true", help="bfloat16 autocast, fp32 weights (CUDA only)")
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="tinyllama-mini", help="the preset's shapes")
+    ap.add_argument("--methods", default=",".join(m.replace(" ", "_") for m in METHODS),
+                    help="comma list of the methods to run (default: all)")
     ap.add_argument("--seq", default="512,1024")
     ap.add_argument("--attn", default="eager,sdpa")
     ap.add_argument("--batch", type=int, default=2)
@@ -257,24 +429,34 @@ def main() -> int:
                     help="comma list of none (no activation checkpointing) and layers (every decoder layer)")
     ap.add_argument("--json", default=None, help="append one JSON row per point (with provenance) to this file")
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda, but torch sees no CUDA device: run on a GPU machine or pass --device cpu")
+    if args.bf16 and args.device != "cuda":
+        ap.error("--bf16 needs --device cuda (CPU runs are fp32): drop --bf16 or pass --device cuda")
+    if args.reps < 1 or args.warmup < 0:
+        ap.error(f"--reps {args.reps} --warmup {args.warmup}: give at least one timed round and no negative warm-up")
+    if not set(args.checkpointing.split(",")) <= {"none", "layers"}:
+        ap.error(f"--checkpointing takes none and layers, got {args.checkpointing}")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    methods, dev = parse_methods(args.methods), torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     allocator = collider._C._install_caching_cpu_allocator() if args.allocator == "caching" else "system"
-    prov = provenance(allocator)
+    prov = provenance(allocator, dev, args.bf16)
     print(f"# {' '.join([Path(sys.argv[0]).name] + sys.argv[1:])}")
     print("# " + ", ".join(f"{k} {v}" for k, v in prov.items()))
-    modes = args.checkpointing.split(",")
-    if not set(modes) <= {"none", "layers"}:
-        ap.error(f"--checkpointing takes none and layers, got {args.checkpointing}")
     for attn in args.attn.split(","):
         for T in (int(t) for t in args.seq.split(",")):
-            for mode in modes:
-                point = bench_point(attn, T, args.batch, args.filter_ratio, args.reps, args.warmup, args.seed, mode,
-                                    args.layout)
+            for mode in args.checkpointing.split(","):
+                point = {**bench_point(Point(args.shapes, attn, T, mode), args, dev, methods), **prov}
                 print_point(point)
                 if args.json:
                     with open(args.json, "a") as f:
-                        f.write(json.dumps({**point, **prov, "command": " ".join(sys.argv)}) + "\n")
+                        f.write(json.dumps({**point, "command": " ".join(sys.argv)}) + "\n")
                 sys.stdout.flush()
     return 0
 

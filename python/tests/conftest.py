@@ -17,7 +17,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-BUILD_PKG = Path(os.environ.get("COLLIDER_BUILD_DIR", ROOT / "build")) / "python"
+BUILD_DIR = Path(os.environ.get("COLLIDER_BUILD_DIR", ROOT / "build"))
+BUILD_PKG = BUILD_DIR / "python"
 
 if os.environ.get("COLLIDER_TEST_INSTALLED") != "1":
     if not (BUILD_PKG / "collider" / "__init__.py").exists():
@@ -46,3 +47,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return ROOT
+
+
+@pytest.fixture(scope="session")
+def build_dir() -> Path:
+    """This checkout's CMake build (COLLIDER_BUILD_DIR, default build/): where its C++ programs are."""
+    return BUILD_DIR

@@ -153,9 +153,10 @@ step "bm_collider_backward TinyLlama B=2" 120 45 "$WORK/logs/bm_collider_backwar
 # ---- 7. the Python package on CUDA, and transformers' LlamaForCausalLM at TinyLlama-1.1B's shapes -
 # HOOK for the Python package (python/, pip-installable): skipped with a message while it is not
 # in the tree. Installed offline into WORK/pysite against this machine's torch, then its pytest
-# suite with COLLIDER_TEST_DEVICE=cuda, then scripts/device/hf_llama_backward.py.
-if [[ -n "$REHEARSAL" ]]; then hf_args=(--device cpu --shapes tinyllama-debug --seq 128 --batch 2 --reps 2 --warmup 1)
-else hf_args=(--device cuda --bf16 --shapes tinyllama-1.1b --seq 2048 --batch 2 --reps 5 --warmup 2); fi
+# suite with COLLIDER_TEST_DEVICE=cuda, then python/bench/bench_hf_backward.py on the installed
+# package (COLLIDER_TEST_INSTALLED=1), SDPA, every method side by side; its rows go to hf_llama.jsonl.
+if [[ -n "$REHEARSAL" ]]; then hf_args=(--device cpu --shapes tinyllama-debug --attn sdpa --seq 128 --batch 2 --reps 2 --warmup 1)
+else hf_args=(--device cuda --bf16 --shapes tinyllama-1.1b --attn sdpa --seq 2048 --batch 2 --reps 5 --warmup 2); fi
 if [[ -f python/pyproject.toml || -f python/setup.py ]]; then
   rm -rf "$WORK/pysite"
   # The rehearsal installs the module this checkout's build/ made (setup.py's COLLIDER_PREBUILT_EXT):
@@ -174,18 +175,14 @@ if [[ -f python/pyproject.toml || -f python/setup.py ]]; then
     py_cap=150; [[ -n "$REHEARSAL" ]] && py_cap=450
     step "python tests, not stack (COLLIDER_TEST_DEVICE=${REHEARSAL:-cuda})" "$py_cap" 30 "$WORK/logs/pytest.log" \
       env COLLIDER_TEST_DEVICE="${REHEARSAL:-cuda}" "$PY" -m pytest -q -x -m "not stack" python/tests --junitxml="$WORK/logs/pytest.xml"
+    rm -f "$WORK/hf_llama.jsonl"  # the benchmark appends to its --json file; a rerun starts it anew
     step "HF LlamaForCausalLM, TinyLlama-1.1B shapes" 120 40 "$WORK/logs/hf_llama.log" \
-      "$PY" scripts/device/hf_llama_backward.py "${hf_args[@]}" --json "$WORK/hf_llama.jsonl"
+      env COLLIDER_TEST_INSTALLED=1 "$PY" python/bench/bench_hf_backward.py "${hf_args[@]}" --json "$WORK/hf_llama.jsonl"
   fi
 else
   say "Python package: not in this tree (no python/pyproject.toml or python/setup.py); its steps are skipped"
   note "python tests on CUDA" skipped-ok 0 "no Python package in this tree"
-  if [[ -n "$REHEARSAL" ]]; then  # keep the transformers half of the HF step rehearsed meanwhile
-    step "HF LlamaForCausalLM (regular, loss_only only)" 120 40 "$WORK/logs/hf_llama.log" \
-      "$PY" scripts/device/hf_llama_backward.py "${hf_args[@]}" --methods regular,loss_only --json "$WORK/hf_llama.jsonl"
-  else
-    note "HF LlamaForCausalLM" skipped-ok 0 "no Python package in this tree"
-  fi
+  note "HF LlamaForCausalLM" skipped-ok 0 "no Python package in this tree (python/bench/bench_hf_backward.py needs it)"
 fi
 
 # ---- 8. the other models at T = 2048, while time is left (resumable: a rerun continues) ---------

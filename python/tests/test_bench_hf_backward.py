@@ -1,0 +1,70 @@
+"""python/bench/bench_hf_backward.py against what it copies: its table of shapes and its FLOP formulas
+(Python copies of models/llama.cpp's presets and models/flops.cpp's Llama counts) equal the C++
+owner's, as `collider models --json` (harness/recipes/cli.cpp) prints them: each preset's shapes and,
+at T = 512 and 2048 with 40% filtered, the kept count, forward and backward FLOPs per token (dense,
+kept_only, exact_query) and the attention/linear ratio. And its rounds run in serpentine order.
+Skipped without the C++ CLI (build/collider, from the C++ build).
+  pytest python/tests/test_bench_hf_backward.py
+"""
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+import collider
+
+
+@pytest.fixture(scope="module")
+def bench(repo_root):
+    path = repo_root / "python" / "bench" / "bench_hf_backward.py"
+    spec = importlib.util.spec_from_file_location("bench_hf_backward", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def presets(build_dir):
+    cli = build_dir / "collider"
+    if not cli.is_file():
+        pytest.skip(f"{cli} not found: the C++ CLI comes with the C++ build (./scripts/bootstrap.sh); "
+                    "set COLLIDER_BUILD_DIR to a build that has it")
+    out = subprocess.run([str(cli), "models", "--json"], capture_output=True, text=True, check=True, timeout=60)
+    return {p["name"]: p for p in json.loads(out.stdout)}
+
+
+PRESETS = ["tinyllama-mini", "tinyllama-1.1b", "tinyllama-debug"]
+
+
+@pytest.mark.parametrize("shapes", PRESETS)
+def test_shapes_are_the_cli_presets(bench, presets, shapes):
+    dims, p = bench.SHAPES[shapes], presets[shapes]
+    names = {"num_hidden_layers": "num_layers", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+             "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads", "vocab_size": "vocab_size"}
+    assert dims == {ours: p[theirs] for ours, theirs in names.items()}
+    assert (dims["hidden_size"] // dims["num_attention_heads"], p["family"], p["tie_embeddings"]) == \
+        (p["head_dim"], "llama", False)
+
+
+@pytest.mark.parametrize("shapes", PRESETS)
+def test_flops_per_token_are_the_cli_counts(bench, presets, shapes):
+    dims = bench.SHAPES[shapes]
+    for f in presets[shapes]["flops"]:
+        T, N = f["seq_len"], f["kept"]
+        assert collider.kept_count(T, f["filter_ratio"]) == N
+        fwd = bench.forward_flops(dims, 1, T)
+        assert sum(fwd.values()) / T == pytest.approx(f["fwd_flops_per_token"], rel=1e-12)
+        assert fwd["attention"] / fwd["linear"] == pytest.approx(f["attention_linear_ratio"], rel=1e-12)
+        for mode in ("dense", "kept_only", "exact_query"):
+            assert bench.backward_flops(dims, 1, T, N, mode) / T == pytest.approx(
+                f[f"bwd_flops_per_token_{mode}"], rel=1e-12), f"{shapes} T={T} {mode}"
+
+
+def test_rounds_run_in_serpentine_order(bench):
+    calls = []
+    samples = bench.side_by_side(lambda m: calls.append(m) or len(calls), ("a", "b", "c"), warmup=1, reps=2)
+    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert samples == {"a": [6, 7], "b": [5, 8], "c": [4, 9]}
