@@ -8,7 +8,7 @@ and sdpa, batch 2, 40% of each row's labelled positions filtered: the keep mask 
 collider.select_tokens, T' = collider.kept_count of the labelled positions. Per point, in one
 process: warm-up rounds, then timed rounds, every round running each method once in serpentine order
 (even rounds in the order below, odd rounds reversed, as collider::stats::serpentine orders the C++
-sweeps and bm_collider_backward; this program used to rotate the order by one each round instead):
+sweeps and bm_collider_backward):
   regular               dense backward of the mean over every labelled position
   loss_only             RHO-1 as existing systems run it: masked loss, dense backward
   collider kept_only    collider.filter_backward(...) from Python, then the backward
@@ -20,7 +20,7 @@ per-round medians: the median over rounds of each round's reduction against the 
 regular (reduction_per_round, of_ideal_per_round). bwd_ms runs from the end of the forward to the
 end of loss.backward(), so Collider's includes the Python call of filter_backward. FLOP ideal = 1 -
 backward GEMM FLOPs of the method / regular's, counted as models/flops.cpp does (eager-style full
-T x T attention scores; python/tests/test_bench_flops.py pins these formulas to `collider models`).
+T x T attention scores; python/tests/test_bench_hf_backward.py pins these formulas to `collider models`).
 Python overhead = the filter_backward call's time from Python minus the C++ rewrite_ms it reports.
 The CPU allocator is the C++ harness's caching one (as bm_collider_backward uses); --allocator
 system keeps glibc's. peak_MiB: the step's live tensors at their most (forward, filter_backward and
