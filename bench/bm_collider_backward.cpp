@@ -1,9 +1,10 @@
 // Collider's backward vs regular and loss_only, measured side by side in one process (the
-// backward benchmark of results/README.md). For each model and T: regular, loss_only, collider kept_only, collider exact_query
-// and the T' floor (regular on a batch of T' = N tokens) run interleaved, repetition by
-// repetition (every other round reversed), so machine drift hits all methods alike; medians
-// are reported with the FLOP ideal (1 - analytic backward FLOPs / regular's), the rewrite
-// overhead and the live-tensor peak.
+// backward benchmark of results/README.md). For each model and T: regular, loss_only, collider
+// kept_only, collider exact_query and the T' floor (regular on a batch of T' = N tokens): --warmup
+// steps of each in turn, then --reps rounds in the measurement engine's serpentine order
+// (harness/measure/rounds.h), so machine drift hits all methods alike; medians are reported
+// with the FLOP ideal (models/flops.h: flop_ideal_reduction), the rewrite overhead and the
+// live-tensor peak; the JSON rows carry the run's provenance as the sweeps' rows do.
 // bwd_ms is loss.backward() alone (it includes cutting the saved tensors, which happens when the
 // backward reads them); collider's reduction and "vs floor" count bwd_ms + rewrite_ms; rewrite% is
 // rewrite_ms / collider's bwd_ms, rw/reg% rewrite_ms / regular's bwd_ms; peak_MiB the step's live
@@ -27,6 +28,8 @@
 // (there: --device cuda --bf16, timed with device synchronisation around each backward).
 #include "base/stats.h"
 #include "harness/components/memory.h"
+#include "harness/measure/rounds.h"
+#include "harness/run/results.h"
 #include "harness/components/token_data.h"
 #include "harness/components/train_step.h"
 #include "models/flops.h"
@@ -130,8 +133,20 @@ double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std
 
 struct Sample {
   double bwd_ms = 0, rewrite_ms = 0, gather_ms = 0;  // gather_ms: the rewrite's copies of saved tensors
-  double copy_ms = 0;                                // a plain cold copy of the gathered bytes (cold_copy_ms)
   int64_t peak_bytes = 0, gathered_bytes = 0, tensors_gathered = 0;
+};
+
+// What the rounds of one variant add up to: a Series (harness/measure/rounds.h) per time, with
+// each round's median, the largest peak and the rewrite's gathered tensors.
+struct Measured {
+  collider::harness::Series bwd_ms, rewrite_ms, gather_ms, copy_ms;  // copy_ms: cold_copy_ms of the gathered bytes
+  int64_t peak_bytes = 0, gathered_bytes = 0, tensors_gathered = 0;
+  void add(const Sample& s, double copy) {
+    bwd_ms.add(s.bwd_ms), rewrite_ms.add(s.rewrite_ms), gather_ms.add(s.gather_ms), copy_ms.add(copy);
+    bwd_ms.end_round(), rewrite_ms.end_round(), gather_ms.end_round(), copy_ms.end_round();
+    peak_bytes = std::max(peak_bytes, s.peak_bytes);
+    gathered_bytes = s.gathered_bytes, tensors_gathered = s.tensors_gathered;
+  }
 };
 
 // One measured variant: a method (MethodSpec: method, attention_grad, selection policy) or the
@@ -255,6 +270,7 @@ int main(int argc, char** argv) try {
   if (o.bf16 && !dev.is_cuda()) throw std::invalid_argument("--bf16 needs --device cuda (CPU runs are fp32)");
   if (dev.is_cpu()) collider::harness::install_cpu_memory_tracking();
   collider::harness::MemoryProbe mem(dev);
+  const nlohmann::json provenance = collider::harness::to_json(collider::harness::collect_provenance(dev));
   nlohmann::json rows = nlohmann::json::array();
   std::printf(
       "Collider backward benchmark: filter_ratio %.2f, batch %ld, %d reps (+%d warm-up), %d threads, %s, "
@@ -307,40 +323,34 @@ int main(int argc, char** argv) try {
         auto c = keep_ragged.sum(1).cpu();
         ragged_rows.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
       }
-      std::map<std::string, std::vector<Sample>> samples;  // by Kind::name
-      for (int r = 0; r < o.warmup + o.reps; ++r) {
-        // Serpentine order, as the timing sweeps run: a method's place in the round, right after
-        // a large backward or not, evens out over the rounds.
-        for (size_t j = 0; j < kinds.size(); ++j) {
-          const Kind& k = kinds[collider::stats::serpentine(r, j, kinds.size())];
-          Sample s = k.floor ? run_once(m, plan, k, idx_N, labels_N, keep_N, mem, o.bf16)
-                             : run_once(m, plan, k, idx, labels, k.ragged() ? keep_ragged : keep, mem, o.bf16);
-          if (k.is_collider()) s.copy_ms = cold_copy_ms(s.gathered_bytes, dev);
-          if (r >= o.warmup) samples[k.name].push_back(s);
-        }
-      }
-      const double f_dense = collider::models::backward_flops(cfg, o.batch, T, T, kRegular.spec).total();
-      // The FLOP ideal of a collider variant; ragged rows: on the actual counts, row by row.
+      // One warm-up of o.warmup steps per variant, then o.reps serpentine rounds (harness/measure/
+      // rounds.h, as the timing sweeps run): a method's place in the round, right after a large
+      // backward or not, evens out over the rounds.
+      auto run_kind = [&](const Kind& k) {
+        return k.floor ? run_once(m, plan, k, idx_N, labels_N, keep_N, mem, o.bf16)
+                       : run_once(m, plan, k, idx, labels, k.ragged() ? keep_ragged : keep, mem, o.bf16);
+      };
+      std::map<std::string, Measured> samples;  // by Kind::name
+      collider::harness::Interleaving how;
+      how.warm_up = [&](size_t j) {
+        for (int w = 0; w < o.warmup; ++w) run_kind(kinds[j]);
+      };
+      how.measure = [&](size_t j, int64_t) {
+        const Kind& k = kinds[j];
+        const Sample s = run_kind(k);
+        samples[k.name].add(s, k.is_collider() ? cold_copy_ms(s.gathered_bytes, dev) : 0.0);
+      };
+      collider::harness::interleave(kinds.size(), o.reps, how);
+      // The FLOP ideal of a collider variant (models/flops.h); ragged rows: on the actual counts.
       auto ideal_of = [&](const Kind& k) {
         if (!k.is_collider()) return 0.0;
-        if (!k.ragged()) return 1 - collider::models::backward_flops(cfg, o.batch, T, N, k.spec).total() / f_dense;
-        if (ragged_rows.empty()) return 0.0;
-        double f = 0;
-        for (int64_t n : ragged_rows)
-          if (n > 0) f += collider::models::backward_flops(cfg, 1, T, n, k.spec).total();
-        return 1 - f / f_dense;
+        if (k.ragged() && ragged_rows.empty()) return 0.0;
+        return collider::models::flop_ideal_reduction(
+            cfg, T, k.ragged() ? ragged_rows : std::vector<int64_t>(static_cast<size_t>(o.batch), N), k.spec);
       };
-      auto med = [&](const Kind& k, double Sample::*f) {
-        std::vector<double> v;
-        for (const auto& s : samples[k.name]) v.push_back(s.*f);
-        return collider::stats::median(v);
-      };
-      auto peak = [&](const Kind& k) {
-        int64_t p = 0;
-        for (const auto& s : samples[k.name]) p = std::max(p, s.peak_bytes);
-        return p;
-      };
-      const double reg = med(kRegular, &Sample::bwd_ms), floor_ms = med(kFloor, &Sample::bwd_ms);
+      auto med = [&](const Kind& k, collider::harness::Series Measured::*f) { return (samples[k.name].*f).median(); };
+      auto peak = [&](const Kind& k) { return samples[k.name].peak_bytes; };
+      const double reg = med(kRegular, &Measured::bwd_ms), floor_ms = med(kFloor, &Measured::bwd_ms);
       std::printf("\n%s  T=%ld  T'=%ld  attention/linear FLOPs %.3f\n", name.c_str(), static_cast<long>(T),
                   static_cast<long>(N), collider::models::attention_linear_ratio(cfg, T));
       if (!ragged_rows.empty()) {
@@ -357,7 +367,7 @@ int main(int argc, char** argv) try {
       std::printf("  %-24s %9s %10s %8s %9s %10s %8s %9s %10s\n", "method", "bwd_ms", "reduction", "ideal", "of ideal",
                   "rewrite%", "rw/reg%", "vs floor", "peak_MiB");
       for (const Kind& k : kinds) {
-        const double b = med(k, &Sample::bwd_ms), rw = med(k, &Sample::rewrite_ms);
+        const double b = med(k, &Measured::bwd_ms), rw = med(k, &Measured::rewrite_ms);
         const double red = 1 - (b + rw) / reg;  // the rewrite is part of collider's backward cost
         const double ideal = ideal_of(k);
         const bool collider_kind = k.is_collider();
@@ -374,9 +384,9 @@ int main(int argc, char** argv) try {
                         {"rewrite_ms", rw},
                         {"selection", collider::to_string(k.spec.policy)},
                         {"kept_per_row", k.ragged() ? ragged_rows : std::vector<int64_t>(o.batch, N)},
-                        {"gather_ms", med(k, &Sample::gather_ms)},
-                        {"gathered_bytes", samples[k.name].front().gathered_bytes},
-                        {"tensors_gathered", samples[k.name].front().tensors_gathered},
+                        {"gather_ms", med(k, &Measured::gather_ms)},
+                        {"gathered_bytes", samples[k.name].gathered_bytes},
+                        {"tensors_gathered", samples[k.name].tensors_gathered},
                         {"reduction", red},
                         {"ideal", ideal},
                         {"floor_ms", floor_ms},
@@ -387,16 +397,11 @@ int main(int argc, char** argv) try {
                         {"device", o.device},
                         {"dtype", o.bf16 ? "bf16" : "fp32"},
                         {"cpu_allocator", collider::harness::cpu_allocator_mode()},
-                        {"samples_bwd_ms", [&] {
-                           std::vector<double> v;
-                           for (auto& s : samples[k.name]) v.push_back(s.bwd_ms);
-                           return v;
-                         }()},
-                        {"samples_rewrite_ms", [&] {
-                           std::vector<double> v;
-                           for (auto& s : samples[k.name]) v.push_back(s.rewrite_ms);
-                           return v;
-                         }()}});
+                        {"samples_bwd_ms", samples[k.name].bwd_ms.samples()},
+                        {"samples_rewrite_ms", samples[k.name].rewrite_ms.samples()}});
+        // The run's provenance as the sweeps record it (harness/run/results.h: git state, torch
+        // and CUDA versions, device name, hostname); num_threads and torch_version as above.
+        for (auto& [key, value] : provenance.items()) rows.back().emplace(key, value);
       }
       // Ragged against per-sequence at the same total kept count, round by round (the two ran
       // in the same round, minutes apart at most): median and range of the per-round ratios of
@@ -405,9 +410,10 @@ int main(int argc, char** argv) try {
         if (ragged_rows.empty()) break;
         std::vector<double> ratio, of_ideal;
         const auto &a = samples[ragged.name], &b = samples[same.name], &r = samples[kRegular.name];
-        for (size_t i = 0; i < a.size(); ++i) {
-          ratio.push_back((a[i].bwd_ms + a[i].rewrite_ms) / (b[i].bwd_ms + b[i].rewrite_ms));
-          of_ideal.push_back((1 - (a[i].bwd_ms + a[i].rewrite_ms) / r[i].bwd_ms) / ideal_of(ragged));
+        for (size_t i = 0; i < a.bwd_ms.samples().size(); ++i) {
+          const double a_ms = a.bwd_ms.samples()[i] + a.rewrite_ms.samples()[i];
+          ratio.push_back(a_ms / (b.bwd_ms.samples()[i] + b.rewrite_ms.samples()[i]));
+          of_ideal.push_back((1 - a_ms / r.bwd_ms.samples()[i]) / ideal_of(ragged));
         }
         const double q = collider::stats::median(ratio), f = collider::stats::median(of_ideal);
         std::printf("  %-24s / per-sequence: median %.3f (rounds %.3f..%.3f); of its FLOP ideal: median %.3f (%.3f..%.3f)\n",
@@ -428,13 +434,13 @@ int main(int argc, char** argv) try {
       // (ragged attention rows) are timed apart.
       for (const Kind& k : kinds) {
         if (!k.is_collider()) continue;
-        const double rw = med(k, &Sample::rewrite_ms), g = med(k, &Sample::gather_ms);
-        const int64_t bytes = samples[k.name].front().gathered_bytes;
-        const double copy_ms = med(k, &Sample::copy_ms), b = med(k, &Sample::bwd_ms);
+        const double rw = med(k, &Measured::rewrite_ms), g = med(k, &Measured::gather_ms);
+        const int64_t bytes = samples[k.name].gathered_bytes;
+        const double copy_ms = med(k, &Measured::copy_ms), b = med(k, &Measured::bwd_ms);
         std::printf(
             "  rewrite %-20s %6.2f ms (of which copies %5.2f ms); %ld saved tensors cut in the backward, %.1f MB; "
             "plain copy of those bytes %5.2f ms = %.2f%% of the backward\n",
-            k.name, rw, g, static_cast<long>(samples[k.name].front().tensors_gathered), bytes / 1e6, copy_ms,
+            k.name, rw, g, static_cast<long>(samples[k.name].tensors_gathered), bytes / 1e6, copy_ms,
             100 * copy_ms / b);
         for (auto& r : rows)
           if (r["model"] == name && r["seq_len"] == T && r["method"] == k.name) r["copy_floor_ms"] = copy_ms;
