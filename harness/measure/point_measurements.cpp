@@ -4,6 +4,8 @@
 #include "base/stats.h"
 #include "harness/run/results.h"
 
+#include <collider/filter_stats_fields.h>
+
 #include <algorithm>
 
 #include <time.h>
@@ -137,18 +139,8 @@ void PointMeasurements::write(nlohmann::json& row, const ProcessGroup* dist, con
   row["peak_mem_method"] = peak_mem_method;
   row["loss_first"] = losses_.empty() ? 0.0 : losses_.front();
   row["loss_last"] = losses_.empty() ? 0.0 : losses_.back();
-  const collider::FilterStats& fs = filter_stats_;
-  row["filter_stats"] = {{"nodes_visited", fs.nodes_visited},
-                         {"nodes_rewritten", fs.nodes_rewritten},
-                         {"tensors_gathered", fs.tensors_gathered},
-                         {"bytes_before", fs.bytes_before},
-                         {"bytes_gathered", fs.bytes_gathered},
-                         {"kept", fs.kept},
-                         {"kept_total", fs.kept_total},
-                         {"gather_nodes_inserted", fs.gather_nodes_inserted},
-                         {"gemms_packed", fs.gemms_packed},
-                         {"rewrite_ms", fs.rewrite_ms},
-                         {"gather_ms", fs.gather_ms}};
+  nlohmann::json& fs = row["filter_stats"] = nlohmann::json::object();
+  for_each_filter_stats_field([&](const char* name, auto member) { fs[name] = filter_stats_.*member; });
 }
 
 }  // namespace collider::harness

@@ -9,6 +9,7 @@
 // harness's caching CPU allocator (harness/components/memory.cpp, torch-only), which the benchmark
 // python/bench/bench_hf_backward.py installs so that its numbers compare with bm_collider_backward.
 #include <collider/collider.h>
+#include <collider/filter_stats_fields.h>
 #include <collider/select.h>
 
 #include "collider_core/src/passthrough.h"
@@ -109,23 +110,13 @@ PYBIND11_MODULE(_C, m) {
                         return guarded("Plan (unpickle)", [&] { return collider::Plan::from_string(text); });
                       }));
 
-  py::class_<collider::FilterStats>(m, "FilterStats")
-      .def_readonly("nodes_visited", &collider::FilterStats::nodes_visited)
-      .def_readonly("nodes_rewritten", &collider::FilterStats::nodes_rewritten)
-      .def_readonly("tensors_gathered", &collider::FilterStats::tensors_gathered)
-      .def_readonly("bytes_before", &collider::FilterStats::bytes_before)
-      .def_readonly("bytes_gathered", &collider::FilterStats::bytes_gathered)
-      .def_readonly("tensors_hooked", &collider::FilterStats::tensors_hooked)
-      .def_readonly("gather_nodes_inserted", &collider::FilterStats::gather_nodes_inserted)
-      .def_readonly("gemms_packed", &collider::FilterStats::gemms_packed)
-      .def_readonly("batch", &collider::FilterStats::batch)
-      .def_readonly("seq_len", &collider::FilterStats::seq_len)
-      .def_readonly("kept", &collider::FilterStats::kept)
-      .def_readonly("kept_total", &collider::FilterStats::kept_total)
-      .def_readonly("kept_min", &collider::FilterStats::kept_min)
-      .def_readonly("kept_max", &collider::FilterStats::kept_max)
-      .def_readonly("rewrite_ms", &collider::FilterStats::rewrite_ms)
-      .def_readonly("gather_ms", &collider::FilterStats::gather_ms);
+  py::class_<collider::FilterStats> stats_class(m, "FilterStats");
+  py::list stats_fields;  // collider.FilterStats' field names, for to_dict and repr (python/collider/__init__.py)
+  collider::for_each_filter_stats_field([&](const char* name, auto member) {
+    stats_class.def_readonly(name, member);
+    stats_fields.append(name);
+  });
+  m.attr("filter_stats_fields") = stats_fields;
 
   // The callable is a Python function; pybind11's std::function wrapper takes the GIL around every
   // call (the caller holds it already) and turns a Python exception into error_already_set.
