@@ -12,6 +12,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <unistd.h>
 
 #include <fstream>
@@ -277,6 +279,42 @@ method = "regular"
   EXPECT_EQ(m.points[3].group_id(), "tinyllama-debug/T32/B1");
   EXPECT_FALSE(m.points[3].aa_copy);
   EXPECT_NE(m.resolved_toml.find("aa_check = true"), std::string::npos) << m.resolved_toml;
+}
+
+// run.floor: after each group's points, regular at every T' its collider and forward_drop points
+// filter to (one per distinct T'), measured in that group: same group_id, id ending in /floor.
+TEST(Manifest, FloorAddsRegularAtTPrimeToEachGroup) {
+  const char* text = R"(
+name = "floor"
+[run]
+device = "cpu"
+floor = true
+aa_check = true
+[axes]
+model = "tinyllama-debug"
+seq_len = [64, 128]
+filter_ratio = [0.4, 0.5]
+method = ["regular", "loss_only", "collider"]
+attention_grad = ["kept_only", "exact_query"]
+[[exclude]]
+seq_len = 128
+method = "collider"
+)";
+  const auto m = ch::load_manifest_text(text, "floor.toml");
+  // T64: kept_count(64, 0.4, 8) = 32 = kept_count(64, 0.5, 8): one floor point; T128: no collider.
+  EXPECT_EQ(m.num_floor_points, 1);
+  std::vector<std::string> ids;
+  for (const auto& p : m.points)
+    if (p.group_id() == "tinyllama-debug/T64/B1") ids.push_back(p.id());
+  ASSERT_GE(ids.size(), 2u);
+  EXPECT_EQ(ids[ids.size() - 2], "tinyllama-debug/T32/B1/f0/regular/none/floor");
+  EXPECT_EQ(ids.back(), "tinyllama-debug/T64/B1/f0.4/regular/none/aa") << "the A/A copy stays last";
+  const auto floor = std::find_if(m.points.begin(), m.points.end(), [](const auto& p) { return p.floor_of > 0; });
+  EXPECT_EQ(floor->floor_of, 64);
+  EXPECT_EQ(floor->seq_len, 32);
+  EXPECT_EQ(floor->spec.method, collider::models::Method::kRegular);
+  EXPECT_NE(m.resolved_toml.find("floor = true"), std::string::npos) << m.resolved_toml;
+  EXPECT_NE(m.resolved_toml.find("1 floor points"), std::string::npos) << m.resolved_toml;
 }
 
 // forward_drop takes no attention_grad, like regular and loss_only: one point per ratio, "none"

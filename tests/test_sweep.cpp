@@ -5,7 +5,7 @@
 // duplicate rows; a directory holding rows is refused without --resume; the CPU peak-memory
 // probe grows with the batch and the caching allocator stays exact past its limit; the smoke
 // manifest (all four methods) runs; forward_drop rows count its middle layers' tokens in their
-// FLOPs.
+// FLOPs; run.floor's T' floor points are measured in their group and tabulated.
 // Run: OMP_NUM_THREADS=1 build-harness/tests/test_sweep
 #include "harness/recipes/cli.h"
 #include "base/fsutil.h"
@@ -300,6 +300,42 @@ TEST(Sweep, SmokeManifestRunsEveryMethod) {
     }
   }
   EXPECT_TRUE(fsu::exists(tmp / "trace.json"));
+}
+
+// run.floor: the T' floor is measured in its group's rounds and its row says which group; the
+// group's table (harness/measure/table.h) sets Collider against regular, its ideal and the floor.
+TEST(Sweep, FloorPointsAreMeasuredInTheirGroupAndTabulated) {
+  TempDir tmp;
+  fsu::write_file(tmp / "m.toml", R"(
+name = "floor-test"
+[run]
+device = "cpu"
+warmup_steps = 1
+measure_steps = 1
+repetitions = 2
+threads = 1
+floor = true
+[axes]
+model = "tinyllama-debug"
+seq_len = 32
+filter_ratio = 0.5
+method = ["regular", "collider"]
+)");
+  const auto r = run({tmp / "m.toml", "--out", tmp / "out"});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  const auto rows = rows_of(tmp / "out");
+  ASSERT_EQ(rows.size(), 3u);  // regular, collider kept_only, the floor at T' = 16
+  const auto& floor = rows.back();
+  EXPECT_EQ(floor["point_id"], "tinyllama-debug/T16/B1/f0/regular/none/floor");
+  EXPECT_EQ(floor["seq_len"], 16);
+  EXPECT_EQ(floor["floor_of"], 32);
+  EXPECT_EQ(floor["group"], rows.front()["group"]);
+  EXPECT_EQ(floor["group_points"], 3);
+  EXPECT_TRUE(rows.front()["floor_of"].is_null());
+  for (const auto& row : rows) EXPECT_TRUE(ch::validate_row(row).empty()) << row["point_id"];
+  EXPECT_NE(r.err.find("floor (regular at T'=16)"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("vs floor"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("collider kept_only@0.5"), std::string::npos) << r.err;
 }
 
 // RHO-1's batch selection through Collider: batch_topk rows keep different counts; the row

@@ -13,6 +13,7 @@
 #include <toml++/toml.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <map>
@@ -74,6 +75,7 @@ class TimingSchema {
     L_.add("run.attention_impl", &r.attention_impl);
     L_.add("run.layer_timing", &r.layer_timing);
     L_.add("run.aa_check", &r.aa_check);
+    L_.add("run.floor", &r.floor);
     L_.add("run.fail_point", &r.fail_point, /*advertised=*/false);  // tests inject a failure at matching points
     L_.add_section("axes", "method");
     L_.add("axes.model", &axes_.model);
@@ -267,6 +269,7 @@ class TimingSchema {
                 }
               }
             }
+          if (m_.run.floor) add_floor_points(group_begin);
           // The A/A check: the group's first regular point once more, last in the group, so the
           // two regular measurements are as far apart in each interleaved round as possible.
           if (m_.run.aa_check) {
@@ -290,6 +293,26 @@ class TimingSchema {
           fmt::format("{}: [[exclude]] removes all {} points of the axes; nothing would run (narrow "
                       "an exclusion or widen the axes)",
                       path_, m_.num_expanded));
+    }
+  }
+
+  // run.floor: after the points of the group that begins at `group_begin`, regular at each T'
+  // its collider and forward_drop points filter to (one point per distinct T' < T).
+  void add_floor_points(size_t group_begin) {
+    const size_t group_end = m_.points.size();
+    std::vector<int64_t> added;
+    for (size_t k = group_begin; k < group_end; ++k) {
+      const Point& p = m_.points[k];
+      if (p.spec.method != Method::kCollider && p.spec.method != Method::kForwardDrop) continue;
+      const int64_t t_prime = collider::kept_count(p.seq_len, p.filter_ratio, m_.run.align);
+      if (t_prime >= p.seq_len || std::find(added.begin(), added.end(), t_prime) != added.end()) continue;
+      MethodSpec spec = spec_;
+      spec.method = Method::kRegular;
+      Point floor{p.model, t_prime, p.batch_size, 0.0, "regular", models::attention_grad_name(spec), spec};
+      floor.floor_of = p.seq_len;
+      m_.points.push_back(floor);
+      added.push_back(t_prime);
+      ++m_.num_floor_points;
     }
   }
 
@@ -344,7 +367,8 @@ class TimingSchema {
                     {"score", r.score},
                     {"attention_impl", r.attention_impl},
                     {"layer_timing", r.layer_timing},
-                    {"aa_check", r.aa_check}};
+                    {"aa_check", r.aa_check},
+                    {"floor", r.floor}};
     if (!r.fail_point.empty()) run.insert("fail_point", r.fail_point);
     auto arr_s = [](const std::vector<std::string>& v) {
       toml::array a;
@@ -386,8 +410,8 @@ class TimingSchema {
     std::ostringstream os;
     os << "# Resolved manifest: built-in defaults, then " << path_ << ", then --set overrides.\n";
     for (const auto& o : m_.overrides) os << "# " << o << "\n";
-    os << fmt::format("# {} points ({} expanded, {} excluded, {} A/A copies).\n", m_.points.size(), m_.num_expanded,
-                      m_.num_excluded, m_.num_aa_copies);
+    os << fmt::format("# {} points ({} expanded, {} excluded, {} A/A copies, {} floor points).\n", m_.points.size(),
+                      m_.num_expanded, m_.num_excluded, m_.num_aa_copies, m_.num_floor_points);
     os << root << "\n";
     return os.str();
   }
@@ -414,10 +438,12 @@ std::string stem_of(const std::string& path) {
 
 std::string Point::id() const {
   return fmt::format("{}/T{}/B{}/f{}/{}/{}{}", model, seq_len, batch_size, fmt_ratio(filter_ratio), method,
-                     attention_grad, aa_copy ? "/aa" : "");
+                     attention_grad, aa_copy ? "/aa" : floor_of > 0 ? "/floor" : "");
 }
 
-std::string Point::group_id() const { return fmt::format("{}/T{}/B{}", model, seq_len, batch_size); }
+std::string Point::group_id() const {
+  return fmt::format("{}/T{}/B{}", model, floor_of > 0 ? floor_of : seq_len, batch_size);
+}
 
 std::string default_manifest_toml() {
   TimingSchema schema("<defaults>", /*check_device=*/false);

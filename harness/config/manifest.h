@@ -8,6 +8,8 @@
 //   warmup_steps = 2; measure_steps = 5; repetitions = 1; seed = 0; threads = 0 (torch default)
 //   lr, weight_decay, beta1, beta2, eps, grad_clip, align, selection, score, attention_impl, layer_timing
 //   aa_check = false               # measure each group's regular point twice (the A/A noise band)
+//   floor = false                  # add each group's T' floor: regular on T' = kept_count(T, ratio,
+//                                  # align) positions per row, measured in the group's rounds
 //   [axes]                         # each a scalar or an array; cartesian product in this order
 //   model = ["tinyllama-mini"]; seq_len = [512]; batch_size = [1]; filter_ratio = [0.0, 0.4]
 //   method = ["regular", "loss_only", "collider", "masked"]; attention_grad = ["kept_only"]
@@ -50,6 +52,10 @@ struct RunSettings {
   std::string attention_impl = "eager";  // eager | sdpa
   bool layer_timing = true;              // per-layer marker timings in every row
   bool aa_check = false;                 // each group's regular point twice (its copy's id ends in /aa)
+  // Each group's T' floors (DESIGN.md section 7): for every filter ratio of its collider and
+  // forward_drop points, regular on T' = kept_count(T, ratio, align) positions per row, measured
+  // in the group's rounds (id ends in /floor; the row's seq_len is T', floor_of is T).
+  bool floor = false;
   std::string fail_point;                // tests: points whose point_id contains this fail
 };
 
@@ -65,10 +71,15 @@ struct Point {
   models::MethodSpec spec;
   // The A/A copy of its group's regular point (run.aa_check): measured again in the same rounds.
   bool aa_copy = false;
+  // A T' floor point (run.floor): regular at seq_len = T', measured in the group of seq_len
+  // floor_of = T; 0 for every other point.
+  int64_t floor_of = 0;
   // Stable id from the axis values, e.g. "tinyllama-debug/T64/B2/f0.4/collider/kept_only"
-  // ("tinyllama-debug/T64/B2/f0.4/regular/none/aa" for an A/A copy).
+  // ("tinyllama-debug/T64/B2/f0.4/regular/none/aa" for an A/A copy,
+  // "tinyllama-debug/T32/B2/f0/regular/none/floor" for a floor point).
   std::string id() const;
-  // The interleaved group it is measured in: "tinyllama-debug/T64/B2" (model, seq_len, batch_size).
+  // The interleaved group it is measured in: "tinyllama-debug/T64/B2" (model, seq_len, batch_size;
+  // a floor point's: floor_of).
   std::string group_id() const;
 };
 
@@ -80,6 +91,7 @@ struct Manifest {
   int64_t num_expanded = 0;   // before exclusion
   int64_t num_excluded = 0;
   int64_t num_aa_copies = 0;           // added by run.aa_check, one per group with a regular point
+  int64_t num_floor_points = 0;        // added by run.floor
   std::vector<std::string> overrides;  // one echo line per --set
   std::vector<std::string> notes;      // warnings (an exclude that matches nothing)
   std::string resolved_toml;           // defaults + file + --set, as TOML

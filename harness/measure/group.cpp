@@ -52,6 +52,8 @@ nlohmann::json identity_row(const Manifest& m, const Point& p, const Provenance&
   row["repetitions"] = m.run.repetitions;
   row["group"] = p.group_id();
   row["aa_copy"] = p.aa_copy;
+  // A T' floor point (run.floor): the seq_len of the group it was measured in; null otherwise.
+  row["floor_of"] = p.floor_of > 0 ? nlohmann::json(p.floor_of) : nlohmann::json(nullptr);
   row["seed"] = m.run.seed;
   row["selection"] = collider::to_string(p.spec.policy);
   row["score"] = to_string(p.spec.score);
@@ -140,6 +142,7 @@ std::string short_name(const Point& p) {
   if (models::uses_attention_grad(p.spec.method)) s += "/" + p.attention_grad;
   if (p.filter_ratio > 0 && p.spec.method != Method::kRegular) s += fmt::format("@{:g}", p.filter_ratio);
   if (p.aa_copy) s += "/aa";
+  if (p.floor_of > 0) s = fmt::format("floor T'={}", p.seq_len);
   return s;
 }
 

@@ -228,11 +228,12 @@ int run_run_command(const std::vector<std::string>& args, std::ostream& out, std
 
   if (dry_run) {
     out << fmt::format(
-        "{}: {} points ({} expanded, {} excluded{}); device {}, dtype {}; per group of "
+        "{}: {} points ({} expanded, {} excluded{}{}); device {}, dtype {}; per group of "
         "points with the same model, seq_len and batch: {} warm-up steps each, then {} interleaved "
         "rounds of {} measured steps each\n",
         m.name, m.points.size(), m.num_expanded, m.num_excluded,
-        m.num_aa_copies ? fmt::format(", {} A/A copies", m.num_aa_copies) : "", m.run.device, m.run.dtype,
+        m.num_aa_copies ? fmt::format(", {} A/A copies", m.num_aa_copies) : "",
+        m.num_floor_points ? fmt::format(", {} T' floor points", m.num_floor_points) : "", m.run.device, m.run.dtype,
         m.run.warmup_steps, m.run.repetitions, m.run.measure_steps);
     for (size_t i = 0; i < m.points.size(); ++i) out << fmt::format("{:>4}  {}\n", i + 1, m.points[i].id());
     return 0;

@@ -1,11 +1,12 @@
 // The sweep (sweep.h): resume decisions (rank 0's, broadcast), run records, then the manifest's
-// groups through the measurement engine (harness/measure/group.h), each group's rows appended
-// and a progress line per point.
+// groups through the measurement engine (harness/measure/group.h), each group's rows appended,
+// a progress line per point and the group's table (harness/measure/table.h).
 #include "harness/recipes/sweep.h"
 
 #include "base/duration.h"
 #include "harness/components/memory.h"
 #include "harness/components/timer.h"
+#include "harness/measure/table.h"
 #include "harness/run/run_dir.h"
 
 #include <fmt/format.h>
@@ -103,6 +104,11 @@ SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
              : fmt::format("{}: {}", row["status"].get<std::string>(), row["error"].get<std::string>());
       log << fmt::format("[{}/{}] {}: {} | elapsed {} ETA {}\n", todo_index[t] + 1, sum.points,
                          row["point_id"].get<std::string>(), what, hms(elapsed), hms(eta));
+      log.flush();
+    }
+    if (writer) {
+      log << fmt::format("  {}: backward, medians over {} measured steps per point\n{}", label,
+                         m.run.repetitions * m.run.measure_steps, group_table(g.rows));
       log.flush();
     }
     if (trace) trace->write();

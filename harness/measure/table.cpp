@@ -1,0 +1,76 @@
+// group_table (table.h): a group's rows as a console table.
+#include "harness/measure/table.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <map>
+
+namespace collider::harness {
+namespace {
+
+double number(const nlohmann::json& row, const char* key) {
+  const auto it = row.find(key);
+  return it != row.end() && it->is_number() ? it->get<double>() : std::nan("");
+}
+
+bool ok(const nlohmann::json& row) { return row.value("status", "") == "ok"; }
+bool is_floor(const nlohmann::json& row) { return row.contains("floor_of") && !row["floor_of"].is_null(); }
+
+// method[/attention_grad][@ratio][/aa], or "floor T'=N".
+std::string label(const nlohmann::json& row) {
+  if (is_floor(row)) return fmt::format("floor (regular at T'={})", row["seq_len"].get<int64_t>());
+  const std::string method = row.value("method", "?");
+  std::string s = method;
+  const std::string grad = row.value("attention_grad", "none");
+  if (grad != "none") s += " " + grad;
+  if (method != "regular") s += fmt::format("@{:g}", number(row, "filter_ratio"));
+  if (row.value("aa_copy", false)) s += " (A/A)";
+  return s;
+}
+
+std::string cell(double v, const char* format) { return std::isnan(v) ? "-" : fmt::format(fmt::runtime(format), v); }
+
+}  // namespace
+
+std::string group_table(const std::vector<nlohmann::json>& rows) {
+  double regular_ms = std::nan("");
+  std::map<int64_t, double> floor_ms;  // by T'
+  for (const auto& row : rows) {
+    if (!ok(row)) continue;
+    if (is_floor(row)) {
+      floor_ms[row["seq_len"].get<int64_t>()] = number(row, "bwd_ms");
+    } else if (row.value("method", "") == "regular" && !row.value("aa_copy", false) && std::isnan(regular_ms)) {
+      regular_ms = number(row, "bwd_ms");
+    }
+  }
+  std::string out = fmt::format("  {:<34} {:>9} {:>6} {:>10} {:>10} {:>7} {:>9} {:>9} {:>9}\n", "method", "bwd_ms",
+                                "+-IQR", "rewrite_ms", "reduction", "ideal", "of ideal", "vs floor", "peak_MiB");
+  for (const auto& row : rows) {
+    if (!ok(row)) {
+      out += fmt::format("  {:<34} {}: {}\n", label(row), row.value("status", "?"),
+                         row["error"].is_string() ? row["error"].get<std::string>().substr(0, 80) : "");
+      continue;
+    }
+    const std::string method = row.value("method", "");
+    const bool filters = method == "collider" || method == "forward_drop";
+    const double bwd = number(row, "bwd_ms"), rewrite = number(row, "rewrite_ms");
+    const double cost = bwd + (std::isnan(rewrite) ? 0.0 : rewrite);
+    const bool baseline = method == "regular" && !is_floor(row) && !row.value("aa_copy", false);
+    const double reduction = baseline ? 0.0 : 1.0 - cost / regular_ms;
+    const double ideal = filters ? number(row, "flop_ideal_bwd_reduction") : std::nan("");
+    // The floor at this point's T': collider's kept count per row, forward_drop's middle count.
+    double over_floor = std::nan("");
+    const int64_t t_prime = method == "forward_drop" && row["middle_tokens_per_seq"].is_number_integer()
+                                ? row["middle_tokens_per_seq"].get<int64_t>()
+                                : row.value("kept_per_seq", int64_t{-1});
+    if (filters && floor_ms.count(t_prime)) over_floor = cost / floor_ms.at(t_prime);
+    out += fmt::format("  {:<34} {:>9.2f} {:>5.1f}% {:>10.2f} {:>9.1f}% {:>7} {:>9} {:>9} {:>9.1f}\n", label(row), bwd,
+                       100 * number(row, "bwd_ms_rel_iqr"), std::isnan(rewrite) ? 0.0 : rewrite, 100 * reduction,
+                       cell(100 * ideal, "{:.1f}%"), cell(ideal > 0 ? reduction / ideal : std::nan(""), "{:.3f}"),
+                       cell(over_floor, "{:.2f}x"), number(row, "peak_mem_bytes") / 1048576.0);
+  }
+  return out;
+}
+
+}  // namespace collider::harness
