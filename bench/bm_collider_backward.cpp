@@ -28,6 +28,7 @@
 // (there: --device cuda --bf16, timed with device synchronisation around each backward).
 #include "base/stats.h"
 #include "harness/components/memory.h"
+#include "harness/measure/probes.h"
 #include "harness/measure/rounds.h"
 #include "harness/run/results.h"
 #include "harness/components/token_data.h"
@@ -207,24 +208,6 @@ Sample run_once(collider::models::CausalLM& m, const collider::Plan& plan, const
   return s;
 }
 
-// What a plain copy of `bytes` costs on this machine with both sides out of cache: the floor
-// of any rewrite that copies the kept rows, which must write that much and read at least as
-// much. Timed once per repetition right after the rewrite it is compared with (memory
-// bandwidth on a shared host drifts; the medians then cover the same minutes); a 64 MiB fill
-// before the copy evicts both buffers from the caches.
-// The buffers live only inside the call, so the next step's peak memory does not see them.
-double cold_copy_ms(int64_t bytes, const torch::Device& dev) {
-  if (bytes <= 0) return 0;
-  auto opts = torch::TensorOptions().dtype(torch::kFloat).device(dev);
-  auto src = torch::rand({bytes / 4}, opts), dst = torch::zeros({bytes / 4}, opts);
-  torch::empty({(int64_t(64) << 20) / 4}, opts).fill_(1.0);
-  sync(src);
-  const auto t0 = Clock::now();
-  dst.copy_(src);
-  sync(src);
-  return ms_since(t0);
-}
-
 // The first B windows of T tokens of the prepared training mixture, with the reference model's
 // per-token losses (stored per window of the utility experiment's length; consecutive windows
 // are consecutive positions, so T a multiple of it reads several in a row).
@@ -338,7 +321,7 @@ int main(int argc, char** argv) try {
       how.measure = [&](size_t j, int64_t) {
         const Kind& k = kinds[j];
         const Sample s = run_kind(k);
-        samples[k.name].add(s, k.is_collider() ? cold_copy_ms(s.gathered_bytes, dev) : 0.0);
+        samples[k.name].add(s, k.is_collider() ? collider::harness::cold_copy_ms(s.gathered_bytes, dev) : 0.0);
       };
       collider::harness::interleave(kinds.size(), o.reps, how);
       // The FLOP ideal of a collider variant (models/flops.h); ragged rows: on the actual counts.

@@ -303,7 +303,8 @@ TEST(Sweep, SmokeManifestRunsEveryMethod) {
 }
 
 // run.floor: the T' floor is measured in its group's rounds and its row says which group; the
-// group's table (harness/measure/table.h) sets Collider against regular, its ideal and the floor.
+// group's table (harness/measure/table.h) sets Collider against regular, its ideal and the floor;
+// run.copy_probe times a cold copy of the bytes Collider's rewrite cut.
 TEST(Sweep, FloorPointsAreMeasuredInTheirGroupAndTabulated) {
   TempDir tmp;
   fsu::write_file(tmp / "m.toml", R"(
@@ -315,6 +316,7 @@ measure_steps = 1
 repetitions = 2
 threads = 1
 floor = true
+copy_probe = true
 [axes]
 model = "tinyllama-debug"
 seq_len = 32
@@ -332,10 +334,13 @@ method = ["regular", "collider"]
   EXPECT_EQ(floor["group"], rows.front()["group"]);
   EXPECT_EQ(floor["group_points"], 3);
   EXPECT_TRUE(rows.front()["floor_of"].is_null());
+  EXPECT_GT(rows[1]["copy_floor_ms"].get<double>(), 0.0) << "run.copy_probe: collider's cut bytes, copied cold";
+  EXPECT_FALSE(rows.front().contains("copy_floor_ms"));
   for (const auto& row : rows) EXPECT_TRUE(ch::validate_row(row).empty()) << row["point_id"];
   EXPECT_NE(r.err.find("floor (regular at T'=16)"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("vs floor"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("collider kept_only@0.5"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("a plain cold copy of those bytes"), std::string::npos) << r.err;
 }
 
 // RHO-1's batch selection through Collider: batch_topk rows keep different counts; the row

@@ -76,6 +76,7 @@ class TimingSchema {
     L_.add("run.layer_timing", &r.layer_timing);
     L_.add("run.aa_check", &r.aa_check);
     L_.add("run.floor", &r.floor);
+    L_.add("run.copy_probe", &r.copy_probe);
     L_.add("run.fail_point", &r.fail_point, /*advertised=*/false);  // tests inject a failure at matching points
     L_.add_section("axes", "method");
     L_.add("axes.model", &axes_.model);
@@ -368,7 +369,8 @@ class TimingSchema {
                     {"attention_impl", r.attention_impl},
                     {"layer_timing", r.layer_timing},
                     {"aa_check", r.aa_check},
-                    {"floor", r.floor}};
+                    {"floor", r.floor},
+                    {"copy_probe", r.copy_probe}};
     if (!r.fail_point.empty()) run.insert("fail_point", r.fail_point);
     auto arr_s = [](const std::vector<std::string>& v) {
       toml::array a;

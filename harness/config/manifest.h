@@ -10,6 +10,7 @@
 //   aa_check = false               # measure each group's regular point twice (the A/A noise band)
 //   floor = false                  # add each group's T' floor: regular on T' = kept_count(T, ratio,
 //                                  # align) positions per row, measured in the group's rounds
+//   copy_probe = false             # time a cold copy of the bytes each collider point's rewrite cut
 //   [axes]                         # each a scalar or an array; cartesian product in this order
 //   model = ["tinyllama-mini"]; seq_len = [512]; batch_size = [1]; filter_ratio = [0.0, 0.4]
 //   method = ["regular", "loss_only", "collider", "masked"]; attention_grad = ["kept_only"]
@@ -56,6 +57,9 @@ struct RunSettings {
   // forward_drop points, regular on T' = kept_count(T, ratio, align) positions per row, measured
   // in the group's rounds (id ends in /floor; the row's seq_len is T', floor_of is T).
   bool floor = false;
+  // Each collider point's copy floor: per round, a plain cold copy of the bytes its rewrite cut
+  // (harness/measure/probes.h), row key copy_floor_ms.
+  bool copy_probe = false;
   std::string fail_point;                // tests: points whose point_id contains this fail
 };
 

@@ -8,6 +8,7 @@
 #include "harness/components/train_step.h"
 #include "harness/measure/failure.h"
 #include "harness/measure/point_measurements.h"
+#include "harness/measure/probes.h"
 #include "harness/measure/rounds.h"
 #include "harness/run/run_dir.h"
 #include "models/flops.h"
@@ -263,6 +264,9 @@ GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& poin
     }
     if (device.is_cuda()) torch::cuda::synchronize();
     if (measured) mb.acc.end_repetition(probe->peak_bytes());
+    // run.copy_probe: a plain cold copy of the bytes this point's rewrite cut, after its steps.
+    if (measured && m.run.copy_probe && p.spec.method == Method::kCollider)
+      mb.acc.add_copy_probe(cold_copy_ms(mb.acc.bytes_gathered(), device));
     mb.wall_ns += host_now_ns() - t0;
   };
   // interleave() runs a block only for a point still standing in a group not stopped.

@@ -122,6 +122,9 @@ void PointMeasurements::write(nlohmann::json& row, const ProcessGroup* dist, con
     layers.push_back({{"name", name}, {"fwd_ms", f}, {"bwd_ms", b}});
   }
   row["layers"] = layers;
+  // run.copy_probe (collider points): the median cold copy of the bytes the rewrite cut, the floor
+  // of any rewrite that copies them (harness/measure/probes.h).
+  if (!copy_ms_.samples().empty()) row["copy_floor_ms"] = copy_ms_.median();
   if (!layer_names_.empty()) {
     // How much of the backward the per-layer segments account for (1.0 = all of bwd_ms).
     row["layers_fwd_sum_ms"] = layers_fwd_sum;

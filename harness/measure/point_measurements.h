@@ -32,6 +32,10 @@ class PointMeasurements {
   // After the last step of a repetition (device synchronised): its peak memory and CPU time.
   void end_repetition(int64_t peak_bytes);
 
+  // run.copy_probe: one cold copy of the bytes the rewrite cut (probes.h), per repetition.
+  void add_copy_probe(double ms) { copy_ms_.add(ms); }
+  int64_t bytes_gathered() const { return filter_stats_.bytes_gathered; }  // last measured step
+
   void set_timer_kind(std::string kind) { timer_kind_ = std::move(kind); }
   void set_overlaps(bool overlaps) { overlaps_ = overlaps; }
 
@@ -46,6 +50,7 @@ class PointMeasurements {
  private:
   int rank_;
   Series step_, fwd_, bwd_;  // with each repetition's median
+  Series copy_ms_;           // run.copy_probe
   std::vector<double> filter_, select_, rewrite_, optim_, losses_, allreduce_, ar_wait_, ar_bucket_;
   std::vector<double> bwd_coverage_;
   std::map<std::string, std::vector<double>> layer_fwd_, layer_bwd_;

@@ -46,6 +46,7 @@ std::string group_table(const std::vector<nlohmann::json>& rows) {
   }
   std::string out = fmt::format("  {:<34} {:>9} {:>6} {:>10} {:>10} {:>7} {:>9} {:>9} {:>9}\n", "method", "bwd_ms",
                                 "+-IQR", "rewrite_ms", "reduction", "ideal", "of ideal", "vs floor", "peak_MiB");
+  std::string cuts;  // below the table: run.copy_probe's lines
   for (const auto& row : rows) {
     if (!ok(row)) {
       out += fmt::format("  {:<34} {}: {}\n", label(row), row.value("status", "?"),
@@ -69,7 +70,17 @@ std::string group_table(const std::vector<nlohmann::json>& rows) {
                        100 * number(row, "bwd_ms_rel_iqr"), std::isnan(rewrite) ? 0.0 : rewrite, 100 * reduction,
                        cell(100 * ideal, "{:.1f}%"), cell(ideal > 0 ? reduction / ideal : std::nan(""), "{:.3f}"),
                        cell(over_floor, "{:.2f}x"), number(row, "peak_mem_bytes") / 1048576.0);
+    // run.copy_probe: the rewrite's cut bytes against a plain cold copy of them.
+    if (row.contains("copy_floor_ms") && row.contains("filter_stats")) {
+      const auto& fs = row["filter_stats"];
+      const double copy = number(row, "copy_floor_ms");
+      cuts += fmt::format("  {:<34} {} saved tensors cut in the backward, {:.1f} MB; a plain cold copy of those bytes "
+                          "{:.2f} ms = {:.2f}% of the backward\n",
+                          label(row), fs.value("tensors_gathered", int64_t{0}),
+                          static_cast<double>(fs.value("bytes_gathered", int64_t{0})) / 1e6, copy, 100 * copy / bwd);
+    }
   }
+  out += cuts;
   return out;
 }
 
