@@ -97,6 +97,42 @@ void Loader::declare(const std::string& key, Field field, bool advertised) {
   }
 }
 
+namespace {
+
+// The field's value under `name` in `table`.
+void put(toml::table& table, const std::string& name, const std::variant<std::string*, int64_t*, double*, bool*,
+                                                                      std::vector<std::string>*, std::vector<int64_t>*,
+                                                                      std::vector<double>*>& field) {
+  std::visit(
+      [&](auto* value) {
+        using T = std::remove_pointer_t<decltype(value)>;
+        if constexpr (std::is_same_v<T, std::vector<std::string>> || std::is_same_v<T, std::vector<int64_t>> ||
+                      std::is_same_v<T, std::vector<double>>) {
+          toml::array a;
+          for (const auto& x : *value) a.push_back(x);
+          table.insert(name, a);
+        } else {
+          table.insert(name, *value);
+        }
+      },
+      field);
+}
+
+}  // namespace
+
+toml::table Loader::resolved_table() const {
+  toml::table root;
+  for (const auto& key : top_keys_) {
+    if (const auto it = keys_.find(key); it != keys_.end()) put(root, key, it->second.field);
+  }
+  for (const auto& section : sections_) {
+    toml::table values;
+    for (const auto& key : section_keys_.at(section)) put(values, key, keys_.at(section + "." + key).field);
+    root.insert(section, values);
+  }
+  return root;
+}
+
 void Loader::add_custom(const std::string& key, CustomReader reader, std::string set_refusal) {
   top_keys_.push_back(key);
   custom_[key] = {std::move(reader), std::move(set_refusal)};

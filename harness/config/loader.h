@@ -69,6 +69,11 @@ class Loader {
   // One echo line per --set: "override KEY = NEW (was OLD; from --set)".
   const std::vector<std::string>& overrides() const { return overrides_; }
   const std::string& path() const { return path_; }
+  // Every advertised key's value as it is now (after apply, and after the schema resolved any,
+  // such as device "auto"): the top-level keys and one table per section, in TOML types. What a
+  // run saves as its resolved manifest; keys not advertised (test hooks) and custom keys
+  // ([[exclude]]) are the schema's to add.
+  toml::table resolved_table() const;
 
   // ---- typed reads (type errors name `where` and `key`) ------------------------------------
   std::string get_string(const toml::node& n, const std::string& key, const std::string& where) const;

@@ -349,45 +349,8 @@ class TimingSchema {
     return true;
   }
   std::string resolved() const {
-    const auto& r = m_.run;
-    toml::table run{{"device", r.device},
-                    {"dtype", r.dtype},
-                    {"warmup_steps", r.warmup_steps},
-                    {"measure_steps", r.measure_steps},
-                    {"repetitions", r.repetitions},
-                    {"seed", r.seed},
-                    {"threads", r.threads},
-                    {"lr", r.lr},
-                    {"weight_decay", r.weight_decay},
-                    {"beta1", r.beta1},
-                    {"beta2", r.beta2},
-                    {"eps", r.eps},
-                    {"grad_clip", r.grad_clip},
-                    {"align", r.align},
-                    {"selection", r.selection},
-                    {"score", r.score},
-                    {"attention_impl", r.attention_impl},
-                    {"layer_timing", r.layer_timing},
-                    {"aa_check", r.aa_check},
-                    {"floor", r.floor},
-                    {"copy_probe", r.copy_probe}};
-    if (!r.fail_point.empty()) run.insert("fail_point", r.fail_point);
-    auto arr_s = [](const std::vector<std::string>& v) {
-      toml::array a;
-      for (const auto& x : v) a.push_back(x);
-      return a;
-    };
-    toml::array seq, bs, fr;
-    for (auto x : axes_.seq_len) seq.push_back(x);
-    for (auto x : axes_.batch_size) bs.push_back(x);
-    for (auto x : axes_.filter_ratio) fr.push_back(x);
-    toml::table axes{{"model", arr_s(axes_.model)},
-                     {"seq_len", seq},
-                     {"batch_size", bs},
-                     {"filter_ratio", fr},
-                     {"method", arr_s(axes_.method)},
-                     {"attention_grad", arr_s(axes_.attention_grad)}};
-    toml::table root{{"name", m_.name}, {"description", m_.description}, {"run", run}, {"axes", axes}};
+    toml::table root = L_.resolved_table();
+    if (!m_.run.fail_point.empty()) root["run"].as_table()->insert("fail_point", m_.run.fail_point);
     if (!excludes_.empty()) {
       toml::array ex;
       for (const auto& e : excludes_) {

@@ -170,40 +170,7 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
 
   std::ostringstream os;
   os << "# Resolved training manifest: " << path << " with --set overrides, then defaults filled in.\n";
-  toml::table res;
-  res.insert("name", m.name);
-  res.insert("description", m.description);
-  toml::array ev;
-  for (const auto& e : s.eval_splits) ev.push_back(e);
-  res.insert(
-      "data",
-      toml::table{{"dir", s.data_dir}, {"train", s.train_split}, {"reference", s.reference_split}, {"eval", ev}});
-  res.insert("train", toml::table{{"model", s.model},
-                                  {"seq_len", s.seq_len},
-                                  {"batch_size", s.batch_size},
-                                  {"steps", s.steps},
-                                  {"lr", s.lr},
-                                  {"min_lr", s.min_lr},
-                                  {"warmup_steps", s.warmup_steps},
-                                  {"weight_decay", s.weight_decay},
-                                  {"grad_clip", s.grad_clip},
-                                  {"align", s.align},
-                                  {"eval_every", s.eval_every},
-                                  {"eval_tokens", s.eval_tokens},
-                                  {"eval_batch_size", s.eval_batch_size},
-                                  {"checkpoint_every", s.checkpoint_every},
-                                  {"log_every", s.log_every},
-                                  {"seed", s.seed},
-                                  {"threads", s.threads},
-                                  {"pool_windows", s.pool_windows},
-                                  {"score", s.score}});
-  res.insert("reference", toml::table{{"steps", s.ref_steps}, {"lr", s.ref_lr}, {"batch_size", s.ref_batch_size}});
-  toml::array am, ag, ar, as;
-  for (const auto& x : methods) am.push_back(x);
-  for (const auto& x : grads) ag.push_back(x);
-  for (double x : ratios) ar.push_back(x);
-  for (const auto& x : selections) as.push_back(x);
-  res.insert("axes", toml::table{{"method", am}, {"attention_grad", ag}, {"filter_ratio", ar}, {"selection", as}});
+  const toml::table res = L.resolved_table();
   os << res << "\n";
   m.resolved_toml = os.str();
   return m;
