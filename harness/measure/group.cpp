@@ -28,26 +28,15 @@ int64_t middle_tokens_per_seq(const Manifest& m, const Point& p) {
   return p.spec.method == Method::kForwardDrop ? collider::kept_count(p.seq_len, p.filter_ratio, m.run.align) : 0;
 }
 
-nlohmann::json identity_row(const Manifest& m, const Point& p, const Provenance& prov) {
-  nlohmann::json row = {
-      {"experiment", m.name},
-      {"point_id", p.id()},
-      {"status", "ok"},
-      {"error", nullptr},
-      {"model", p.model},
-      {"seq_len", p.seq_len},
-      {"batch_size", p.batch_size},
-      {"filter_ratio", p.filter_ratio},
-      {"method", p.method},
-      {"attention_grad", p.attention_grad},
-      {"dtype", m.run.dtype},
-      {"device", m.run.device},
-  };
+// The point's row before it is measured: identity and provenance (results.h), its measured keys
+// cleared, and what the manifest says of it.
+nlohmann::json point_row(const Manifest& m, const Point& p, const Provenance& prov) {
+  nlohmann::json row = identity_row({m.name, p.id(), p.model, p.seq_len, p.batch_size, p.filter_ratio, p.method,
+                                     p.attention_grad, m.run.dtype, m.run.device},
+                                    prov);
   clear_measurements(row);
   row["tokens"] = p.batch_size * p.seq_len;
   row["flops_fwd"] = nullptr;
-  const nlohmann::json prov_json = to_json(prov);
-  for (auto it = prov_json.begin(); it != prov_json.end(); ++it) row[it.key()] = it.value();
   row["warmup_steps"] = m.run.warmup_steps;
   row["measure_steps"] = m.run.measure_steps;
   row["repetitions"] = m.run.repetitions;
@@ -161,7 +150,7 @@ GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& poin
   std::vector<Member> members;
   members.reserve(points.size());
   for (const Point* p : points) {
-    Member mb{p, identity_row(m, *p, prov), PointMeasurements(rank)};
+    Member mb{p, point_row(m, *p, prov), PointMeasurements(rank)};
     mb.row["world_size"] = world;
     mb.row["global_batch_size"] = p->batch_size * world;
     members.push_back(std::move(mb));

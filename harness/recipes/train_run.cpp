@@ -190,32 +190,20 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
         if (writer) remove_checkpoint(ckpt_dir);  // left by a kill after its last rows
         continue;
       }
-      nlohmann::json base = {{"experiment", m.name},
-                             {"point_id", pid},
-                             {"status", "ok"},
-                             {"error", nullptr},
-                             {"model", s.model},
-                             {"seq_len", s.seq_len},
-                             {"batch_size", s.batch_size},
-                             {"filter_ratio", p.filter_ratio},
-                             {"method", to_string(p.spec.method)},
-                             {"attention_grad", models::attention_grad_name(p.spec)},
-                             {"dtype", "fp32"},
-                             {"device", "cpu"},
-                             {"seed", s.seed},
-                             {"steps_total", s.steps},
-                             {"num_params", cfg.num_params()},
-                             {"score", models::uses_selection(p.spec.method) ? to_string(p.spec.score) : "none"},
-                             {"selection", models::uses_selection(p.spec.method) ? collider::to_string(p.spec.policy)
-                                                                                 : "none"},
-                             {"reference", ref_tag},
-                             {"data_dir", data_dir},
-                             {"train_split", s.train_split},
-                             {"scale", "cpu"},
-                             {"world_size", world},
-                             {"global_batch_size", world * s.batch_size}};
-      const nlohmann::json pj = to_json(prov);
-      for (auto it = pj.begin(); it != pj.end(); ++it) base[it.key()] = it.value();
+      nlohmann::json base = identity_row({m.name, pid, s.model, s.seq_len, s.batch_size, p.filter_ratio,
+                                          to_string(p.spec.method), models::attention_grad_name(p.spec), "fp32", "cpu"},
+                                         prov);
+      base.update({{"seed", s.seed},
+                   {"steps_total", s.steps},
+                   {"num_params", cfg.num_params()},
+                   {"score", models::uses_selection(p.spec.method) ? to_string(p.spec.score) : "none"},
+                   {"selection", models::uses_selection(p.spec.method) ? collider::to_string(p.spec.policy) : "none"},
+                   {"reference", ref_tag},
+                   {"data_dir", data_dir},
+                   {"train_split", s.train_split},
+                   {"scale", "cpu"},
+                   {"world_size", world},
+                   {"global_batch_size", world * s.batch_size}});
       try {
         StepConfig sc;
         sc.spec = p.spec;

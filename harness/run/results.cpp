@@ -372,6 +372,23 @@ nlohmann::json to_json(const Provenance& p) {
           {"hostname", p.hostname}};
 }
 
+nlohmann::json identity_row(const RowIdentity& id, const Provenance& prov) {
+  nlohmann::json row = {{"experiment", id.experiment},
+                        {"point_id", id.point_id},
+                        {"status", "ok"},
+                        {"error", nullptr},
+                        {"model", id.model},
+                        {"seq_len", id.seq_len},
+                        {"batch_size", id.batch_size},
+                        {"filter_ratio", id.filter_ratio},
+                        {"method", id.method},
+                        {"attention_grad", id.attention_grad},
+                        {"dtype", id.dtype},
+                        {"device", id.device}};
+  row.update(to_json(prov));
+  return row;
+}
+
 nlohmann::json environment_record(const Provenance& p) {
   auto j = to_json(p);
   j["time"] = utc_timestamp();

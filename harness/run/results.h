@@ -81,6 +81,16 @@ nlohmann::json to_json(const Provenance& p);
 // env.json: provenance plus the time and the build's optional components.
 nlohmann::json environment_record(const Provenance& p);
 
+// What every result row starts with (DESIGN.md section 6), timing and training rows alike: the
+// point it measured, status "ok" with no error, and the run's provenance.
+struct RowIdentity {
+  std::string experiment, point_id, model;
+  int64_t seq_len = 0, batch_size = 0;
+  double filter_ratio = 0.0;
+  std::string method, attention_grad, dtype, device;
+};
+nlohmann::json identity_row(const RowIdentity& id, const Provenance& prov);
+
 // ISO 8601 UTC, e.g. 2026-11-30T01:23:45Z; and local "YYYYmmdd-HHMMSS" for directory names.
 std::string utc_timestamp();
 std::string local_stamp();
