@@ -324,6 +324,21 @@ class Rewriter {
   // A write of the commit pass: it swaps a field with the value it holds, so running it again
   // restores the field (revert()).
   void defer(std::function<void()> swap) { writes_.push_back(std::move(swap)); }
+  // The two ways the rewrite splices the graph, each written in the commit pass (Node::set_next_edge
+  // refuses nodes that already have parents, for topological_nr bookkeeping used only to prune
+  // torch::autograd::grad with explicit inputs; the edge list itself is plain data, swapped).
+  // replace_node: every edge into node i leads to `node` instead, at the same input number.
+  void replace_node(const Graph& g, int i, const std::shared_ptr<Node>& node) {
+    for (const auto& [parent, edge] : g.parents[i]) {
+      defer_edge(g.nodes[parent], edge, node, g.nodes[parent]->next_edge(edge).input_nr);
+    }
+  }
+  // insert_on_edge: `node` (one input) on edge e of `parent`: it receives what the edge carried and
+  // passes its result on along the old edge (to a GEMM's packed stand-in where there is one).
+  void insert_on_edge(const std::shared_ptr<Node>& parent, int e, const std::shared_ptr<Node>& node) {
+    node->add_next_edge(redirect(parent->next_edge(e)));
+    defer_edge(parent, e, node, 0);
+  }
   void defer_edge(const std::shared_ptr<Node>& parent, int e, std::shared_ptr<Node> node, uint32_t input_nr) {
     auto* edges = &const_cast<torch::autograd::edge_list&>(parent->next_edges());
     defer([edges, e, other = Edge(std::move(node), input_nr)]() mutable { std::swap((*edges)[e], other); });
@@ -349,16 +364,13 @@ class Rewriter {
     node->add_input_metadata(meta.options(), to_syms(ix_->cut_sizes(full, in->shape, cut_keys_)), false, false,
                              std::nullopt);
     node->add_next_edge(Edge(g.nodes[i], 0));
-    for (const auto& [parent, edge] : g.parents[i]) defer_edge(g.nodes[parent], edge, node, 0);
+    replace_node(g, i, node);  // an AccumulateGrad's one input is input 0
     ++stats_.nodes_rewritten;
   }
 
   // Fused attention: every edge into the SDPA node will lead to its filtered replacement.
   void replace_fused(const Graph& g, int i) {
-    auto node = make_filtered_attention(g.nodes[i], ix_, !cut_keys_, masked_);
-    for (const auto& [parent, edge] : g.parents[i]) {
-      defer_edge(g.nodes[parent], edge, node, g.nodes[parent]->next_edge(edge).input_nr);
-    }
+    replace_node(g, i, make_filtered_attention(g.nodes[i], ix_, !cut_keys_, masked_));
     ++stats_.nodes_rewritten;
   }
 
@@ -382,9 +394,7 @@ class Rewriter {
       replaced[c] = 1;
       finals_.push_back([n = g.nodes[c]] { n->release_variables(); });
     }
-    for (const auto& [parent, edge] : g.parents[core.pv]) {
-      defer_edge(g.nodes[parent], edge, node, g.nodes[parent]->next_edge(edge).input_nr);
-    }
+    replace_node(g, core.pv, node);
     for (const auto& row : node->rows()) {  // the cuts it made, in the gather statistics
       for (const auto* t : {&row.p, &row.r, &row.v, &row.q, &row.k_t}) {
         if (!t->defined() || (t == &row.r && row.r.is_same(row.p))) continue;
@@ -721,9 +731,7 @@ void Rewriter::pack_node(const Graph& g, int i, size_t token_output) {
   stand_in->add_input_metadata(meta.options(),
                                to_syms(ix_->cut_sizes(to_ints(meta.shape_as_dim_vector()), in->shape, cut_keys_)),
                                false, false, std::nullopt);
-  for (const auto& [parent, edge] : g.parents[i]) {
-    defer_edge(g.nodes[parent], edge, stand_in, g.nodes[parent]->next_edge(edge).input_nr);
-  }
+  replace_node(g, i, stand_in);
   packed_[node.get()] = stand_in;
   ++stats_.nodes_rewritten;
   ++stats_.gemms_packed;
@@ -917,8 +925,7 @@ std::unique_ptr<Rewriter> prepare_rewrite(const Graph& g, const PlanData& data, 
         auto shape = ix->cut_sizes(to_ints(meta.shape_as_dim_vector()), f->shape, !exact);
         auto node = std::make_shared<ZeroPaddingNode>(ix, f->shape);
         node->add_input_metadata(meta.options(), to_syms(shape), false, false, std::nullopt);
-        node->add_next_edge(rw->redirect(edges[e]));
-        rw->defer_edge(g.nodes[i], static_cast<int>(e), node, 0);
+        rw->insert_on_edge(g.nodes[i], static_cast<int>(e), node);
       }
     }
   }
@@ -931,11 +938,7 @@ std::unique_ptr<Rewriter> prepare_rewrite(const Graph& g, const PlanData& data, 
     }
     auto node = std::make_shared<KeyRowsNode>(ix, p.ins->shape, masked);
     node->add_input_metadata(p.options, to_syms(p.shape), false, false, std::nullopt);
-    node->add_next_edge(rw->redirect(p.old_edge));
-    // Node::set_next_edge refuses nodes that already have parents (topological_nr bookkeeping,
-    // used only to prune torch::autograd::grad with explicit inputs); the edge list itself is
-    // plain data, replaced directly in the commit pass.
-    rw->defer_edge(g.nodes[p.ins->node], p.ins->edge, node, 0);
+    rw->insert_on_edge(g.nodes[p.ins->node], p.ins->edge, node);  // the edge is still p.old_edge
     ++stats.gather_nodes_inserted;
   }
   return rw;
