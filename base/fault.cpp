@@ -12,7 +12,7 @@
 #include <cstring>
 #include <string>
 
-namespace collider::harness::fault {
+namespace collider::fault {
 namespace {
 
 struct Target {
@@ -65,4 +65,4 @@ Scope::Scope(const char* point) : previous_(g_scope) { g_scope = point; }
 Scope::~Scope() { g_scope = previous_; }
 const char* current_scope() { return g_scope; }
 
-}  // namespace collider::harness::fault
+}  // namespace collider::fault

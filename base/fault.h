@@ -11,7 +11,7 @@
 // tests/test_run_lock.cpp.
 #pragma once
 
-namespace collider::harness::fault {
+namespace collider::fault {
 
 // Whether COLLIDER_FAULT_AT names `point` (a writer may then split a write to stop inside it).
 bool armed(const char* point);
@@ -35,4 +35,4 @@ class Scope {
 // The innermost Scope's point on this thread, or nullptr.
 const char* current_scope();
 
-}  // namespace collider::harness::fault
+}  // namespace collider::fault

@@ -17,7 +17,7 @@
 #include <sstream>
 #include <stdexcept>
 
-namespace collider::harness::fsutil {
+namespace collider::fsutil {
 
 bool exists(const std::string& path) {
   struct stat st {};
@@ -158,4 +158,4 @@ void write_file_atomic(const std::string& path, std::initializer_list<std::strin
   sync_directory(parent_dir(path));
 }
 
-}  // namespace collider::harness::fsutil
+}  // namespace collider::fsutil

@@ -11,7 +11,7 @@
 #include <string_view>
 #include <vector>
 
-namespace collider::harness::fsutil {
+namespace collider::fsutil {
 
 // A write that failed (no space, file too large, read-only or forbidden directory). The message
 // names the file and the errno text; a run ends on it (its rows and checkpoints stay whole).
@@ -45,4 +45,4 @@ void sync_directory(const std::string& dir);
 // The directory part of a path ("." when there is none).
 std::string parent_dir(const std::string& path);
 
-}  // namespace collider::harness::fsutil
+}  // namespace collider::fsutil

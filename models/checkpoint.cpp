@@ -21,18 +21,18 @@ using detail::shape_str;
 
 void save_training_checkpoint(const std::string& dir, const CausalLM& model,
                               const std::map<std::string, torch::Tensor>& optimizer_state, const json& trainer_state) {
-  // Each file goes through a temporary name and a rename (harness::fsutil::write_file_atomic); a
+  // Each file goes through a temporary name and a rename (fsutil::write_file_atomic); a
   // test can kill the process half-way through any of them (COLLIDER_FAULT_AT=checkpoint_write,
   // base/fault.h).
-  harness::fault::Scope fault_scope("checkpoint_write");
+  fault::Scope fault_scope("checkpoint_write");
   save_hf_model(model, dir);
   save_safetensors((fs::path(dir) / "optimizer.safetensors").string(), optimizer_state, {{"format", "pt"}});
-  harness::fsutil::write_file_atomic((fs::path(dir) / "trainer_state.json").string(), trainer_state.dump(2) + "\n");
+  fsutil::write_file_atomic((fs::path(dir) / "trainer_state.json").string(), trainer_state.dump(2) + "\n");
 }
 
 TrainingState load_training_checkpoint(const std::string& dir, CausalLM& model) {
   const fs::path state_path = fs::path(dir) / "trainer_state.json";
-  if (!harness::fsutil::exists(state_path.string()))
+  if (!fsutil::exists(state_path.string()))
     throw std::runtime_error(
         fmt::format("training checkpoint '{}' has no trainer_state.json (it is written last: "
                     "the checkpoint is incomplete or not a training checkpoint)",

@@ -12,7 +12,6 @@
 namespace collider::models {
 
 namespace fs = std::filesystem;
-namespace fsutil = harness::fsutil;
 using nlohmann::json;
 
 namespace detail {

@@ -13,7 +13,6 @@
 namespace collider::models {
 
 namespace fs = std::filesystem;
-namespace fsutil = harness::fsutil;
 using nlohmann::json;
 using detail::join_names;
 using detail::json_field;

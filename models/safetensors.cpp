@@ -368,7 +368,7 @@ std::string serialize_safetensors(const std::map<std::string, torch::Tensor>& te
 
 void save_safetensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors,
                       const std::map<std::string, std::string>& metadata) {
-  harness::fsutil::write_file_atomic(path, serialize_safetensors(tensors, metadata));  // fsync, rename, errno in errors
+  fsutil::write_file_atomic(path, serialize_safetensors(tensors, metadata));  // fsync, rename, errno in errors
 }
 
 std::map<std::string, torch::Tensor> load_safetensors(const std::string& path) {

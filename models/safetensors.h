@@ -90,7 +90,7 @@ std::string serialize_safetensors(const std::map<std::string, torch::Tensor>& te
                                   const std::map<std::string, std::string>& metadata = {});
 // Writes serialize_safetensors() to `path` through a temporary file and a rename, so that a crash
 // never leaves a half-written checkpoint under the final name (base/fsutil.h's write_file_atomic;
-// harness::fsutil::WriteError naming the path and errno on failure).
+// fsutil::WriteError naming the path and errno on failure).
 void save_safetensors(const std::string& path, const std::map<std::string, torch::Tensor>& tensors,
                       const std::map<std::string, std::string>& metadata = {});
 // Convenience: open(path).tensors().

@@ -18,15 +18,15 @@ struct TempDir {
   explicit TempDir(const std::string& prefix) {
     static int counter = 0;
     path = "/tmp/collider_test_" + prefix + "_" + std::to_string(::getpid()) + "_" + std::to_string(counter++);
-    harness::fsutil::remove_tree(path);
-    harness::fsutil::make_dirs(path);
+    fsutil::remove_tree(path);
+    fsutil::make_dirs(path);
   }
   ~TempDir() {
-    if (!std::getenv("COLLIDER_KEEP_TEST_DIRS")) harness::fsutil::remove_tree(path);
+    if (!std::getenv("COLLIDER_KEEP_TEST_DIRS")) fsutil::remove_tree(path);
   }
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;
-  std::string operator/(const std::string& name) const { return harness::fsutil::join(path, name); }
+  std::string operator/(const std::string& name) const { return fsutil::join(path, name); }
 };
 
 }  // namespace collider::testing

@@ -24,7 +24,7 @@
 #include "models/safetensors.h"
 
 namespace cm = collider::models;
-namespace fsu = collider::harness::fsutil;
+namespace fsu = collider::fsutil;
 namespace fs = std::filesystem;
 using nlohmann::json;
 

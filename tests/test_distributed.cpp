@@ -135,7 +135,7 @@ double wait_ranks(std::vector<Rank>& ranks, double deadline_s) {
 }
 
 std::string read_log(const Rank& r) {
-  return ch::fsutil::exists(r.log) ? ch::fsutil::read_file(r.log) : std::string("(no log)");
+  return collider::fsutil::exists(r.log) ? collider::fsutil::read_file(r.log) : std::string("(no log)");
 }
 
 struct DpCase {
@@ -278,10 +278,10 @@ LaunchResult launch_smoke(const ct::TempDir& dir, const std::string& extra) {
   LaunchResult r;
   const int st = std::system(cmd.c_str());
   r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  r.log = ch::fsutil::exists(log) ? ch::fsutil::read_file(log) : "";
+  r.log = collider::fsutil::exists(log) ? collider::fsutil::read_file(log) : "";
   const std::string results = out + "/results.jsonl";
-  if (ch::fsutil::exists(results)) {
-    std::istringstream in(ch::fsutil::read_file(results));
+  if (collider::fsutil::exists(results)) {
+    std::istringstream in(collider::fsutil::read_file(results));
     for (std::string line; std::getline(in, line);) {
       if (!line.empty()) r.rows.push_back(nlohmann::json::parse(line));
     }

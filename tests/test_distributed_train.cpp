@@ -49,7 +49,7 @@ class DistributedTraining : public ::testing::TestWithParam<std::pair<std::strin
   void SetUp() override {
     if (!ch::distributed_available()) GTEST_SKIP() << "built without COLLIDER_DISTRIBUTED (libgloo-dev missing)";
     if (WIFEXITED(status_) && WEXITSTATUS(status_) == 3) GTEST_SKIP() << "no network and no cached .deb files";
-    ASSERT_EQ(status_, 0) << "prepare_data.sh --sample failed:\n" << ch::fsutil::read_file(*dir_ / "prepare.log");
+    ASSERT_EQ(status_, 0) << "prepare_data.sh --sample failed:\n" << collider::fsutil::read_file(*dir_ / "prepare.log");
     ASSERT_TRUE(ch::Tokenizer::available()) << "build without libsentencepiece-dev";
   }
   static ct::TempDir* dir_;
@@ -65,23 +65,23 @@ int launch(const std::string& manifest, const std::string& out, const std::strin
                           "/scripts/launch.sh 2 " + manifest + " --out " + out + " " + args + " > " + log_path +
                           " 2>&1";
   const int st = std::system(cmd.c_str());
-  *log = ch::fsutil::exists(log_path) ? ch::fsutil::read_file(log_path) : "(no log)";
+  *log = collider::fsutil::exists(log_path) ? collider::fsutil::read_file(log_path) : "(no log)";
   return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
 std::vector<nlohmann::json> rows_of(const std::string& dir) {
-  return ch::read_results(ch::fsutil::join(dir, "results.jsonl"), false).rows;
+  return ch::read_results(collider::fsutil::join(dir, "results.jsonl"), false).rows;
 }
 
 // The model of the one checkpoint under DIR/checkpoints/ (its trainer state in *state).
 collider::models::CausalLM checkpoint_model(const std::string& run_dir, nlohmann::json* state) {
-  const std::string ckpts = ch::fsutil::join(run_dir, "checkpoints");
-  const auto subdirs = ch::fsutil::list_subdirs(ckpts);
+  const std::string ckpts = collider::fsutil::join(run_dir, "checkpoints");
+  const auto subdirs = collider::fsutil::list_subdirs(ckpts);
   EXPECT_EQ(subdirs.size(), 1u) << ckpts;
   auto model = collider::models::build_model(collider::models::preset("tinyllama-debug"),
                                              collider::models::AttentionImpl::kEager, /*seed=*/999);
   if (subdirs.empty()) return model;
-  *state = collider::models::load_training_checkpoint(ch::fsutil::join(ckpts, subdirs.front()), model).trainer_state;
+  *state = collider::models::load_training_checkpoint(collider::fsutil::join(ckpts, subdirs.front()), model).trainer_state;
   return model;
 }
 
@@ -111,7 +111,7 @@ void expect_same_rows(const std::vector<nlohmann::json>& single, const std::vect
 // The 6-step training manifest of these tests (batch_size 2; the 2-rank runs set it to 1).
 void write_manifest(const std::string& manifest, const std::string& data_dir, const std::string& method,
                     const std::string& attention_grad) {
-  ch::fsutil::write_file(manifest, fmt::format(R"(name = "dist_train_test"
+  collider::fsutil::write_file(manifest, fmt::format(R"(name = "dist_train_test"
 [data]
 dir = "{}"
 [train]
@@ -187,7 +187,7 @@ TEST_P(DistributedTraining, TwoRanksOfBatch1EqualOneProcessOfBatch2AndResume) {
   ASSERT_EQ(single_all.size(), 7u + 1u + 2u);  // + train loss and 2 evaluations at step 6
   expect_same_rows(single_all, dist_all);
   EXPECT_TRUE(dist_all.back()["final"].get<bool>());
-  EXPECT_FALSE(ch::fsutil::exists(d / "dist/checkpoints")) << "a finished run removes its checkpoints";
+  EXPECT_FALSE(collider::fsutil::exists(d / "dist/checkpoints")) << "a finished run removes its checkpoints";
 }
 
 // One rank fails (train.fail_rank, tests) at step 2: every rank ends, the launch with status 3,

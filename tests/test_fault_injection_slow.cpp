@@ -34,7 +34,7 @@ namespace {
 
 namespace ch = collider::harness;
 namespace ct = collider::testing;
-namespace fsu = collider::harness::fsutil;
+namespace fsu = collider::fsutil;
 
 using Clock = std::chrono::steady_clock;
 

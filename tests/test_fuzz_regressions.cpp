@@ -20,7 +20,7 @@ namespace {
 
 namespace cf = collider::fuzz;
 namespace ch = collider::harness;
-namespace fsu = collider::harness::fsutil;
+namespace fsu = collider::fsutil;
 
 std::vector<std::string> files_in(const std::string& dir) {
   std::vector<std::string> out;

@@ -20,7 +20,7 @@
 #include <sstream>
 
 namespace ch = collider::harness;
-namespace fsu = collider::harness::fsutil;
+namespace fsu = collider::fsutil;
 
 namespace {
 

@@ -25,7 +25,7 @@
 namespace {
 
 namespace ct = collider::testing;
-namespace fsu = collider::harness::fsutil;
+namespace fsu = collider::fsutil;
 
 std::vector<std::string> entries(const std::string& dir) {
   std::vector<std::string> out;

@@ -17,7 +17,7 @@
 #include <regex>
 
 namespace ch = collider::harness;
-namespace fsu = collider::harness::fsutil;
+namespace fsu = collider::fsutil;
 
 namespace {
 

@@ -24,7 +24,7 @@ namespace {
 
 namespace ch = collider::harness;
 namespace ct = collider::testing;
-namespace fsu = collider::harness::fsutil;
+namespace fsu = collider::fsutil;
 
 bool contains(const std::string& s, const std::string& what) { return s.find(what) != std::string::npos; }
 

@@ -31,7 +31,7 @@
 extern char** environ;
 
 namespace ch = collider::harness;
-namespace fsu = collider::harness::fsutil;
+namespace fsu = collider::fsutil;
 
 namespace {
 

@@ -23,7 +23,7 @@
 
 namespace ch = collider::harness;
 namespace cm = collider::models;
-namespace fsu = collider::harness::fsutil;
+namespace fsu = collider::fsutil;
 
 namespace {
 

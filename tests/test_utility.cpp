@@ -31,9 +31,9 @@
 namespace collider {
 namespace {
 
-using harness::fsutil::join;
-using harness::fsutil::exists;
-using harness::fsutil::read_file;
+using fsutil::join;
+using fsutil::exists;
+using fsutil::read_file;
 
 // One sample preparation shared by every test of this file.
 class Utility : public ::testing::Test {
@@ -127,10 +127,10 @@ TEST_F(Utility, ShardsRejectCorruptionAndRoundTrip) {
   EXPECT_EQ(b.at(0), 70000);
   EXPECT_THROW(harness::write_token_shard(d / "c.bin", {300}, 256, 0), std::invalid_argument);
   std::string bytes = read_file(d / "a.bin");
-  harness::fsutil::write_file(d / "cut.bin", bytes.substr(0, bytes.size() - 1));
+  fsutil::write_file(d / "cut.bin", bytes.substr(0, bytes.size() - 1));
   EXPECT_THROW(harness::TokenShard(d / "cut.bin"), std::runtime_error);
   bytes[0] = 'X';
-  harness::fsutil::write_file(d / "magic.bin", bytes);
+  fsutil::write_file(d / "magic.bin", bytes);
   EXPECT_THROW(harness::TokenShard(d / "magic.bin"), std::runtime_error);
 }
 
@@ -178,7 +178,7 @@ TEST_F(Utility, EveryMethodTrains20StepsAndReferenceLossesMatchARecomputation) {
   testing::TempDir d("train");
   const std::string bytes_dir = byte_level_data(data(), d / "bytes");
   const std::string manifest = d / "utility.toml";
-  harness::fsutil::write_file(manifest, fmt::format(R"(name = "utility_test"
+  fsutil::write_file(manifest, fmt::format(R"(name = "utility_test"
 [data]
 dir = "{}"
 [train]
@@ -266,7 +266,7 @@ TEST_F(Utility, AKilledRunResumesFromItsCheckpointToTheSameResult) {
   testing::TempDir d("resume");
   const std::string bytes_dir = byte_level_data(data(), d / "bytes");
   const std::string manifest = d / "utility.toml";
-  harness::fsutil::write_file(manifest, fmt::format(R"(name = "utility_resume"
+  fsutil::write_file(manifest, fmt::format(R"(name = "utility_resume"
 [data]
 dir = "{}"
 [train]
@@ -317,7 +317,7 @@ TEST_F(Utility, ForwardDropTrainsAndResumesToTheSameResult) {
   testing::TempDir d("forward_drop");
   const std::string bytes_dir = byte_level_data(data(), d / "bytes");
   const std::string manifest = d / "utility.toml";
-  harness::fsutil::write_file(manifest, fmt::format(R"(name = "utility_forward_drop"
+  fsutil::write_file(manifest, fmt::format(R"(name = "utility_forward_drop"
 [data]
 dir = "{}"
 [train]
@@ -371,7 +371,7 @@ TEST_F(Utility, BatchTopKSelectionTrainsLossOnlyAndCollider) {
   testing::TempDir d("batch_topk");
   const std::string bytes_dir = byte_level_data(data(), d / "bytes");
   const std::string manifest = d / "utility.toml";
-  harness::fsutil::write_file(manifest, fmt::format(R"(name = "utility_batch_topk"
+  fsutil::write_file(manifest, fmt::format(R"(name = "utility_batch_topk"
 [data]
 dir = "{}"
 [train]
@@ -423,7 +423,7 @@ selection = ["per_sequence", "batch_topk"]
 
 TEST_F(Utility, ManifestErrorsNameTheKey) {
   testing::TempDir d("manifest");
-  harness::fsutil::write_file(d / "m.toml", "name = \"x\"\n[train]\nmodel = \"tinyllama-debug\"\nstepz = 3\n");
+  fsutil::write_file(d / "m.toml", "name = \"x\"\n[train]\nmodel = \"tinyllama-debug\"\nstepz = 3\n");
   EXPECT_TRUE(harness::is_training_manifest(d / "m.toml"));
   try {
     harness::load_train_manifest(d / "m.toml");
@@ -431,7 +431,7 @@ TEST_F(Utility, ManifestErrorsNameTheKey) {
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("train.stepz"), std::string::npos) << e.what();
   }
-  harness::fsutil::write_file(d / "ok.toml", "name = \"x\"\n[train]\nmodel = \"tinyllama-debug\"\n");
+  fsutil::write_file(d / "ok.toml", "name = \"x\"\n[train]\nmodel = \"tinyllama-debug\"\n");
   const auto m = harness::load_train_manifest(d / "ok.toml", {"train.steps=7", "axes.filter_ratio=[0.4, 0.6]"});
   EXPECT_EQ(m.train.steps, 7);
   EXPECT_EQ(m.points.size(), 1u + 2u + 4u);  // regular, loss_only x 2 ratios, collider x 2 ratios x 2 semantics

@@ -31,8 +31,8 @@ inline int prepare_sample_data(const std::string& data_dir, const std::string& l
 // Byte-level copy of the sample (the C++ tokenizer decodes every split back to its UTF-8 text;
 // each byte becomes one token) so that the -debug presets (vocab 256) train on the same real text.
 inline std::string byte_level_data(const std::string& src, const std::string& dst) {
-  using harness::fsutil::join;
-  harness::fsutil::make_dirs(dst);
+  using fsutil::join;
+  fsutil::make_dirs(dst);
   harness::Tokenizer tok(join(src, "tokenizer.model"));
   for (const char* split : {"curated_train", "curated_eval", "mix_train", "mix_eval"}) {
     harness::TokenShard shard(join(src, std::string(split) + ".bin"));
