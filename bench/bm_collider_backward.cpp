@@ -10,7 +10,7 @@
 // rewrite_ms / collider's bwd_ms, rw/reg% rewrite_ms / regular's bwd_ms; peak_MiB the step's live
 // tensors at their most (forward, rewrite and backward). Below each table: the saved tensors the
 // rewrite cuts (count, bytes) and a plain cold copy of the same bytes;
-// with --selection batch_topk, each ragged variant against per-sequence round by round. The CPU allocator caches freed blocks like CUDA's (harness/components/memory.h;
+// with --selection batch_topk, each ragged variant against per-sequence round by round. The CPU allocator caches freed blocks like CUDA's (collider_core/src/memory.h;
 // COLLIDER_CPU_CACHING=0 for glibc's behaviour): the allocator mode is printed in the header.
 // Its default 8 GiB holds every method's blocks at batch 1; at batch 4, T = 1024, the seven
 // methods' blocks need more (COLLIDER_CPU_CACHE_MIB=16384), or the last ones of each round
@@ -27,7 +27,7 @@
 // CPU timings are relative figures only (DESIGN.md section 7); absolute times count on a GPU
 // (there: --device cuda --bf16, timed with device synchronisation around each backward).
 #include "base/stats.h"
-#include "harness/components/memory.h"
+#include "collider_core/src/memory.h"
 #include "harness/measure/probes.h"
 #include "harness/measure/rounds.h"
 #include "harness/run/results.h"
@@ -174,7 +174,7 @@ void sync(const torch::Tensor& t) {
 }
 
 Sample run_once(collider::models::CausalLM& m, const collider::Plan& plan, const Kind& kind, const torch::Tensor& idx,
-                const torch::Tensor& labels, const torch::Tensor& keep, collider::harness::MemoryProbe& mem,
+                const torch::Tensor& labels, const torch::Tensor& keep, collider::memory::MemoryProbe& mem,
                 bool bf16) {
   for (auto& p : m->parameters()) p.mutable_grad() = torch::Tensor();
   sync(idx);
@@ -251,8 +251,8 @@ int main(int argc, char** argv) try {
   torch::Device dev(o.device);
   if (dev.is_cuda() && !torch::cuda::is_available()) throw std::invalid_argument("--device cuda: no CUDA device");
   if (o.bf16 && !dev.is_cuda()) throw std::invalid_argument("--bf16 needs --device cuda (CPU runs are fp32)");
-  if (dev.is_cpu()) collider::harness::install_cpu_memory_tracking();
-  collider::harness::MemoryProbe mem(dev);
+  if (dev.is_cpu()) collider::memory::install_cpu_memory_tracking();
+  collider::memory::MemoryProbe mem(dev);
   const nlohmann::json provenance = collider::harness::to_json(collider::harness::collect_provenance(dev));
   nlohmann::json rows = nlohmann::json::array();
   std::printf(
@@ -260,7 +260,7 @@ int main(int argc, char** argv) try {
       "CPU allocator %s\n",
       o.ratio, static_cast<long>(o.batch), o.reps, o.warmup, torch::get_num_threads(),
       dev.is_cuda() ? (o.bf16 ? "CUDA bf16" : "CUDA fp32") : "CPU scale (relative figures)",
-      collider::harness::cpu_allocator_mode());
+      collider::memory::cpu_allocator_mode());
   for (const auto& name : o.models) {
     const auto& cfg = collider::models::preset(name);
     auto m = collider::models::build_model(cfg, collider::models::AttentionImpl::kEager, 0);
@@ -379,7 +379,7 @@ int main(int argc, char** argv) try {
                         {"torch_version", TORCH_VERSION},
                         {"device", o.device},
                         {"dtype", o.bf16 ? "bf16" : "fp32"},
-                        {"cpu_allocator", collider::harness::cpu_allocator_mode()},
+                        {"cpu_allocator", collider::memory::cpu_allocator_mode()},
                         {"samples_bwd_ms", samples[k.name].bwd_ms.samples()},
                         {"samples_rewrite_ms", samples[k.name].rewrite_ms.samples()}});
         // The run's provenance as the sweeps record it (harness/run/results.h: git state, torch

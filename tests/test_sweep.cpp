@@ -9,7 +9,7 @@
 // Run: OMP_NUM_THREADS=1 build-harness/tests/test_sweep
 #include "harness/recipes/cli.h"
 #include "base/fsutil.h"
-#include "harness/components/memory.h"
+#include "collider_core/src/memory.h"
 #include "harness/run/results.h"
 #include "models/flops.h"
 
@@ -245,8 +245,8 @@ batch_size = [1, 8]
 // live-byte count exact throughout.
 TEST(Sweep, CpuAllocatorCacheGivesBackTheOldestBlocksWhenFull) {
   ::setenv("COLLIDER_CPU_CACHE_MIB", "8", 1);
-  ch::install_cpu_memory_tracking();
-  ch::MemoryProbe probe(torch::kCPU);
+  collider::memory::install_cpu_memory_tracking();
+  collider::memory::MemoryProbe probe(torch::kCPU);
   const int64_t base = probe.live_bytes();
   for (int round = 0; round < 3; ++round) {
     std::vector<torch::Tensor> held;

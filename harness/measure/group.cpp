@@ -3,7 +3,7 @@
 #include "harness/measure/group.h"
 
 #include "base/stats.h"
-#include "harness/components/memory.h"
+#include "collider_core/src/memory.h"
 #include "harness/components/timer.h"
 #include "harness/components/train_step.h"
 #include "harness/measure/failure.h"
@@ -172,12 +172,12 @@ GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& poin
 
   const Point& first = *points.front();
   std::unique_ptr<Trainer> trainer;
-  std::unique_ptr<MemoryProbe> probe;
+  std::unique_ptr<memory::MemoryProbe> probe;
   const models::ModelConfig* cfg = nullptr;
   try {
     cfg = &models::preset(first.model);
-    if (!device.is_cuda()) install_cpu_memory_tracking();  // before the model's tensors exist
-    probe = std::make_unique<MemoryProbe>(device);
+    if (!device.is_cuda()) memory::install_cpu_memory_tracking();  // before the model's tensors exist
+    probe = std::make_unique<memory::MemoryProbe>(device);
   } catch (...) {
     for (auto& mb : members) fail(mb, std::current_exception(), /*in_collectives=*/false);
   }

@@ -4,7 +4,7 @@
 #include "harness/recipes/sweep.h"
 
 #include "base/duration.h"
-#include "harness/components/memory.h"
+#include "collider_core/src/memory.h"
 #include "harness/components/timer.h"
 #include "harness/measure/table.h"
 #include "harness/run/run_dir.h"
@@ -44,7 +44,7 @@ SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
 
   if (m.run.threads > 0) at::set_num_threads(static_cast<int>(m.run.threads));
   const torch::Device device(m.run.device == "cuda" ? torch::kCUDA : torch::kCPU);
-  if (!device.is_cuda()) install_cpu_memory_tracking();
+  if (!device.is_cuda()) memory::install_cpu_memory_tracking();
   const Provenance prov = collect_provenance(device);
   run_dir.write_records(m.resolved_toml, prov, dist, log);
 

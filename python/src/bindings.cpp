@@ -5,15 +5,15 @@
 // no TORCH_CHECK or raw shape error leaves the package as something else). A Python exception
 // raised inside the trace callable comes back unchanged (pybind11::error_already_set).
 // Built by python/CMakeLists.txt (in the main CMake build, or by python/setup.py standalone) with
-// the pybind11 that torch ships. Tested by python/tests/test_api.py. It also compiles in the C++
-// harness's caching CPU allocator (harness/components/memory.cpp, torch-only), which the benchmark
-// python/bench/bench_hf_backward.py installs so that its numbers compare with bm_collider_backward.
+// the pybind11 that torch ships. Tested by python/tests/test_api.py. It also exposes the core's
+// caching CPU allocator (collider_core/src/memory.h), which the benchmark
+// python/bench/bench_hf_backward.py installs so that its numbers compare with the C++ benchmarks'.
 #include <collider/collider.h>
 #include <collider/filter_stats_fields.h>
 #include <collider/select.h>
 
 #include "collider_core/src/passthrough.h"
-#include "harness/components/memory.h"
+#include "collider_core/src/memory.h"
 
 #include <torch/csrc/autograd/python_function.h>
 #include <torch/extension.h>
@@ -188,12 +188,12 @@ PYBIND11_MODULE(_C, m) {
   // For benchmarks: the C++ harness's CPU allocator (caches freed blocks >= 64 KiB as CUDA's caching
   // allocator does; COLLIDER_CPU_CACHING=0 turns caching off). Returns its mode.
   m.def("_install_caching_cpu_allocator", [] {
-    collider::harness::install_cpu_memory_tracking();
-    return std::string(collider::harness::cpu_allocator_mode());
+    collider::memory::install_cpu_memory_tracking();
+    return std::string(collider::memory::cpu_allocator_mode());
   });
   // Its live-tensor peak, as bm_collider_backward's peak_MiB: reset, then read after a step.
-  m.def("_cpu_memory_reset_peak", [] { collider::harness::MemoryProbe(torch::kCPU).reset_peak(); });
-  m.def("_cpu_memory_peak_bytes", [] { return collider::harness::MemoryProbe(torch::kCPU).peak_bytes(); });
+  m.def("_cpu_memory_reset_peak", [] { collider::memory::MemoryProbe(torch::kCPU).reset_peak(); });
+  m.def("_cpu_memory_peak_bytes", [] { return collider::memory::MemoryProbe(torch::kCPU).peak_bytes(); });
 
   // The torch this module was compiled against (its C++ ABI is tied to that exact version).
   m.attr("TORCH_VERSION_BUILT") =

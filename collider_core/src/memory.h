@@ -1,4 +1,5 @@
-// Peak memory of a sweep point. CUDA: the caching allocator's statistics (peak allocated bytes,
+// Peak memory of a measured step, for the suite's measurements (the measurement engine, the
+// benchmarks and the Python package's benchmark helpers; not part of the public API). CUDA: the caching allocator's statistics (peak allocated bytes,
 // what torch.cuda.max_memory_allocated reports). CPU: a tracking CPU allocator installed in
 // front of c10's default one that counts live tensor bytes and their peak (the same quantity:
 // bytes held by tensors, not allocator or process overhead). Each row names its method in
@@ -11,7 +12,7 @@
 #include <cstdint>
 #include <string>
 
-namespace collider::harness {
+namespace collider::memory {
 
 // Installs the tracking CPU allocator (idempotent; tensors allocated before keep their deleter).
 // It also caches freed blocks of >= 64 KiB for reuse, like CUDA's caching allocator, so that a
@@ -31,4 +32,4 @@ struct MemoryProbe {
   torch::Device device;
 };
 
-}  // namespace collider::harness
+}  // namespace collider::memory

@@ -5,7 +5,7 @@
 // (capacity rounded up to 64 KiB below 1 MiB, to 1 MiB above) and handed out again, as CUDA's
 // caching allocator does; glibc would munmap them (or trim its heap) and every step would
 // page-fault fresh zeroed memory in again (a [304, 512] fp32 gather: 0.16 ms fresh, 0.03 reused).
-#include "harness/components/memory.h"
+#include "memory.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
@@ -20,7 +20,7 @@
 #include <unordered_map>
 #include <vector>
 
-namespace collider::harness {
+namespace collider::memory {
 namespace {
 
 class TrackingCpuAllocator final : public c10::Allocator {
@@ -246,4 +246,4 @@ const char* MemoryProbe::method() const {
   return cpu_memory_tracking_installed() ? "cpu_tracking_allocator_peak_live_tensor_bytes" : "none";
 }
 
-}  // namespace collider::harness
+}  // namespace collider::memory
