@@ -5,6 +5,18 @@
 // The table is explicit (architectures()) rather than filled by static registrars, which a
 // static library's linker would silently drop.
 // Legend: D hidden, F ffn, V vocab.
+//
+// Adding a family:
+//  1. models/<family>.cpp: its Architecture (norm, MLP, block, HF names) and presets, with a -debug
+//     and a -mini preset whose attention/linear FLOP ratio stays within 2x of the paper-scale
+//     model's (DESIGN.md section 7; tests/test_flops.cpp checks it);
+//  2. a Family value and its name (model.h, model.cpp), the declaration below and its entry in
+//     architectures() (architecture.cpp);
+//  3. a new NormKind / MlpKind / BlockKind only if no block in common/blocks.h fits, with its
+//     parameter count (model.cpp) and its GEMMs in linear_flops_per_token (flops.cpp);
+//  4. its config.json mapping (hf_config.cpp) so that HF checkpoints load by name;
+//  5. the family in the lists of tests/test_models.cpp and tests/test_collider_models.cpp (the
+//     gradient oracles of DESIGN.md), and in README.md's family list.
 #pragma once
 
 #include "models/common/blocks.h"
