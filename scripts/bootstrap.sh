@@ -24,7 +24,8 @@ SENTENCEPIECE_PIN="sentencepiece==0.2.3"
 VENV=${COLLIDER_VENV:-$HOME/.cache/collider/venv}
 if command -v nvcc >/dev/null; then DEFAULT_PRESET=cuda; else DEFAULT_PRESET=cpu; fi
 PRESET=${COLLIDER_PRESET:-$DEFAULT_PRESET}
-JOBS=${COLLIDER_JOBS:-$(nproc)}
+# nproc honours OMP_NUM_THREADS, which scripts/test.sh sets to 1 for the tests: the cores, without it.
+JOBS=${COLLIDER_JOBS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}
 DEPS_ONLY=0
 case ${1:-} in
   --deps-only) DEPS_ONLY=1 ;;

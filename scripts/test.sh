@@ -35,7 +35,8 @@ if ((QUICK)); then
   CTEST_ARGS+=(-LE slow)
   PYTEST_ARGS+=(-m "not stack")
 fi
-# One torch intra-op thread per test process; ctest runs two processes at once on 2 cores.
+# One torch intra-op thread per test process; ctest runs two processes at once on 2 cores. (nproc
+# honours this variable: the build steps count the cores without it.)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 if ((ASAN)); then
@@ -49,7 +50,7 @@ if ((ASAN)); then
   cmake --preset asan -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DPython3_EXECUTABLE="$PY" "${LAUNCHER[@]}" -Wno-dev \
     >build-asan.configure.log 2>&1 || { cat build-asan.configure.log; exit 1; }
   rm -f build-asan.configure.log
-  cmake --build build-asan -j "${COLLIDER_JOBS:-$(nproc)}"
+  cmake --build build-asan -j "${COLLIDER_JOBS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}"
   echo "$PY" > build-asan/python_path
   echo "[test] asan: built in $(( $(date +%s) - start )) s"
   # Every ASan/UBSan finding aborts the test (-fno-sanitize-recover in CMakeLists.txt). The
