@@ -9,6 +9,7 @@
 // Legend: T sequence, N kept rows, K input width of the projection, M output width (W_MK as in
 // torch.nn.Linear: y_TM = x_TK · W_MKᵀ).
 #include "bench_args.h"
+#include "projections.h"
 
 #include <torch/torch.h>
 
@@ -27,38 +28,8 @@
 namespace collider::bench {
 namespace {
 
-// One linear projection of a paper model at paper scale (widths of the Hugging Face configs).
-struct Projection {
-  const char* model;
-  const char* layer;
-  int64_t in_K;
-  int64_t out_M;
-};
-
-// TinyLlama-1.1B: D=2048, F=5632, 4 KV heads x 64 = 256. Qwen2.5-1.5B: D=1536, F=8960, 2 KV heads
-// x 128 = 256. Phi-1.5: D=2048, F=8192, multi-head attention (q/k/v all D), `dense` output, fc1/fc2.
-const std::vector<Projection> kProjections = {
-    {"tinyllama-1.1b", "q_proj", 2048, 2048},
-    {"tinyllama-1.1b", "k_proj", 2048, 256},
-    {"tinyllama-1.1b", "v_proj", 2048, 256},
-    {"tinyllama-1.1b", "o_proj", 2048, 2048},
-    {"tinyllama-1.1b", "gate_proj", 2048, 5632},
-    {"tinyllama-1.1b", "up_proj", 2048, 5632},
-    {"tinyllama-1.1b", "down_proj", 5632, 2048},
-    {"qwen2.5-1.5b", "q_proj", 1536, 1536},
-    {"qwen2.5-1.5b", "k_proj", 1536, 256},
-    {"qwen2.5-1.5b", "v_proj", 1536, 256},
-    {"qwen2.5-1.5b", "o_proj", 1536, 1536},
-    {"qwen2.5-1.5b", "gate_proj", 1536, 8960},
-    {"qwen2.5-1.5b", "up_proj", 1536, 8960},
-    {"qwen2.5-1.5b", "down_proj", 8960, 1536},
-    {"phi-1.5", "q_proj", 2048, 2048},
-    {"phi-1.5", "k_proj", 2048, 2048},
-    {"phi-1.5", "v_proj", 2048, 2048},
-    {"phi-1.5", "dense", 2048, 2048},
-    {"phi-1.5", "fc1", 2048, 8192},
-    {"phi-1.5", "fc2", 8192, 2048},
-};
+// The paper models' projections (bench/projections.h).
+const std::vector<Projection>& kProjections = paper_projections();
 constexpr int64_t kPaperSeqLen = 2048;
 
 // The declared axes. Dense does not depend on the filter ratio and runs once, at ratio 0.

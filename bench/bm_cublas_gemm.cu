@@ -10,6 +10,7 @@
 // Without a CUDA device it prints why it skips and exits 0. Built only with COLLIDER_CUDA=ON.
 // Legend: T sequence, N kept rows, K input width, M output width (W_MK: y_TM = x_TK · W_MKᵀ).
 #include "bench_args.h"
+#include "projections.h"
 
 #include <benchmark/benchmark.h>
 #include <cublasLt.h>
@@ -48,20 +49,8 @@ void throw_status(const char* what, const char* call, const char* file, int line
                    std::string(cublasGetStatusName(st_)) + " (" + cublasGetStatusString(st_) + ")"); \
   } while (0)
 
-// The projections of TinyLlama-1.1B (D=2048, F=5632, 4 KV heads x 64 = 256), as in
-// bm_backward_gemm.cpp, at the paper's T.
-struct Projection {
-  const char* model;
-  const char* layer;
-  int64_t in_K;
-  int64_t out_M;
-};
-const std::vector<Projection> kProjections = {
-    {"tinyllama-1.1b", "q_proj", 2048, 2048},    {"tinyllama-1.1b", "k_proj", 2048, 256},
-    {"tinyllama-1.1b", "v_proj", 2048, 256},     {"tinyllama-1.1b", "o_proj", 2048, 2048},
-    {"tinyllama-1.1b", "gate_proj", 2048, 5632}, {"tinyllama-1.1b", "up_proj", 2048, 5632},
-    {"tinyllama-1.1b", "down_proj", 5632, 2048},
-};
+// TinyLlama-1.1B's projections (bench/projections.h), at the paper's T.
+const std::vector<Projection> kProjections = projections_of("tinyllama-1.1b");
 constexpr int64_t kSeqLen = 2048;
 const std::vector<std::string> kOps = {"dX", "dW"};
 // <api>_dense runs once at ratio 0; <api>_reduced at every filter ratio.
