@@ -138,177 +138,227 @@ std::string short_name(const Point& p) {
 
 }  // namespace
 
-GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& points, const Provenance& prov,
-                        RangeRecorder* ranges, int64_t profile_begin, int64_t profile_end,
-                        const std::shared_ptr<ProcessGroup>& dist, std::ostream* log, const std::string& group_label) {
-  const int world = dist ? dist->world_size() : 1, rank = dist ? dist->rank() : 0;
-  // One device per rank on a machine: cuda:LOCAL_RANK.
-  const torch::Device device = m.run.device != "cuda" ? torch::Device(torch::kCPU)
-                               : dist
-                                   ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(dist->env().local_rank))
-                                   : torch::Device(torch::kCUDA);
-  std::vector<Member> members;
-  members.reserve(points.size());
-  for (const Point* p : points) {
-    Member mb{p, point_row(m, *p, prov), PointMeasurements(rank)};
-    mb.row["world_size"] = world;
-    mb.row["global_batch_size"] = p->batch_size * world;
-    members.push_back(std::move(mb));
+namespace {
+
+// One group while it is measured: its points (members), the model and trainer they share, and the
+// failure policy. measure_group runs set_up(), measure() and rows() in that order.
+class Group {
+ public:
+  Group(const Manifest& m, const std::vector<const Point*>& points, const Provenance& prov, RangeRecorder* ranges,
+        int64_t profile_begin, int64_t profile_end, const std::shared_ptr<ProcessGroup>& dist, std::ostream* log,
+        std::string label)
+      : m_(m),
+        prov_(prov),
+        ranges_(ranges),
+        profile_begin_(profile_begin),
+        profile_end_(profile_end),
+        dist_(dist),
+        log_(log),
+        label_(std::move(label)),
+        world_(dist ? dist->world_size() : 1),
+        rank_(dist ? dist->rank() : 0),
+        // One device per rank on a machine: cuda:LOCAL_RANK.
+        device_(m.run.device != "cuda" ? torch::Device(torch::kCPU)
+                : dist ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(dist->env().local_rank))
+                       : torch::Device(torch::kCUDA)),
+        data_gen_(at::detail::createCPUGenerator(static_cast<uint64_t>(m.run.seed) * 7919 + 17)) {
+    members_.reserve(points.size());
+    for (const Point* p : points) {
+      Member mb{p, point_row(m, *p, prov), PointMeasurements(rank_)};
+      mb.row["world_size"] = world_;
+      mb.row["global_batch_size"] = p->batch_size * world_;
+      members_.push_back(std::move(mb));
+    }
   }
-  GroupRows out;
+
+  // The preset, the memory probe, the work known before running (and run.fail_point), then the
+  // model and trainer of the group's first point.
+  void set_up() {
+    try {
+      cfg_ = &models::preset(members_.front().point->model);
+      if (!device_.is_cuda()) memory::install_cpu_memory_tracking();  // before the model's tensors exist
+      probe_ = std::make_unique<memory::MemoryProbe>(device_);
+    } catch (...) {
+      for (auto& mb : members_) fail(mb, std::current_exception(), /*in_collectives=*/false);
+    }
+    for (auto& mb : members_) {
+      if (mb.failed) continue;
+      try {
+        const Point& p = *mb.point;
+        mb.row["flops_fwd"] =
+            models::forward_flops(*cfg_, p.batch_size, p.seq_len, middle_tokens_per_seq(m_, p), p.spec).total();
+        mb.row["attention_linear_ratio"] = models::attention_linear_ratio(*cfg_, p.seq_len);
+        mb.row["num_params"] = cfg_->num_params();
+        if (!m_.run.fail_point.empty() && p.id().find(m_.run.fail_point) != std::string::npos) {
+          throw std::runtime_error("injected failure (run.fail_point = \"" + m_.run.fail_point + "\")");
+        }
+      } catch (...) { fail(mb, std::current_exception(), /*in_collectives=*/false); }
+    }
+    const bool any_left = std::any_of(members_.begin(), members_.end(), [](const Member& mb) { return !mb.failed; });
+    if (!any_left || stopped()) return;
+    try {
+      const uint64_t seed = static_cast<uint64_t>(m_.run.seed);
+      const auto attn = m_.run.attention_impl == "sdpa" ? models::AttentionImpl::kSdpa : models::AttentionImpl::kEager;
+      trainer_ = std::make_unique<Trainer>(models::build_model(*cfg_, attn, seed),
+                                           step_config(m_, *members_.front().point), device_, seed, ranges_);
+      if (dist_) trainer_->set_reducer(std::make_shared<GradientReducer>(dist_, trainer_->model()->parameters()));
+      for (auto& mb : members_) {
+        mb.acc.set_timer_kind(trainer_->timer().kind());
+        if (trainer_->reducer()) mb.acc.set_overlaps(trainer_->reducer()->overlaps_backward());
+      }
+    } catch (...) {
+      for (auto& mb : members_)
+        if (!mb.failed) fail(mb, std::current_exception(), /*in_collectives=*/true);
+    }
+  }
+
+  // Every standing point's warm-up, then the interleaved rounds, a progress line after each.
+  void measure() {
+    if (!trainer_) return;
+    Interleaving how;
+    how.warm_up = [&](size_t j) { guarded_block(members_[j], -1); };
+    how.measure = [&](size_t j, int64_t rep) { guarded_block(members_[j], rep); };
+    how.standing = [&](size_t j) { return !members_[j].failed; };
+    how.stop = [&] { return stopped(); };
+    how.after_round = [&](int64_t rep) { progress_line(rep); };
+    interleave(members_.size(), m_.run.repetitions, how);
+    if (profiling_) cuda_profiler_stop();
+  }
+
+  // The rows, in the order given: measured keys and work, or the failure with no partial timings.
+  GroupRows rows() {
+    for (auto& mb : members_) {
+      if (!mb.failed && stopped()) {
+        mb.row["status"] = "error";
+        mb.row["error"] = fmt::format(
+            "not measured to the end: point {} of the same interleaved group failed first, and a data-parallel run "
+            "stops at the first failing point",
+            members_[static_cast<size_t>(out_.first_failed)].point->id());
+        mb.failed = true;
+      }
+      if (!mb.failed) {
+        mb.acc.write(mb.row, dist_.get(), probe_->method());
+        write_work(mb.row, m_, *cfg_, *mb.point, mb.acc, world_, device_peak_flops(prov_.device_name, m_.run.dtype));
+      } else {
+        clear_measurements(mb.row);
+      }
+      mb.row["group_points"] = static_cast<int64_t>(members_.size());
+      mb.row["point_wall_s"] = static_cast<double>(mb.wall_ns) * 1e-9;
+      mb.row["timestamp"] = utc_timestamp();
+      out_.rows.push_back(std::move(mb.row));
+    }
+    return std::move(out_);
+  }
+
+ private:
   // A data-parallel run ends after the group of its first failing point. A failure before any
   // collective (the point's own checks, the same on every rank) lets the group's other points
   // run; one during set-up or a step stops the group at once, since the other ranks may wait
   // in that point's collectives.
-  bool stop_now = false;
-  auto fail = [&](Member& mb, const std::exception_ptr& e, bool in_collectives) {
+  void fail(Member& mb, const std::exception_ptr& e, bool in_collectives) {
     record_failure(mb.row, e);
     mb.failed = true;
-    if (dist && out.first_failed < 0) out.first_failed = static_cast<int>(&mb - members.data());
-    if (in_collectives) stop_now = true;
-  };
-  auto stopped = [&] { return dist && stop_now; };
-  ScopedRange group_range(ranges, "group " + group_label);
+    if (dist_ && out_.first_failed < 0) out_.first_failed = static_cast<int>(&mb - members_.data());
+    if (in_collectives) stop_now_ = true;
+  }
+  bool stopped() const { return dist_ && stop_now_; }
 
-  const Point& first = *points.front();
-  std::unique_ptr<Trainer> trainer;
-  std::unique_ptr<memory::MemoryProbe> probe;
-  const models::ModelConfig* cfg = nullptr;
-  try {
-    cfg = &models::preset(first.model);
-    if (!device.is_cuda()) memory::install_cpu_memory_tracking();  // before the model's tensors exist
-    probe = std::make_unique<memory::MemoryProbe>(device);
-  } catch (...) {
-    for (auto& mb : members) fail(mb, std::current_exception(), /*in_collectives=*/false);
-  }
-  for (auto& mb : members) {
-    if (mb.failed) continue;
-    try {
-      // Work known before running: forward FLOPs, attention/linear ratio.
-      const Point& p = *mb.point;
-      mb.row["flops_fwd"] =
-          models::forward_flops(*cfg, p.batch_size, p.seq_len, middle_tokens_per_seq(m, p), p.spec).total();
-      mb.row["attention_linear_ratio"] = models::attention_linear_ratio(*cfg, p.seq_len);
-      mb.row["num_params"] = cfg->num_params();
-      if (!m.run.fail_point.empty() && p.id().find(m.run.fail_point) != std::string::npos) {
-        throw std::runtime_error("injected failure (run.fail_point = \"" + m.run.fail_point + "\")");
-      }
-    } catch (...) { fail(mb, std::current_exception(), /*in_collectives=*/false); }
-  }
-  const uint64_t seed = static_cast<uint64_t>(m.run.seed);
-  torch::Generator data_gen = at::detail::createCPUGenerator(seed * 7919 + 17);
-  const bool any_left = std::any_of(members.begin(), members.end(), [](const Member& mb) { return !mb.failed; });
-  if (any_left && !stopped()) {
-    try {
-      const auto attn = m.run.attention_impl == "sdpa" ? models::AttentionImpl::kSdpa : models::AttentionImpl::kEager;
-      trainer =
-          std::make_unique<Trainer>(models::build_model(*cfg, attn, seed), step_config(m, first), device, seed, ranges);
-      if (dist) trainer->set_reducer(std::make_shared<GradientReducer>(dist, trainer->model()->parameters()));
-      for (auto& mb : members) {
-        mb.acc.set_timer_kind(trainer->timer().kind());
-        if (trainer->reducer()) mb.acc.set_overlaps(trainer->reducer()->overlaps_backward());
-      }
-    } catch (...) {
-      for (auto& mb : members)
-        if (!mb.failed) fail(mb, std::current_exception(), /*in_collectives=*/true);
-    }
-  }
-  bool profiling = false;
   // measure_steps (or warm-up) steps of one point; `rep` < 0 for its warm-up.
-  auto run_block = [&](Member& mb, int64_t rep) {
+  void run_block(Member& mb, int64_t rep) {
     const bool measured = rep >= 0;
-    const int64_t n = measured ? m.run.measure_steps : m.run.warmup_steps;
+    const int64_t n = measured ? m_.run.measure_steps : m_.run.warmup_steps;
     if (n == 0) return;
     const Point& p = *mb.point;
-    ScopedRange block_range(ranges, (measured ? "point " : "warm-up ") + p.id());
-    trainer->set_method(p.spec, p.filter_ratio);
-    if (device.is_cuda()) torch::cuda::synchronize();
+    ScopedRange block_range(ranges_, (measured ? "point " : "warm-up ") + p.id());
+    trainer_->set_method(p.spec, p.filter_ratio);
+    if (device_.is_cuda()) torch::cuda::synchronize();
     const int64_t t0 = host_now_ns();
     if (measured) {
-      probe->reset_peak();
+      probe_->reset_peak();
       mb.acc.begin_measured();
     }
     for (int64_t s = 0; s < n; ++s, ++mb.steps) {
-      if (mb.steps == profile_begin && !profiling) {
+      if (mb.steps == profile_begin_ && !profiling_) {
         cuda_profiler_start();
-        profiling = true;
+        profiling_ = true;
       }
       // Every rank draws the same global batch and takes its own rows (world 1: the whole batch).
-      Batch batch = random_batch(p.batch_size * world, p.seq_len, cfg->vocab_size, data_gen, device);
-      if (world > 1) {
-        batch.input_ids_BT = batch.input_ids_BT.narrow(0, rank * p.batch_size, p.batch_size);
-        batch.labels_BT = batch.labels_BT.narrow(0, rank * p.batch_size, p.batch_size);
+      Batch batch = random_batch(p.batch_size * world_, p.seq_len, cfg_->vocab_size, data_gen_, device_);
+      if (world_ > 1) {
+        batch.input_ids_BT = batch.input_ids_BT.narrow(0, rank_ * p.batch_size, p.batch_size);
+        batch.labels_BT = batch.labels_BT.narrow(0, rank_ * p.batch_size, p.batch_size);
       }
       StepResult r;
       {
-        ScopedRange sr(ranges, measured ? fmt::format("measure.{:03d}", rep * m.run.measure_steps + s)
-                                        : fmt::format("warmup.{:03d}", s));
-        r = trainer->step(batch);
+        ScopedRange sr(ranges_, measured ? fmt::format("measure.{:03d}", rep * m_.run.measure_steps + s)
+                                         : fmt::format("warmup.{:03d}", s));
+        r = trainer_->step(batch);
       }
-      if (mb.steps + 1 == profile_end && profiling) {
+      if (mb.steps + 1 == profile_end_ && profiling_) {
         cuda_profiler_stop();
-        profiling = false;
+        profiling_ = false;
       }
       mb.acc.add_step(r, measured);
     }
-    if (device.is_cuda()) torch::cuda::synchronize();
-    if (measured) mb.acc.end_repetition(probe->peak_bytes());
+    if (device_.is_cuda()) torch::cuda::synchronize();
+    if (measured) mb.acc.end_repetition(probe_->peak_bytes());
     // run.copy_probe: a plain cold copy of the bytes this point's rewrite cut, after its steps.
-    if (measured && m.run.copy_probe && p.spec.method == Method::kCollider)
-      mb.acc.add_copy_probe(cold_copy_ms(mb.acc.bytes_gathered(), device));
+    if (measured && m_.run.copy_probe && p.spec.method == Method::kCollider)
+      mb.acc.add_copy_probe(cold_copy_ms(mb.acc.bytes_gathered(), device_));
     mb.wall_ns += host_now_ns() - t0;
-  };
+  }
+
   // interleave() runs a block only for a point still standing in a group not stopped.
-  auto guarded_block = [&](Member& mb, int64_t rep) {
+  void guarded_block(Member& mb, int64_t rep) {
     try {
       run_block(mb, rep);
     } catch (...) {
       fail(mb, std::current_exception(), /*in_collectives=*/true);
-      if (device.is_cuda() && mb.row["status"] == "oom") c10::getDeviceAllocator(c10::DeviceType::CUDA)->emptyCache();
+      if (device_.is_cuda() && mb.row["status"] == "oom") c10::getDeviceAllocator(c10::DeviceType::CUDA)->emptyCache();
     }
-  };
-  if (trainer) {
-    Interleaving how;
-    how.warm_up = [&](size_t j) { guarded_block(members[j], -1); };
-    how.measure = [&](size_t j, int64_t rep) { guarded_block(members[j], rep); };
-    how.standing = [&](size_t j) { return !members[j].failed; };
-    how.stop = stopped;
-    how.after_round = [&](int64_t rep) {
-      if (!log || (dist && dist->rank() != 0) || m.run.repetitions <= 1) return;
-      std::string line;  // in manifest order, whatever the round's order was
-      for (auto& mb : members) {
-        line +=
-            fmt::format("{}{} {}", line.empty() ? "" : ", ", short_name(*mb.point),
-                        mb.failed ? std::string("failed") : fmt::format("{:.2f}", mb.acc.last_repetition_step_ms()));
-      }
-      *log << fmt::format("  {} round {}/{}: step ms {}\n", group_label, rep + 1, m.run.repetitions, line);
-      log->flush();
-    };
-    interleave(members.size(), m.run.repetitions, how);
   }
-  if (profiling) cuda_profiler_stop();
 
-  for (auto& mb : members) {
-    if (!mb.failed && stopped()) {
-      mb.row["status"] = "error";
-      mb.row["error"] = fmt::format(
-          "not measured to the end: point {} of the same interleaved group failed first, and a data-parallel run "
-          "stops at the first failing point",
-          members[static_cast<size_t>(out.first_failed)].point->id());
-      mb.failed = true;
+  // "  <label> round r/R: step ms <point> <ms>, ..." in manifest order, whatever the round's order.
+  void progress_line(int64_t rep) const {
+    if (!log_ || (dist_ && dist_->rank() != 0) || m_.run.repetitions <= 1) return;
+    std::string line;
+    for (const auto& mb : members_) {
+      line += fmt::format("{}{} {}", line.empty() ? "" : ", ", short_name(*mb.point),
+                          mb.failed ? std::string("failed") : fmt::format("{:.2f}", mb.acc.last_repetition_step_ms()));
     }
-    if (!mb.failed) {
-      mb.acc.write(mb.row, dist.get(), probe->method());
-      write_work(mb.row, m, *cfg, *mb.point, mb.acc, world, device_peak_flops(prov.device_name, m.run.dtype));
-    } else {
-      clear_measurements(mb.row);  // a failed point leaves no partial timings behind
-    }
-    mb.row["group_points"] = static_cast<int64_t>(members.size());
-    mb.row["point_wall_s"] = static_cast<double>(mb.wall_ns) * 1e-9;
-    mb.row["timestamp"] = utc_timestamp();
-    out.rows.push_back(std::move(mb.row));
+    *log_ << fmt::format("  {} round {}/{}: step ms {}\n", label_, rep + 1, m_.run.repetitions, line);
+    log_->flush();
   }
-  return out;
+
+  const Manifest& m_;
+  const Provenance& prov_;
+  RangeRecorder* ranges_;
+  const int64_t profile_begin_, profile_end_;
+  const std::shared_ptr<ProcessGroup>& dist_;
+  std::ostream* log_;
+  const std::string label_;
+  const int world_, rank_;
+  const torch::Device device_;
+  torch::Generator data_gen_;
+  std::vector<Member> members_;
+  GroupRows out_;
+  bool stop_now_ = false;
+  bool profiling_ = false;
+  const models::ModelConfig* cfg_ = nullptr;
+  std::unique_ptr<memory::MemoryProbe> probe_;
+  std::unique_ptr<Trainer> trainer_;
+};
+
+}  // namespace
+
+GroupRows measure_group(const Manifest& m, const std::vector<const Point*>& points, const Provenance& prov,
+                        RangeRecorder* ranges, int64_t profile_begin, int64_t profile_end,
+                        const std::shared_ptr<ProcessGroup>& dist, std::ostream* log, const std::string& group_label) {
+  ScopedRange group_range(ranges, "group " + group_label);
+  Group group(m, points, prov, ranges, profile_begin, profile_end, dist, log, group_label);
+  group.set_up();
+  group.measure();
+  return group.rows();
 }
 
 nlohmann::json measure_point(const Manifest& m, const Point& p, const Provenance& prov, RangeRecorder* ranges,
