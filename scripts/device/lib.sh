@@ -248,8 +248,12 @@ dev_build() {
     cp -f "$WORK/logs/configure-visible.log" "$WORK/logs/configure.log"
   fi
   grep -E 'collider:' "$WORK/logs/configure.log" | sed 's/^-- /    /'
-  step "build ${#TARGETS[@]} targets ($(nproc) jobs)" "$BUILD_TIMEOUT" 60 "$WORK/logs/build.log" \
-    cmake --build "$BUILD" -j "$(nproc)" --target "${TARGETS[@]}"
+  # The cores: nproc honours OMP_NUM_THREADS, which scripts/test.sh sets to 1 for the tests (the
+  # CPU rehearsal runs under CTest there).
+  local jobs
+  jobs=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+  step "build ${#TARGETS[@]} targets ($jobs jobs)" "$BUILD_TIMEOUT" 60 "$WORK/logs/build.log" \
+    cmake --build "$BUILD" -j "$jobs" --target "${TARGETS[@]}"
   local rc=$?
   echo "$PY" >"$BUILD/python_path"
   if ((rc != 0)); then
