@@ -57,6 +57,72 @@ struct EvalSet {
 
 std::string fmt_num(double v) { return fmt::format("{}", v); }
 
+// The key of a training row in Resumed::written: (point, step, eval set; "" for a training-loss row).
+std::string row_key(const std::string& pid, int64_t step, const std::string& eval_set) {
+  return fmt::format("{}|{}|{}", pid, step, eval_set);
+}
+
+// What --resume finds in results.jsonl (rank 0's view: it read the rows; every rank skips the same
+// runs). A run is finished when every eval set has its final row (a kill between two of them
+// leaves it unfinished); rows already written are not written again by a run resumed from a
+// checkpoint older than its last rows.
+struct Resumed {
+  std::set<std::string> written;  // row_key of every ok row
+  std::set<std::string> done;     // point ids of finished runs
+};
+
+Resumed read_resumed(const ExistingResults& existing, const std::vector<std::string>& eval_splits) {
+  Resumed r;
+  std::map<std::string, std::set<std::string>> final_sets;
+  for (const auto& row : existing.rows) {
+    if (row.value("status", "") != "ok" || !row.contains("step") || !row["step"].is_number_integer()) continue;
+    const std::string pid = row.value("point_id", "");
+    const std::string set =
+        row.contains("eval_set") && row["eval_set"].is_string() ? row["eval_set"].get<std::string>() : "";
+    r.written.insert(row_key(pid, row["step"].get<int64_t>(), set));
+    if (row.value("final", false) && !set.empty()) final_sets[pid].insert(set);
+  }
+  for (const auto& [pid, sets_done] : final_sets) {
+    bool all = true;
+    for (const auto& e : eval_splits) all = all && sets_done.count(e) > 0;
+    if (all) r.done.insert(pid);
+  }
+  return r;
+}
+
+// A training run's rows before their step: identity, provenance and the run's settings.
+nlohmann::json training_row(const TrainManifest& m, const TrainPoint& p, const std::string& pid, const Provenance& prov,
+                            const models::ModelConfig& cfg, const std::string& ref_tag, const std::string& data_dir,
+                            int world) {
+  const TrainSettings& s = m.train;
+  nlohmann::json base = identity_row({m.name, pid, s.model, s.seq_len, s.batch_size, p.filter_ratio,
+                                      to_string(p.spec.method), models::attention_grad_name(p.spec), "fp32", "cpu"},
+                                     prov);
+  base.update({{"seed", s.seed},
+               {"steps_total", s.steps},
+               {"num_params", cfg.num_params()},
+               {"score", models::uses_selection(p.spec.method) ? to_string(p.spec.score) : "none"},
+               {"selection", models::uses_selection(p.spec.method) ? collider::to_string(p.spec.policy) : "none"},
+               {"reference", ref_tag},
+               {"data_dir", data_dir},
+               {"train_split", s.train_split},
+               {"scale", "cpu"},
+               {"world_size", world},
+               {"global_batch_size", world * s.batch_size}});
+  return base;
+}
+
+// --dry-run: the runs a manifest would make, one line each.
+void print_runs(const TrainManifest& m, const std::string& data_dir, std::ostream& out) {
+  const TrainSettings& s = m.train;
+  out << fmt::format(
+      "{}: training manifest, {} runs of {} steps x {} x {} tokens ({} tokens each), seed {}; "
+      "reference {} steps on {}; data {}\n",
+      m.name, m.points.size(), s.steps, s.batch_size, s.seq_len, s.steps * s.batch_size * s.seq_len, s.seed,
+      s.ref_steps, s.reference_split, data_dir);
+  for (size_t i = 0; i < m.points.size(); ++i) out << fmt::format("{:>4}  {}\n", i + 1, m.points[i].id(s));
+}
+
 }  // namespace
 
 int run_train_command(const std::string& manifest_path, const std::vector<std::string>& sets, std::string out_dir,
@@ -81,12 +147,7 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
   // One pass over the scored pool: every step takes world_size x batch_size windows.
   const int64_t pool = s.pool_windows > 0 ? s.pool_windows : s.steps * s.batch_size * world;
   if (dry_run) {
-    out << fmt::format(
-        "{}: training manifest, {} runs of {} steps x {} x {} tokens ({} tokens each), seed {}; "
-        "reference {} steps on {}; data {}\n",
-        m.name, m.points.size(), s.steps, s.batch_size, s.seq_len, s.steps * s.batch_size * s.seq_len, s.seed,
-        s.ref_steps, s.reference_split, data_dir);
-    for (size_t i = 0; i < m.points.size(); ++i) out << fmt::format("{:>4}  {}\n", i + 1, m.points[i].id(s));
+    print_runs(m, data_dir, out);
     return 0;
   }
   if (out_dir.empty() && writer) {
@@ -154,29 +215,9 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
     // Rank r takes windows [r*B, (r+1)*B) of each step's global batch of world_size x B.
     WindowLoader loader(train_shard, s.seq_len, s.batch_size, static_cast<uint64_t>(s.seed), pool, rank, world);
     std::unique_ptr<JsonlWriter> rows = run_dir.open_rows();
-    // Rank 0's view (it read the rows); every rank skips the same runs. A run is finished when every
-    // eval set has its final row (a kill between two of them leaves it unfinished).
-    std::map<std::string, std::set<std::string>> final_sets;
-    // Rows already in the file, by (point, step, eval set): a run resumed from a checkpoint older
-    // than its last rows recomputes those steps and does not write them again.
-    std::set<std::string> written;
-    auto row_key = [](const std::string& pid, int64_t step, const std::string& eval_set) {
-      return fmt::format("{}|{}|{}", pid, step, eval_set);
-    };
-    for (const auto& row : existing.rows) {
-      if (row.value("status", "") != "ok" || !row.contains("step") || !row["step"].is_number_integer()) continue;
-      const std::string pid = row.value("point_id", "");
-      const std::string set =
-          row.contains("eval_set") && row["eval_set"].is_string() ? row["eval_set"].get<std::string>() : "";
-      written.insert(row_key(pid, row["step"].get<int64_t>(), set));
-      if (row.value("final", false) && !set.empty()) final_sets[pid].insert(set);
-    }
-    std::set<std::string> done;
-    for (const auto& [pid, sets_done] : final_sets) {
-      bool all = true;
-      for (const auto& e : s.eval_splits) all = all && sets_done.count(e) > 0;
-      if (all) done.insert(pid);
-    }
+    const Resumed resumed = read_resumed(existing, s.eval_splits);
+    const std::set<std::string>& written = resumed.written;
+    const std::set<std::string>& done = resumed.done;
     int64_t failed = 0;
     const auto t_all = Clock::now();
     for (size_t i = 0; i < m.points.size(); ++i) {
@@ -190,20 +231,7 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
         if (writer) remove_checkpoint(ckpt_dir);  // left by a kill after its last rows
         continue;
       }
-      nlohmann::json base = identity_row({m.name, pid, s.model, s.seq_len, s.batch_size, p.filter_ratio,
-                                          to_string(p.spec.method), models::attention_grad_name(p.spec), "fp32", "cpu"},
-                                         prov);
-      base.update({{"seed", s.seed},
-                   {"steps_total", s.steps},
-                   {"num_params", cfg.num_params()},
-                   {"score", models::uses_selection(p.spec.method) ? to_string(p.spec.score) : "none"},
-                   {"selection", models::uses_selection(p.spec.method) ? collider::to_string(p.spec.policy) : "none"},
-                   {"reference", ref_tag},
-                   {"data_dir", data_dir},
-                   {"train_split", s.train_split},
-                   {"scale", "cpu"},
-                   {"world_size", world},
-                   {"global_batch_size", world * s.batch_size}});
+      const nlohmann::json base = training_row(m, p, pid, prov, cfg, ref_tag, data_dir, world);
       try {
         StepConfig sc;
         sc.spec = p.spec;
