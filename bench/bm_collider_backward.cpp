@@ -244,6 +244,182 @@ collider::harness::Batch real_batch(const std::string& dir, const std::string& r
   return b;
 }
 
+// The batch of one (model, T) point: random tokens with a per-sequence keep mask, or, with
+// --selection batch_topk, real text with both masks from its excess losses (per_sequence at the
+// same total kept count, and the ragged batch_topk one with its per-row counts).
+struct PointBatch {
+  torch::Tensor idx, labels, keep, keep_ragged;  // keep_ragged: undefined unless batch_topk
+  int64_t N = 0;                                 // kept per row under per_sequence: T'
+  std::vector<int64_t> ragged_rows;              // batch_topk's kept count per row
+  torch::Tensor idx_N, labels_N, keep_N;         // the T' floor's batch: the first T' positions
+};
+
+PointBatch point_batch(const Options& o, const collider::models::ModelConfig& cfg, collider::models::CausalLM& m,
+                       int64_t T, const torch::Device& dev) {
+  PointBatch pb;
+  torch::manual_seed(0);
+  pb.idx = torch::randint(cfg.vocab_size, {o.batch, T}).to(dev);
+  pb.labels = torch::randint(cfg.vocab_size, {o.batch, T}).to(dev);
+  pb.keep = collider::select_tokens(torch::rand({o.batch, T}), o.ratio).to(dev);
+  if (o.selection == SelectPolicy::kBatchTopK) {
+    auto real = real_batch(o.data, o.ref_losses, o.batch, T, cfg.vocab_size);
+    pb.idx = real.input_ids_BT.to(dev);
+    pb.labels = real.labels_BT.to(dev);
+    torch::Tensor model_loss_BT;
+    {
+      torch::NoGradGuard no_grad;
+      model_loss_BT = collider::models::token_losses(m->forward(pb.idx), pb.labels).cpu();
+    }
+    auto excess_BT = collider::excess_loss(model_loss_BT, *real.ref_loss_BT);
+    collider::SelectOptions per_row, batch;
+    per_row.align = 1;  // the same total kept count as batch_topk (no rounding to 8)
+    batch.policy = collider::SelectPolicy::kBatchTopK;
+    pb.keep = collider::select_tokens(excess_BT, o.ratio, per_row).to(dev);
+    pb.keep_ragged = collider::select_tokens(excess_BT, o.ratio, batch).to(dev);
+    auto c = pb.keep_ragged.sum(1).cpu();
+    pb.ragged_rows.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+  }
+  pb.N = pb.keep.sum(1)[0].item<int64_t>();
+  pb.idx_N = pb.idx.narrow(1, 0, pb.N);
+  pb.labels_N = pb.labels.narrow(1, 0, pb.N);
+  pb.keep_N = torch::ones({o.batch, pb.N}, pb.keep.options());
+  return pb;
+}
+
+// One point measured: its variants and what their rounds added up to (by Kind::name).
+struct PointSamples {
+  std::string model;
+  const collider::models::ModelConfig* cfg;
+  int64_t T;
+  std::vector<Kind> kinds;
+  std::map<std::string, Measured> samples;
+  double median(const Kind& k, collider::harness::Series Measured::*f) { return (samples[k.name].*f).median(); }
+};
+
+// The FLOP ideal of a collider variant (models/flops.h); ragged rows: on the actual counts.
+double ideal_of(const Options& o, const PointSamples& ps, const PointBatch& pb, const Kind& k) {
+  if (!k.is_collider()) return 0.0;
+  if (k.ragged() && pb.ragged_rows.empty()) return 0.0;
+  return collider::models::flop_ideal_reduction(
+      *ps.cfg, ps.T, k.ragged() ? pb.ragged_rows : std::vector<int64_t>(static_cast<size_t>(o.batch), pb.N), k.spec);
+}
+
+// The point's table on stdout and one JSON row per variant, with the run's provenance.
+void print_table(const Options& o, PointSamples& ps, const PointBatch& pb, const nlohmann::json& provenance,
+                 nlohmann::json& rows) {
+  const std::string& name = ps.model;
+  const auto& cfg = *ps.cfg;
+  const int64_t T = ps.T, N = pb.N;
+  const auto& ragged_rows = pb.ragged_rows;
+  auto med = [&](const Kind& k, collider::harness::Series Measured::*f) { return ps.median(k, f); };
+  auto peak = [&](const Kind& k) { return ps.samples[k.name].peak_bytes; };
+  auto& samples = ps.samples;
+  const double reg = med(kRegular, &Measured::bwd_ms), floor_ms = med(kFloor, &Measured::bwd_ms);
+  std::printf("\n%s  T=%ld  T'=%ld  attention/linear FLOPs %.3f\n", name.c_str(), static_cast<long>(T),
+              static_cast<long>(N), collider::models::attention_linear_ratio(cfg, T));
+  if (!ragged_rows.empty()) {
+    std::string c;
+    int64_t total = 0;
+    for (int64_t n : ragged_rows) c += (c.empty() ? "" : ", ") + std::to_string(n), total += n;
+    std::printf(
+        "  batch_topk on real excess losses keeps %ld tokens, per row [%s] (padded to %ld); per_sequence "
+        "keeps %ld (%ld per row)\n",
+        static_cast<long>(total), c.c_str(),
+        static_cast<long>(*std::max_element(ragged_rows.begin(), ragged_rows.end())),
+        static_cast<long>(N * o.batch), static_cast<long>(N));
+  }
+  std::printf("  %-24s %9s %10s %8s %9s %10s %8s %9s %10s\n", "method", "bwd_ms", "reduction", "ideal", "of ideal",
+              "rewrite%", "rw/reg%", "vs floor", "peak_MiB");
+  for (const Kind& k : ps.kinds) {
+    const double b = med(k, &Measured::bwd_ms), rw = med(k, &Measured::rewrite_ms);
+    const double red = 1 - (b + rw) / reg;  // the rewrite is part of collider's backward cost
+    const double ideal = ideal_of(o, ps, pb, k);
+    const bool collider_kind = k.is_collider();
+    std::printf("  %-24s %9.2f %9.1f%% %7.1f%% %9s %9.2f%% %7.2f%% %8.2fx %10.1f\n", k.name, b, 100 * red,
+                100 * ideal, collider_kind ? std::to_string(red / ideal).substr(0, 5).c_str() : "-", 100 * rw / b,
+                100 * rw / reg, (b + rw) / floor_ms, peak(k) / 1048576.0);
+    rows.push_back({{"model", name},
+                    {"seq_len", T},
+                    {"batch_size", o.batch},
+                    {"filter_ratio", o.ratio},
+                    {"kept", N},
+                    {"method", k.name},
+                    {"bwd_ms", b},
+                    {"rewrite_ms", rw},
+                    {"selection", collider::to_string(k.spec.policy)},
+                    {"kept_per_row", k.ragged() ? ragged_rows : std::vector<int64_t>(o.batch, N)},
+                    {"gather_ms", med(k, &Measured::gather_ms)},
+                    {"gathered_bytes", samples[k.name].gathered_bytes},
+                    {"tensors_gathered", samples[k.name].tensors_gathered},
+                    {"reduction", red},
+                    {"ideal", ideal},
+                    {"floor_ms", floor_ms},
+                    {"peak_mem_bytes", peak(k)},
+                    {"attention_linear_ratio", collider::models::attention_linear_ratio(cfg, T)},
+                    {"num_threads", torch::get_num_threads()},
+                    {"torch_version", TORCH_VERSION},
+                    {"device", o.device},
+                    {"dtype", o.bf16 ? "bf16" : "fp32"},
+                    {"cpu_allocator", collider::memory::cpu_allocator_mode()},
+                    {"samples_bwd_ms", samples[k.name].bwd_ms.samples()},
+                    {"samples_rewrite_ms", samples[k.name].rewrite_ms.samples()}});
+    // The run's provenance as the sweeps record it (harness/run/results.h: git state, torch
+    // and CUDA versions, device name, hostname); num_threads and torch_version as above.
+    for (auto& [key, value] : provenance.items()) rows.back().emplace(key, value);
+  }
+}
+
+// With --selection batch_topk: each ragged variant against per-sequence at the same total kept
+// count, round by round (the two ran in the same round, minutes apart at most): median and range
+// of the per-round ratios of backward + rewrite, and of the ragged reductions over their own
+// FLOP ideal.
+void print_ragged(const Options& o, PointSamples& ps, const PointBatch& pb, nlohmann::json& rows) {
+  const std::string& name = ps.model;
+  const int64_t T = ps.T;
+  auto& samples = ps.samples;
+  for (const auto& [ragged, same] : {std::pair{kRaggedKeptOnly, kKeptOnly}, std::pair{kRaggedExactQuery, kExactQuery}}) {
+    if (pb.ragged_rows.empty()) break;
+    std::vector<double> ratio, of_ideal;
+    const auto &a = samples[ragged.name], &b = samples[same.name], &r = samples[kRegular.name];
+    for (size_t i = 0; i < a.bwd_ms.samples().size(); ++i) {
+      const double a_ms = a.bwd_ms.samples()[i] + a.rewrite_ms.samples()[i];
+      ratio.push_back(a_ms / (b.bwd_ms.samples()[i] + b.rewrite_ms.samples()[i]));
+      of_ideal.push_back((1 - a_ms / r.bwd_ms.samples()[i]) / ideal_of(o, ps, pb, ragged));
+    }
+    const double q = collider::stats::median(ratio), f = collider::stats::median(of_ideal);
+    std::printf("  %-24s / per-sequence: median %.3f (rounds %.3f..%.3f); of its FLOP ideal: median %.3f (%.3f..%.3f)\n",
+                ragged.name, q, *std::min_element(ratio.begin(), ratio.end()),
+                *std::max_element(ratio.begin(), ratio.end()), f,
+                *std::min_element(of_ideal.begin(), of_ideal.end()),
+                *std::max_element(of_ideal.begin(), of_ideal.end()));
+    for (auto& row : rows) {
+      if (row["model"] == name && row["seq_len"] == T && row["method"] == ragged.name) {
+        row["ratio_to_per_sequence"] = q;
+        row["of_ideal_per_round"] = f;
+      }
+    }
+  }
+}
+
+// The rewrite's time, and the copies it decides: each saved tensor is cut when the backward first
+// reads it (collider_core/src/saved_cut.h), so those copies are inside bwd_ms; what a plain copy
+// of the same bytes costs here is their floor. Copies made inside the call (ragged attention
+// rows) are timed apart.
+void print_rewrites(PointSamples& ps, nlohmann::json& rows) {
+  for (const Kind& k : ps.kinds) {
+    if (!k.is_collider()) continue;
+    const Measured& mk = ps.samples[k.name];
+    const double rw = mk.rewrite_ms.median(), g = mk.gather_ms.median(), copy_ms = mk.copy_ms.median();
+    std::printf(
+        "  rewrite %-20s %6.2f ms (of which copies %5.2f ms); %ld saved tensors cut in the backward, %.1f MB; "
+        "plain copy of those bytes %5.2f ms = %.2f%% of the backward\n",
+        k.name, rw, g, static_cast<long>(mk.tensors_gathered), mk.gathered_bytes / 1e6, copy_ms,
+        100 * copy_ms / mk.bwd_ms.median());
+    for (auto& r : rows)
+      if (r["model"] == ps.model && r["seq_len"] == ps.T && r["method"] == k.name) r["copy_floor_ms"] = copy_ms;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -275,159 +451,29 @@ int main(int argc, char** argv) try {
       return collider::models::masked_mean_loss(loss_BT, torch::ones({B, T}, ids.options().dtype(torch::kBool)));
     });
     for (int64_t T : o.seqs) {
-      torch::manual_seed(0);
-      auto idx = torch::randint(cfg.vocab_size, {o.batch, T}).to(dev);
-      auto labels = torch::randint(cfg.vocab_size, {o.batch, T}).to(dev);
-      auto keep = collider::select_tokens(torch::rand({o.batch, T}), o.ratio).to(dev);
-      torch::Tensor keep_ragged;  // batch_topk on real excess losses
-      if (o.selection == SelectPolicy::kBatchTopK) {
-        auto real = real_batch(o.data, o.ref_losses, o.batch, T, cfg.vocab_size);
-        idx = real.input_ids_BT.to(dev);
-        labels = real.labels_BT.to(dev);
-        torch::Tensor model_loss_BT;
-        {
-          torch::NoGradGuard no_grad;
-          model_loss_BT = collider::models::token_losses(m->forward(idx), labels).cpu();
-        }
-        auto excess_BT = collider::excess_loss(model_loss_BT, *real.ref_loss_BT);
-        collider::SelectOptions per_row, batch;
-        per_row.align = 1;  // the same total kept count as batch_topk (no rounding to 8)
-        batch.policy = collider::SelectPolicy::kBatchTopK;
-        keep = collider::select_tokens(excess_BT, o.ratio, per_row).to(dev);
-        keep_ragged = collider::select_tokens(excess_BT, o.ratio, batch).to(dev);
-      }
-      const int64_t N = keep.sum(1)[0].item<int64_t>();
-      auto idx_N = idx.narrow(1, 0, N), labels_N = labels.narrow(1, 0, N),
-           keep_N = torch::ones({o.batch, N}, keep.options());
-      std::vector<Kind> kinds = {kRegular, kLossOnly, kKeptOnly, kExactQuery, kFloor};
-      if (keep_ragged.defined()) kinds.insert(kinds.end(), {kRaggedKeptOnly, kRaggedExactQuery});
-      std::vector<int64_t> ragged_rows;
-      if (keep_ragged.defined()) {
-        auto c = keep_ragged.sum(1).cpu();
-        ragged_rows.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
-      }
+      const PointBatch pb = point_batch(o, cfg, m, T, dev);
+      PointSamples ps{name, &cfg, T, {kRegular, kLossOnly, kKeptOnly, kExactQuery, kFloor}, {}};
+      if (pb.keep_ragged.defined()) ps.kinds.insert(ps.kinds.end(), {kRaggedKeptOnly, kRaggedExactQuery});
       // One warm-up of o.warmup steps per variant, then o.reps serpentine rounds (harness/measure/
       // rounds.h, as the timing sweeps run): a method's place in the round, right after a large
       // backward or not, evens out over the rounds.
       auto run_kind = [&](const Kind& k) {
-        return k.floor ? run_once(m, plan, k, idx_N, labels_N, keep_N, mem, o.bf16)
-                       : run_once(m, plan, k, idx, labels, k.ragged() ? keep_ragged : keep, mem, o.bf16);
+        return k.floor ? run_once(m, plan, k, pb.idx_N, pb.labels_N, pb.keep_N, mem, o.bf16)
+                       : run_once(m, plan, k, pb.idx, pb.labels, k.ragged() ? pb.keep_ragged : pb.keep, mem, o.bf16);
       };
-      std::map<std::string, Measured> samples;  // by Kind::name
       collider::harness::Interleaving how;
       how.warm_up = [&](size_t j) {
-        for (int w = 0; w < o.warmup; ++w) run_kind(kinds[j]);
+        for (int w = 0; w < o.warmup; ++w) run_kind(ps.kinds[j]);
       };
       how.measure = [&](size_t j, int64_t) {
-        const Kind& k = kinds[j];
+        const Kind& k = ps.kinds[j];
         const Sample s = run_kind(k);
-        samples[k.name].add(s, k.is_collider() ? collider::harness::cold_copy_ms(s.gathered_bytes, dev) : 0.0);
+        ps.samples[k.name].add(s, k.is_collider() ? collider::harness::cold_copy_ms(s.gathered_bytes, dev) : 0.0);
       };
-      collider::harness::interleave(kinds.size(), o.reps, how);
-      // The FLOP ideal of a collider variant (models/flops.h); ragged rows: on the actual counts.
-      auto ideal_of = [&](const Kind& k) {
-        if (!k.is_collider()) return 0.0;
-        if (k.ragged() && ragged_rows.empty()) return 0.0;
-        return collider::models::flop_ideal_reduction(
-            cfg, T, k.ragged() ? ragged_rows : std::vector<int64_t>(static_cast<size_t>(o.batch), N), k.spec);
-      };
-      auto med = [&](const Kind& k, collider::harness::Series Measured::*f) { return (samples[k.name].*f).median(); };
-      auto peak = [&](const Kind& k) { return samples[k.name].peak_bytes; };
-      const double reg = med(kRegular, &Measured::bwd_ms), floor_ms = med(kFloor, &Measured::bwd_ms);
-      std::printf("\n%s  T=%ld  T'=%ld  attention/linear FLOPs %.3f\n", name.c_str(), static_cast<long>(T),
-                  static_cast<long>(N), collider::models::attention_linear_ratio(cfg, T));
-      if (!ragged_rows.empty()) {
-        std::string c;
-        int64_t total = 0;
-        for (int64_t n : ragged_rows) c += (c.empty() ? "" : ", ") + std::to_string(n), total += n;
-        std::printf(
-            "  batch_topk on real excess losses keeps %ld tokens, per row [%s] (padded to %ld); per_sequence "
-            "keeps %ld (%ld per row)\n",
-            static_cast<long>(total), c.c_str(),
-            static_cast<long>(*std::max_element(ragged_rows.begin(), ragged_rows.end())),
-            static_cast<long>(N * o.batch), static_cast<long>(N));
-      }
-      std::printf("  %-24s %9s %10s %8s %9s %10s %8s %9s %10s\n", "method", "bwd_ms", "reduction", "ideal", "of ideal",
-                  "rewrite%", "rw/reg%", "vs floor", "peak_MiB");
-      for (const Kind& k : kinds) {
-        const double b = med(k, &Measured::bwd_ms), rw = med(k, &Measured::rewrite_ms);
-        const double red = 1 - (b + rw) / reg;  // the rewrite is part of collider's backward cost
-        const double ideal = ideal_of(k);
-        const bool collider_kind = k.is_collider();
-        std::printf("  %-24s %9.2f %9.1f%% %7.1f%% %9s %9.2f%% %7.2f%% %8.2fx %10.1f\n", k.name, b, 100 * red,
-                    100 * ideal, collider_kind ? std::to_string(red / ideal).substr(0, 5).c_str() : "-", 100 * rw / b,
-                    100 * rw / reg, (b + rw) / floor_ms, peak(k) / 1048576.0);
-        rows.push_back({{"model", name},
-                        {"seq_len", T},
-                        {"batch_size", o.batch},
-                        {"filter_ratio", o.ratio},
-                        {"kept", N},
-                        {"method", k.name},
-                        {"bwd_ms", b},
-                        {"rewrite_ms", rw},
-                        {"selection", collider::to_string(k.spec.policy)},
-                        {"kept_per_row", k.ragged() ? ragged_rows : std::vector<int64_t>(o.batch, N)},
-                        {"gather_ms", med(k, &Measured::gather_ms)},
-                        {"gathered_bytes", samples[k.name].gathered_bytes},
-                        {"tensors_gathered", samples[k.name].tensors_gathered},
-                        {"reduction", red},
-                        {"ideal", ideal},
-                        {"floor_ms", floor_ms},
-                        {"peak_mem_bytes", peak(k)},
-                        {"attention_linear_ratio", collider::models::attention_linear_ratio(cfg, T)},
-                        {"num_threads", torch::get_num_threads()},
-                        {"torch_version", TORCH_VERSION},
-                        {"device", o.device},
-                        {"dtype", o.bf16 ? "bf16" : "fp32"},
-                        {"cpu_allocator", collider::memory::cpu_allocator_mode()},
-                        {"samples_bwd_ms", samples[k.name].bwd_ms.samples()},
-                        {"samples_rewrite_ms", samples[k.name].rewrite_ms.samples()}});
-        // The run's provenance as the sweeps record it (harness/run/results.h: git state, torch
-        // and CUDA versions, device name, hostname); num_threads and torch_version as above.
-        for (auto& [key, value] : provenance.items()) rows.back().emplace(key, value);
-      }
-      // Ragged against per-sequence at the same total kept count, round by round (the two ran
-      // in the same round, minutes apart at most): median and range of the per-round ratios of
-      // backward + rewrite, and of the ragged reductions over their own FLOP ideal.
-      for (const auto& [ragged, same] : {std::pair{kRaggedKeptOnly, kKeptOnly}, std::pair{kRaggedExactQuery, kExactQuery}}) {
-        if (ragged_rows.empty()) break;
-        std::vector<double> ratio, of_ideal;
-        const auto &a = samples[ragged.name], &b = samples[same.name], &r = samples[kRegular.name];
-        for (size_t i = 0; i < a.bwd_ms.samples().size(); ++i) {
-          const double a_ms = a.bwd_ms.samples()[i] + a.rewrite_ms.samples()[i];
-          ratio.push_back(a_ms / (b.bwd_ms.samples()[i] + b.rewrite_ms.samples()[i]));
-          of_ideal.push_back((1 - a_ms / r.bwd_ms.samples()[i]) / ideal_of(ragged));
-        }
-        const double q = collider::stats::median(ratio), f = collider::stats::median(of_ideal);
-        std::printf("  %-24s / per-sequence: median %.3f (rounds %.3f..%.3f); of its FLOP ideal: median %.3f (%.3f..%.3f)\n",
-                    ragged.name, q, *std::min_element(ratio.begin(), ratio.end()),
-                    *std::max_element(ratio.begin(), ratio.end()), f,
-                    *std::min_element(of_ideal.begin(), of_ideal.end()),
-                    *std::max_element(of_ideal.begin(), of_ideal.end()));
-        for (auto& row : rows) {
-          if (row["model"] == name && row["seq_len"] == T && row["method"] == ragged.name) {
-            row["ratio_to_per_sequence"] = q;
-            row["of_ideal_per_round"] = f;
-          }
-        }
-      }
-      // The rewrite's time, and the copies it decides: each saved tensor is cut when the backward
-      // first reads it (collider_core/src/saved_cut.h), so those copies are inside bwd_ms; what a
-      // plain copy of the same bytes costs here is their floor. Copies made inside the call
-      // (ragged attention rows) are timed apart.
-      for (const Kind& k : kinds) {
-        if (!k.is_collider()) continue;
-        const double rw = med(k, &Measured::rewrite_ms), g = med(k, &Measured::gather_ms);
-        const int64_t bytes = samples[k.name].gathered_bytes;
-        const double copy_ms = med(k, &Measured::copy_ms), b = med(k, &Measured::bwd_ms);
-        std::printf(
-            "  rewrite %-20s %6.2f ms (of which copies %5.2f ms); %ld saved tensors cut in the backward, %.1f MB; "
-            "plain copy of those bytes %5.2f ms = %.2f%% of the backward\n",
-            k.name, rw, g, static_cast<long>(samples[k.name].tensors_gathered), bytes / 1e6, copy_ms,
-            100 * copy_ms / b);
-        for (auto& r : rows)
-          if (r["model"] == name && r["seq_len"] == T && r["method"] == k.name) r["copy_floor_ms"] = copy_ms;
-      }
+      collider::harness::interleave(ps.kinds.size(), o.reps, how);
+      print_table(o, ps, pb, provenance, rows);
+      print_ragged(o, ps, pb, rows);
+      print_rewrites(ps, rows);
     }
   }
   if (!o.json.empty()) {
