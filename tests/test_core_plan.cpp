@@ -1,6 +1,6 @@
 // Plan life cycle and the rewriter's refusals: reuse over many steps with a new mask each step,
-// text round trip, rejection of another model's graph, and a clear error for every input the
-// rewriter cannot handle (DESIGN.md section 4: it never returns a graph with wrong gradients).
+// text round trip, rejection of another model's graph, a mixture-of-experts step in which an expert
+// receives no token, and a clear error for every input the rewriter cannot handle (DESIGN.md section 4: it never returns a graph with wrong gradients).
 // Run: build/tests/test_core_plan
 #include "collider_test_util.h"
 #include "gpt2_test_model.h"
@@ -213,6 +213,98 @@ TEST(Plan, SliceWrittenInPlaceIsCut) {
   auto refused = error_of([&] { trace(true); });
   EXPECT_NE(refused.find("not copy_"), std::string::npos) << refused;
   EXPECT_LE(refused.size(), 300u) << refused;
+}
+
+// A mixture-of-experts layer written the way transformers' eager experts write it: each expert's
+// tokens gathered, its SwiGLU-free MLP, the routing weight, index_add_ back; an expert that receives
+// no token is skipped, so its route is absent from that step's graph. `avoid_X` is added to the
+// router's logits (a very negative entry leaves that expert without tokens).
+struct SkippingMoe {
+  static constexpr int64_t kExperts = 4, kTopK = 2, kWidth = 8, kFfn = 12;
+  torch::Tensor emb_VD, gate_DX, up_XDF, down_XFD;
+
+  SkippingMoe() {
+    torch::manual_seed(11);
+    auto param = [](std::vector<int64_t> sizes) {
+      return (torch::randn(sizes, torch::kDouble) * 0.5).requires_grad_(true);
+    };
+    emb_VD = param({kVocab, kWidth});
+    gate_DX = param({kWidth, kExperts});
+    up_XDF = param({kExperts, kWidth, kFfn});
+    down_XFD = param({kExperts, kFfn, kWidth});
+  }
+
+  torch::Tensor loss(const torch::Tensor& idx_BT, const torch::Tensor& keep_BT, const torch::Tensor& avoid_X) const {
+    const int64_t B = idx_BT.size(0), T = idx_BT.size(1);
+    auto x_MD = torch::embedding(emb_VD, idx_BT).reshape({B * T, kWidth});
+    auto probs_MX = torch::softmax(x_MD.matmul(gate_DX) + avoid_X, -1);
+    auto [top_MK, expert_MK] = torch::topk(probs_MX, kTopK, -1);
+    top_MK = top_MK / top_MK.sum(-1, /*keepdim=*/true);
+    auto out_MD = torch::zeros_like(x_MD);
+    for (int64_t e = 0; e < kExperts; ++e) {
+      torch::Tensor tok_R, slot_R;
+      {
+        torch::NoGradGuard no_grad;
+        auto where_R2 = (expert_MK == e).nonzero();
+        if (where_R2.size(0) == 0) continue;  // as transformers does
+        tok_R = where_R2.select(1, 0).contiguous();
+        slot_R = where_R2.select(1, 1).contiguous();
+      }
+      auto h_RF = torch::tanh(x_MD.index({tok_R}).matmul(up_XDF[e]));
+      auto o_RD = h_RF.matmul(down_XFD[e]) * top_MK.index({tok_R, slot_R}).unsqueeze(-1);
+      out_MD.index_add_(0, tok_R, o_RD);
+    }
+    auto per_token_BT = (out_MD * out_MD).sum(-1).reshape({B, T});
+    return (per_token_BT * keep_BT.to(torch::kDouble)).sum() / keep_BT.sum();
+  }
+
+  torch::Tensor grads() const {
+    return torch::cat({emb_VD.grad().flatten(), gate_DX.grad().flatten(), up_XDF.grad().flatten(),
+                       down_XFD.grad().flatten()});
+  }
+  void zero() const {
+    for (auto p : {emb_VD, gate_DX, up_XDF, down_XFD}) p.mutable_grad() = torch::Tensor();
+  }
+};
+
+TEST(Plan, ExpertWithoutTokensIsFiltered) {
+  SkippingMoe moe;
+  const auto none = torch::zeros({SkippingMoe::kExperts}, torch::kDouble);
+  Plan traced = trace_plan([&](int64_t B, int64_t T) {
+    return moe.loss(torch::randint(kVocab, {B, T}), torch::ones({B, T}, torch::kBool), none);
+  });
+  const int64_t B = 3, T = 17;
+  auto idx = torch::randint(kVocab, {B, T});
+  auto keep = random_keep(B, T, 0.5, 5);
+  auto avoid = none.clone();
+  avoid[2] = -1e4;  // expert 2 receives no token: its route is absent from the graph
+  // Token-wise layer: the gradient of the loss over kept tokens is the plain backward's.
+  moe.zero();
+  moe.loss(idx, keep, avoid).backward();
+  const auto want = moe.grads();
+  for (const Plan& plan : {traced, Plan::from_string(traced.to_string())}) {
+    for (auto attention : {AttentionGrad::kKeptOnly, AttentionGrad::kExactQuery}) {
+      moe.zero();
+      auto loss = moe.loss(idx, keep, avoid);
+      auto stats = filter_backward(loss, keep, plan, {attention});
+      EXPECT_GT(stats.tensors_gathered, 0);
+      loss.backward();
+      EXPECT_TRUE(torch::allclose(moe.grads(), want, 1e-10, 1e-12)) << (moe.grads() - want).abs().max().item<double>();
+    }
+  }
+  // A plan text without its edges cannot match the smaller graph: refused as another graph, untouched.
+  std::string text = traced.to_string(), bare;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("node ", 0) == 0) line = line.substr(0, line.rfind(' '));
+    bare += line + "\n";
+  }
+  auto loss = moe.loss(idx, keep, avoid);
+  auto msg = error_of([&] { filter_backward(loss, keep, Plan::from_string(bare)); });
+  EXPECT_NE(msg.find("the plan expects"), std::string::npos) << msg;
+  moe.zero();
+  loss.backward();
+  EXPECT_TRUE(torch::equal(moe.grads(), want));
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // Plan: construction, copying, merging and its text form. The text form is line based, one block
 // per traced variant:
 //   collider-plan 1 trace B=3,5 T=53,61 cores=<n>
-//   node <i> <Type> <0 | 1 attention core | 2 fused attention>
+//   node <i> <Type> <0 | 1 attention core | 2 fused attention> [<edges>]   edges: the plan indices of
+//        its next edges, comma separated, -1 for an edge to no node; "-" for none (optional on reading)
 //   field <name> <kind> <item> <rank> <pad_rank> <bcast_dim> <bcast_mult> <dims>   dims: dim:kind:role:mult[:route],... (route: routed kinds only)
 //   insert <node> <edge> <rank> <pad_rank> <bcast_dim> <bcast_mult> <dims>
 //   blocker <text to end of line>
@@ -10,7 +11,9 @@
 #include "plan_impl.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <cstdlib>
 #include <sstream>
 
 namespace collider {
@@ -99,7 +102,10 @@ std::string variant_text(const detail::PlanData& d) {
                                 d.seq_b, d.num_attention_cores);
   for (size_t i = 0; i < d.nodes.size(); ++i) {
     const auto& n = d.nodes[i];
-    out += fmt::format("node {} {} {}\n", i, n.type, n.fused_attention ? 2 : n.attention_core ? 1 : 0);
+    std::string edges = "-";
+    if (i < d.children.size() && !d.children[i].empty()) edges = fmt::format("{}", fmt::join(d.children[i], ","));
+    out += fmt::format("node {} {} {}{}\n", i, n.type, n.fused_attention ? 2 : n.attention_core ? 1 : 0,
+                       d.children.size() == d.nodes.size() ? " " + edges : "");
     for (const auto& f : n.fields) {
       out += fmt::format("field {} {} {} {}\n", f.name, static_cast<int>(f.kind), f.item, shape_text(f.shape));
     }
@@ -164,6 +170,25 @@ Plan Plan::from_string(const std::string& text) {
       }
       n.attention_core = core == 1;
       n.fused_attention = core == 2;
+      std::string edges;
+      if (in >> edges) {
+        if (d.children.size() != d.nodes.size()) {
+          throw Error(fmt::format("Plan::from_string: line {}: edges on some node lines only", line_no));
+        }
+        auto& out = d.children.emplace_back();
+        std::istringstream es(edges == "-" ? "" : edges);
+        std::string item;
+        while (std::getline(es, item, ',')) {
+          char* end = nullptr;
+          const long c = std::strtol(item.c_str(), &end, 10);
+          if (item.empty() || *end != '\0' || c < -1 || c > 1'000'000'000) {
+            throw Error(fmt::format("Plan::from_string: line {}: malformed edge '{}'", line_no, item));
+          }
+          out.push_back(static_cast<int32_t>(c));
+        }
+      } else if (!d.children.empty()) {
+        throw Error(fmt::format("Plan::from_string: line {}: edges on some node lines only", line_no));
+      }
       d.nodes.push_back(std::move(n));
     } else if (tag == "field") {
       if (d.nodes.empty()) throw Error(fmt::format("Plan::from_string: line {}: field before any node", line_no));
@@ -193,6 +218,11 @@ Plan Plan::from_string(const std::string& text) {
   bool batched = false, one_row = false;
   for (const auto& v : plan.impl().variants) {
     (v.batch_a == 1 ? one_row : batched) = true;
+    for (const auto& edges : v.children)
+      for (int32_t c : edges)
+        if (c >= static_cast<int32_t>(v.nodes.size())) {
+          throw Error(fmt::format("Plan::from_string: edge to node {}, past the plan's {} nodes", c, v.nodes.size()));
+        }
     for (const auto& n : v.nodes)
       for (const auto& f : n.fields)
         for (const auto& dim : f.shape.dims)

@@ -112,6 +112,10 @@ struct EdgeInsert {
 struct PlanData {
   int64_t batch_a = 0, seq_a = 0, batch_b = 0, seq_b = 0;  // the trace sizes
   std::vector<NodeSpec> nodes;
+  // Per node, its next edges as plan indices (-1: an edge to no node). What lets a graph without
+  // some mixture-of-experts routes be matched to the plan (routes.h); empty where a plan's text
+  // form had none.
+  std::vector<std::vector<int32_t>> children;
   std::vector<EdgeInsert> inserts;
   int64_t num_attention_cores = 0;
   // Nodes that could not be rewritten for exact_query (reason), e.g. an unrecognised softmax

@@ -765,13 +765,6 @@ std::string type_mismatch(const Graph& g, const PlanData& plan, const char* who,
             "both).",
             who, i, t, plan.nodes[i].type);
       }
-      if (has_routes(plan)) {
-        return fmt::format(
-            "{}: node #{} is {} but the plan expects {}: an expert of a mixture-of-experts layer that receives no "
-            "token of this batch drops out of the graph, which then differs from the plan. Filter batches in which "
-            "every expert is used (more tokens per step), or take a plain backward for this one",
-            who, i, t, plan.nodes[i].type);
-      }
       return fmt::format("{}: node #{} is {} but the plan expects {}: the graph does not match the plan "
                          "(another model, or a changed forward). Re-trace with collider::trace_plan.",
                          who, i, t, plan.nodes[i].type);
@@ -786,9 +779,11 @@ std::string type_mismatch(const Graph& g, const PlanData& plan, const char* who,
 }
 
 // The loss's graph and the plan variant it matches: the first variant for this batch's kind (B = 1
-// or not) whose node sequence is the graph's; else Error with the first variant's mismatch.
-std::pair<Graph, const PlanData*> checked_graph(const torch::Tensor& loss, const Plan& plan, int64_t batch,
-                                                const char* who) {
+// or not) whose node sequence is the graph's, else the first with mixture-of-experts routes from
+// which the graph differs only by experts that received no token (derived for it, routes.h); else
+// Error with the first variant's mismatch.
+std::pair<Graph, std::shared_ptr<const PlanData>> checked_graph(const torch::Tensor& loss, const Plan& plan,
+                                                                int64_t batch, const char* who) {
   if (!loss.defined() || !loss.grad_fn()) {
     throw Error(fmt::format("{}: the loss has no grad_fn; build it from the model outputs with grad enabled", who));
   }
@@ -802,8 +797,15 @@ std::pair<Graph, const PlanData*> checked_graph(const torch::Tensor& loss, const
   std::string first_why;
   for (const PlanData* c : candidates) {
     std::string why = type_mismatch(g, *c, who, names);
-    if (why.empty()) return {std::move(g), c};
+    if (why.empty()) return {std::move(g), std::shared_ptr<const PlanData>(std::shared_ptr<void>(), c)};
     if (first_why.empty()) first_why = std::move(why);
+  }
+  for (const PlanData* c : candidates) {
+    std::string why;  // where the walk parted from the plan; the first mismatch above says it for the user
+    if (!has_routes(*c)) continue;
+    if (auto derived = plan_without_absent_routes(g, *c, why)) {
+      return {std::move(g), std::make_shared<const PlanData>(std::move(*derived))};
+    }
   }
   throw Error(first_why);
 }

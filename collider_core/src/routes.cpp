@@ -3,14 +3,17 @@
 #include "routes.h"
 
 #include "node_fields.h"
+#include "sdpa.h"
 #include "token_index.h"
 
 #include <collider/collider.h>
 
 #include <fmt/format.h>
 
+#include <deque>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace collider::detail {
@@ -262,6 +265,127 @@ void register_routes(const Graph& g, const PlanData& plan, TokenIndex& ix, const
     }
     ix.add_route(r, index);
   }
+}
+
+namespace {
+
+// Whether plan node p is the scatter of a route (the node the route is named after).
+bool is_route_scatter(const PlanData& plan, int32_t p) {
+  if (plan.nodes[p].type != "IndexAddBackward0") return false;
+  for (const auto& f : plan.nodes[p].fields)
+    for (const auto& d : f.shape.dims)
+      if (d.routed() && d.route == p) return true;
+  return false;
+}
+
+// Plan nodes reachable from the source side of the scatters in `dropped` (their edges after the first).
+std::vector<char> below_dropped(const PlanData& plan, const std::set<int32_t>& dropped) {
+  std::vector<char> seen(plan.nodes.size(), 0);
+  std::vector<int32_t> stack;
+  for (int32_t s : dropped)
+    for (size_t k = 1; k < plan.children[s].size(); ++k)
+      if (plan.children[s][k] >= 0) stack.push_back(plan.children[s][k]);
+  while (!stack.empty()) {
+    const int32_t x = stack.back();
+    stack.pop_back();
+    if (seen[x]) continue;
+    seen[x] = 1;
+    for (int32_t c : plan.children[x])
+      if (c >= 0) stack.push_back(c);
+  }
+  return seen;
+}
+
+}  // namespace
+
+std::optional<PlanData> plan_without_absent_routes(const Graph& g, const PlanData& plan, std::string& why) {
+  const int ng = static_cast<int>(g.nodes.size());
+  const int np = static_cast<int>(plan.nodes.size());
+  if (static_cast<int>(plan.children.size()) != np) {
+    why = "the plan has no edges (its text form lacks them); trace it again";
+    return std::nullopt;
+  }
+  if (ng == 0 || np == 0) {
+    why = "empty graph or plan";
+    return std::nullopt;
+  }
+  std::vector<std::string> type(ng);
+  for (int i = 0; i < ng; ++i) type[i] = g.nodes[i]->name();
+  auto same = [&](int gi, int32_t pi) {
+    return type[gi] == plan.nodes[pi].type || (plan.nodes[pi].fused_attention && is_fused_attention_node(type[gi]));
+  };
+  std::vector<int32_t> p_of(ng, -1), g_of(np, -1);
+  std::set<int32_t> dropped;
+  auto differ = [&](int gi, int32_t pi) {
+    why = fmt::format("node #{} is {} where the plan has {}", gi, type[gi], pi >= 0 ? plan.nodes[pi].type : "no node");
+    return std::nullopt;
+  };
+  if (!same(0, 0)) return differ(0, 0);
+  p_of[0] = 0;
+  g_of[0] = 0;
+  std::deque<int> queue{0};
+  while (!queue.empty()) {
+    const int gi = queue.front();
+    queue.pop_front();
+    const int32_t pi = p_of[gi];
+    const auto& edges = g.nodes[gi]->next_edges();
+    const auto& children = plan.children[pi];
+    for (size_t k = 0; k < std::max(edges.size(), children.size()); ++k) {
+      const int gc = k < edges.size() && edges[k].function ? g.index.at(edges[k].function.get()) : -1;
+      int32_t pc = k < children.size() ? children[k] : -1;
+      // A route the graph lacks: pass over its scatter to the tensor its rows were added into.
+      while (pc >= 0 && is_route_scatter(plan, pc) && (gc < 0 || type[gc] != "IndexAddBackward0")) {
+        dropped.insert(pc);
+        pc = plan.children[pc].empty() ? -1 : plan.children[pc][0];
+      }
+      if (gc < 0 && pc < 0) continue;
+      if (gc < 0 || pc < 0) return differ(gc < 0 ? gi : gc, pc < 0 ? pi : pc);
+      if (p_of[gc] >= 0) {
+        if (p_of[gc] != pc) return differ(gc, pc);
+        continue;
+      }
+      if (g_of[pc] >= 0 || !same(gc, pc)) return differ(gc, pc);
+      p_of[gc] = pc;
+      g_of[pc] = gc;
+      queue.push_back(gc);
+    }
+  }
+  // Every plan node left unmatched is below a route the graph lacks.
+  const std::vector<char> below = below_dropped(plan, dropped);
+  for (int32_t p = 0; p < np; ++p) {
+    if (g_of[p] < 0 && !dropped.count(p) && !below[p]) {
+      why = fmt::format("the plan's node #{} {} has no counterpart in the graph", p, plan.nodes[p].type);
+      return std::nullopt;
+    }
+  }
+  PlanData out = plan;
+  out.nodes.assign(ng, NodeSpec{});
+  out.children.assign(ng, {});
+  for (int gi = 0; gi < ng; ++gi) {
+    NodeSpec ns = plan.nodes[p_of[gi]];
+    ns.type = type[gi];
+    for (auto& f : ns.fields) {
+      for (auto& d : f.shape.dims) {
+        if (!d.routed()) continue;
+        if (g_of[d.route] < 0) {
+          why = fmt::format("node #{} {} is in a route the graph lacks", gi, ns.type);
+          return std::nullopt;
+        }
+        d.route = g_of[d.route];
+      }
+    }
+    out.nodes[gi] = std::move(ns);
+    for (const auto& e : g.nodes[gi]->next_edges())
+      out.children[gi].push_back(e.function ? g.index.at(e.function.get()) : -1);
+  }
+  for (auto& ins : out.inserts) {
+    if (g_of[ins.node] < 0) {
+      why = fmt::format("attention core #{} is in a route the graph lacks", ins.node);
+      return std::nullopt;
+    }
+    ins.node = g_of[ins.node];
+  }
+  return out;
 }
 
 }  // namespace collider::detail

@@ -9,6 +9,8 @@
 // Trace time: assign_routes finds each scatter, walks its source side down to the gathers and
 // gives every routed dimension there its route; a routed dimension no route claims is refused.
 // Filter time: register_routes reads each route's index from its scatter node (TokenIndex::add_route).
+// An expert that received no token of the step is skipped by transformers' eager experts, so its
+// route is absent from the graph: plan_without_absent_routes derives the plan for that graph.
 // Tests: python/tests/test_moe.py.
 #pragma once
 
@@ -19,6 +21,7 @@
 #include <collider/collider.h>
 #include "plan_impl.h"
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -50,5 +53,15 @@ void assign_routes(const Graph& g, const std::vector<ObservedNode>& oa, const st
 // Reads every route's index from the graph into `ix`; throws collider::Error (graph untouched)
 // where one cannot be read (saved behind saved-tensor hooks) or does not address [B*T] rows.
 void register_routes(const Graph& g, const PlanData& plan, TokenIndex& ix, const char* who);
+
+// The plan for a graph in which some routes of `plan` are absent (experts that received no token of
+// this step). The graph's nodes are matched to the plan's by walking both from the loss along the
+// plan's edges (PlanData::children); where the plan has a route's scatter that the graph lacks, the
+// walk passes over it along the chain of scatters (its edge 0, the tensor the rows are added into).
+// The routes of one layer line up in order, each of the graph's routes taking the specs of the
+// plan's route it meets: the experts of a layer are the same ops on rows of the same width, and
+// the rewrite checks every routed size against the route's own index. Returns the plan in the
+// graph's node order, or nullopt and `why` where the graph differs from the plan in anything else.
+std::optional<PlanData> plan_without_absent_routes(const Graph& g, const PlanData& plan, std::string& why);
 
 }  // namespace collider::detail

@@ -163,6 +163,10 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
     }
   }
   plan.nodes.resize(n);
+  plan.children.resize(n);
+  for (size_t i = 0; i < n; ++i)
+    for (const auto& e : ga.nodes[i]->next_edges())
+      plan.children[i].push_back(e.function ? ga.index.at(e.function.get()) : -1);
   // Raw classification.
   std::vector<std::vector<std::vector<int64_t>>> values(n);  // trace-a values per kept field
   std::vector<RoutedCandidate> candidates;                    // fields taken as routed (routes.h)
