@@ -380,11 +380,12 @@ void print_ragged(const Options& o, PointSamples& ps, const PointBatch& pb, nloh
   for (const auto& [ragged, same] : {std::pair{kRaggedKeptOnly, kKeptOnly}, std::pair{kRaggedExactQuery, kExactQuery}}) {
     if (pb.ragged_rows.empty()) break;
     std::vector<double> ratio, of_ideal;
+    const double ideal = ideal_of(o, ps, pb, ragged);
     const auto &a = samples[ragged.name], &b = samples[same.name], &r = samples[kRegular.name];
     for (size_t i = 0; i < a.bwd_ms.samples().size(); ++i) {
       const double a_ms = a.bwd_ms.samples()[i] + a.rewrite_ms.samples()[i];
       ratio.push_back(a_ms / (b.bwd_ms.samples()[i] + b.rewrite_ms.samples()[i]));
-      of_ideal.push_back((1 - a_ms / r.bwd_ms.samples()[i]) / ideal_of(o, ps, pb, ragged));
+      of_ideal.push_back((1 - a_ms / r.bwd_ms.samples()[i]) / ideal);
     }
     const double q = collider::stats::median(ratio), f = collider::stats::median(of_ideal);
     std::printf("  %-24s / per-sequence: median %.3f (rounds %.3f..%.3f); of its FLOP ideal: median %.3f (%.3f..%.3f)\n",

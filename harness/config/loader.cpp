@@ -97,12 +97,8 @@ void Loader::declare(const std::string& key, Field field, bool advertised) {
   }
 }
 
-namespace {
-
 // The field's value under `name` in `table`.
-void put(toml::table& table, const std::string& name, const std::variant<std::string*, int64_t*, double*, bool*,
-                                                                      std::vector<std::string>*, std::vector<int64_t>*,
-                                                                      std::vector<double>*>& field) {
+void Loader::put(toml::table& table, const std::string& name, const Field& field) {
   std::visit(
       [&](auto* value) {
         using T = std::remove_pointer_t<decltype(value)>;
@@ -117,8 +113,6 @@ void put(toml::table& table, const std::string& name, const std::variant<std::st
       },
       field);
 }
-
-}  // namespace
 
 toml::table Loader::resolved_table() const {
   toml::table root;

@@ -132,6 +132,7 @@ class Loader {
     bool advertised;
   };
   void declare(const std::string& key, Field field, bool advertised);
+  static void put(toml::table& table, const std::string& name, const Field& field);  // resolved_table
   void apply_key(const std::string& key, const toml::node& n, const std::string& where);
   void apply_set(const std::string& arg);
   [[noreturn]] void fail_unknown(const std::string& key, const toml::node& n, const std::string& where) const;

@@ -10,6 +10,7 @@
 #include "harness/measure/point_measurements.h"
 #include "harness/measure/probes.h"
 #include "harness/measure/rounds.h"
+#include "harness/measure/table.h"
 #include "harness/run/run_dir.h"
 #include "models/flops.h"
 #include "models/model.h"
@@ -125,20 +126,6 @@ struct Member {
   int64_t wall_ns = 0;  // its own steps' wall time
   bool failed = false;
 };
-
-// The short name of a point in a round's progress line: method[/attention_grad][/aa].
-std::string short_name(const Point& p) {
-  std::string s = p.method;
-  if (models::uses_attention_grad(p.spec.method)) s += "/" + p.attention_grad;
-  if (p.filter_ratio > 0 && p.spec.method != Method::kRegular) s += fmt::format("@{:g}", p.filter_ratio);
-  if (p.aa_copy) s += "/aa";
-  if (p.floor_of > 0) s = fmt::format("floor T'={}", p.seq_len);
-  return s;
-}
-
-}  // namespace
-
-namespace {
 
 // One group while it is measured: its points (members), the model and trainer they share, and the
 // failure policy. measure_group runs set_up(), measure() and rows() in that order.
@@ -323,7 +310,8 @@ class Group {
     if (!log_ || (dist_ && dist_->rank() != 0) || m_.run.repetitions <= 1) return;
     std::string line;
     for (const auto& mb : members_) {
-      line += fmt::format("{}{} {}", line.empty() ? "" : ", ", short_name(*mb.point),
+      line += fmt::format("{}{} {}", line.empty() ? "" : ", ", point_label(mb.point->method, mb.point->attention_grad, mb.point->filter_ratio,
+                                      mb.point->aa_copy, mb.point->floor_of > 0 ? mb.point->seq_len : 0),
                           mb.failed ? std::string("failed") : fmt::format("{:.2f}", mb.acc.last_repetition_step_ms()));
     }
     *log_ << fmt::format("  {} round {}/{}: step ms {}\n", label_, rep + 1, m_.run.repetitions, line);

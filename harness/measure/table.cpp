@@ -17,21 +17,24 @@ double number(const nlohmann::json& row, const char* key) {
 bool ok(const nlohmann::json& row) { return row.value("status", "") == "ok"; }
 bool is_floor(const nlohmann::json& row) { return row.contains("floor_of") && !row["floor_of"].is_null(); }
 
-// method[/attention_grad][@ratio][/aa], or "floor T'=N".
 std::string label(const nlohmann::json& row) {
-  if (is_floor(row)) return fmt::format("floor (regular at T'={})", row["seq_len"].get<int64_t>());
-  const std::string method = row.value("method", "?");
-  std::string s = method;
-  const std::string grad = row.value("attention_grad", "none");
-  if (grad != "none") s += " " + grad;
-  if (method != "regular") s += fmt::format("@{:g}", number(row, "filter_ratio"));
-  if (row.value("aa_copy", false)) s += " (A/A)";
-  return s;
+  return point_label(row.value("method", "?"), row.value("attention_grad", "none"), number(row, "filter_ratio"),
+                     row.value("aa_copy", false), is_floor(row) ? row["seq_len"].get<int64_t>() : 0);
 }
 
 std::string cell(double v, const char* format) { return std::isnan(v) ? "-" : fmt::format(fmt::runtime(format), v); }
 
 }  // namespace
+
+std::string point_label(const std::string& method, const std::string& attention_grad, double filter_ratio,
+                        bool aa_copy, int64_t floor_seq_len) {
+  if (floor_seq_len > 0) return fmt::format("floor (regular at T'={})", floor_seq_len);
+  std::string s = method;
+  if (attention_grad != "none") s += " " + attention_grad;
+  if (method != "regular") s += fmt::format("@{:g}", filter_ratio);
+  if (aa_copy) s += " (A/A)";
+  return s;
+}
 
 std::string group_table(const std::vector<nlohmann::json>& rows) {
   double regular_ms = std::nan("");

@@ -17,4 +17,9 @@ namespace collider::harness {
 // The rows of one group, in manifest order; a failed row shows its status.
 std::string group_table(const std::vector<nlohmann::json>& rows);
 
+// A point's name in the table and in a round's progress line, from its identity: method[ attention_grad]
+// [@filter_ratio][ (A/A)], or "floor (regular at T'=N)" for a floor point (floor_seq_len = N > 0).
+std::string point_label(const std::string& method, const std::string& attention_grad, double filter_ratio,
+                        bool aa_copy, int64_t floor_seq_len);
+
 }  // namespace collider::harness
