@@ -30,17 +30,19 @@ bool is_training_manifest(const std::string& path) {
   } catch (...) { return false; }
 }
 
-TrainManifest load_train_manifest(const std::string& path, const std::vector<std::string>& sets) {
-  TrainManifest m;
-  m.path = path;
-  m.name = "train";
-  TrainSettings& s = m.train;
+namespace {
+
+// The axes of a training manifest as written, with their defaults.
+struct TrainAxes {
   std::vector<std::string> methods = {"regular", "loss_only", "collider"};
   std::vector<std::string> grads = {"kept_only", "exact_query"};
   std::vector<double> ratios = {0.4};
   std::vector<std::string> selections = {"per_sequence"};
+};
 
-  Loader L(path, "train.steps=40");
+// Every key of the schema, bound to its field (the loader applies the file and --set to them).
+void declare_keys(Loader& L, TrainManifest& m, TrainAxes& axes) {
+  TrainSettings& s = m.train;
   L.add("name", &m.name);
   L.add("description", &m.description);
   L.add_section("data", "dir");
@@ -75,18 +77,14 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
   L.add("reference.lr", &s.ref_lr);
   L.add("reference.batch_size", &s.ref_batch_size);
   L.add_section("axes", "method");
-  L.add("axes.method", &methods);
-  L.add("axes.attention_grad", &grads);
-  L.add("axes.filter_ratio", &ratios);
-  L.add("axes.selection", &selections);
-  L.apply(parse_manifest_toml(read_manifest_file(path), path), sets);
-  m.overrides = L.overrides();
+  L.add("axes.method", &axes.methods);
+  L.add("axes.attention_grad", &axes.grads);
+  L.add("axes.filter_ratio", &axes.ratios);
+  L.add("axes.selection", &axes.selections);
+}
 
-  // ---- validation ------------------------------------------------------------------------------
-  // Selection score of loss_only and collider (regular and forward_drop select nothing).
-  const Score score =
-      L.parse_in("train.score", s.score, {to_string(Score::kExcessLoss), to_string(Score::kReferenceLoss)},
-                 &models::score_from_string);
+// The settings' ranges: throws ManifestError naming the key, its value and what is allowed.
+void check_settings(const Loader& L, const TrainSettings& s) {
   int64_t max_position = 0;
   try {
     max_position = models::preset(s.model).max_position;
@@ -116,57 +114,86 @@ TrainManifest load_train_manifest(const std::string& path, const std::vector<std
   L.check(s.warmup_steps >= 0, "train.warmup_steps", std::to_string(s.warmup_steps), "an integer >= 0");
   L.check(s.pool_windows >= 0, "train.pool_windows", std::to_string(s.pool_windows),
           "an integer >= 0 (0 = steps x batch_size)");
+}
 
-  // ---- the runs: regular once; loss_only, forward_drop per ratio; collider per ratio and --------
-  // ---- attention_grad ---------------------------------------------------------------------------
+// forward_drop's runs, one per ratio: its first and last layer see every token, so it needs 3
+// layers, and each ratio must leave its middle layers a token.
+void add_forward_drop_points(const Loader& L, const TrainSettings& s, const std::vector<double>& ratios,
+                             std::vector<TrainPoint>& points) {
+  const int64_t num_layers = models::preset(s.model).num_layers;
+  if (num_layers < 3) {
+    throw ManifestError(fmt::format(
+        "{}: key 'axes.method' = \"forward_drop\" needs a model with at least 3 decoder layers (the first and "
+        "the last see every token); train.model '{}' has {}: use a preset with more layers or drop forward_drop",
+        L.source("axes.method"), s.model, num_layers));
+  }
+  for (double r : ratios) {
+    if (collider::kept_count(s.seq_len, r, s.align) < 1) {
+      throw ManifestError(
+          fmt::format("{}: key 'axes.filter_ratio' = {} leaves forward_drop's middle layers no token of seq_len "
+                      "{} with align {}; lower the ratio or train.align, or raise train.seq_len",
+                      L.source("axes.filter_ratio"), r, s.seq_len, s.align));
+    }
+    points.push_back({MethodSpec{Method::kForwardDrop}, r});
+  }
+}
+
+// The runs: regular once; loss_only per ratio and selection; forward_drop per ratio; collider per
+// ratio, attention_grad and selection.
+std::vector<TrainPoint> train_points(const Loader& L, const TrainSettings& s, const TrainAxes& axes, Score score) {
   std::vector<collider::AttentionGrad> attention_grads;
-  for (const auto& g : grads) {
+  for (const auto& g : axes.grads) {
     attention_grads.push_back(
         L.parse_in("axes.attention_grad", g, models::attention_grad_names(), &collider::attention_grad_from_string));
   }
   std::vector<collider::SelectPolicy> policies;
-  for (const auto& p : selections) {
+  for (const auto& p : axes.selections) {
     policies.push_back(L.parse_in("axes.selection", p, models::policy_names(), &collider::select_policy_from_string));
   }
-  L.check_unique("axes.selection", selections);
-  for (double r : ratios) {
+  L.check_unique("axes.selection", axes.selections);
+  for (double r : axes.ratios) {
     L.check(r > 0.0 && r < 1.0, "axes.filter_ratio", fmt::format("{}", r),
             "(0, 1): the fraction of tokens dropped (regular runs once, unfiltered)");
   }
-  for (const auto& name : methods) {
+  std::vector<TrainPoint> points;
+  for (const auto& name : axes.methods) {
     const Method method = L.parse_in("axes.method", name,
                                      {to_string(Method::kRegular), to_string(Method::kLossOnly),
                                       to_string(Method::kCollider), to_string(Method::kForwardDrop)},
                                      &models::method_from_string);
     if (method == Method::kRegular) {
-      m.points.push_back({MethodSpec{Method::kRegular}, 0.0});
+      points.push_back({MethodSpec{Method::kRegular}, 0.0});
     } else if (method == Method::kLossOnly) {
-      for (double r : ratios)
-        for (collider::SelectPolicy p : policies) m.points.push_back({MethodSpec{Method::kLossOnly, {}, p, score}, r});
+      for (double r : axes.ratios)
+        for (collider::SelectPolicy p : policies) points.push_back({MethodSpec{Method::kLossOnly, {}, p, score}, r});
     } else if (method == Method::kForwardDrop) {
-      // The first and the last layer see every token: 3 layers at least.
-      const int64_t num_layers = models::preset(s.model).num_layers;
-      if (num_layers < 3) {
-        throw ManifestError(fmt::format(
-            "{}: key 'axes.method' = \"forward_drop\" needs a model with at least 3 decoder layers (the first and "
-            "the last see every token); train.model '{}' has {}: use a preset with more layers or drop forward_drop",
-            L.source("axes.method"), s.model, num_layers));
-      }
-      for (double r : ratios) {
-        if (collider::kept_count(s.seq_len, r, s.align) < 1) {
-          throw ManifestError(
-              fmt::format("{}: key 'axes.filter_ratio' = {} leaves forward_drop's middle layers no token of seq_len "
-                          "{} with align {}; lower the ratio or train.align, or raise train.seq_len",
-                          L.source("axes.filter_ratio"), r, s.seq_len, s.align));
-        }
-        m.points.push_back({MethodSpec{Method::kForwardDrop}, r});
-      }
+      add_forward_drop_points(L, s, axes.ratios, points);
     } else {
-      for (double r : ratios)
+      for (double r : axes.ratios)
         for (collider::AttentionGrad g : attention_grads)
-          for (collider::SelectPolicy p : policies) m.points.push_back({MethodSpec{Method::kCollider, g, p, score}, r});
+          for (collider::SelectPolicy p : policies) points.push_back({MethodSpec{Method::kCollider, g, p, score}, r});
     }
   }
+  return points;
+}
+
+}  // namespace
+
+TrainManifest load_train_manifest(const std::string& path, const std::vector<std::string>& sets) {
+  TrainManifest m;
+  m.path = path;
+  m.name = "train";
+  TrainAxes axes;
+  Loader L(path, "train.steps=40");
+  declare_keys(L, m, axes);
+  L.apply(parse_manifest_toml(read_manifest_file(path), path), sets);
+  m.overrides = L.overrides();
+  // Selection score of loss_only and collider (regular and forward_drop select nothing).
+  const Score score =
+      L.parse_in("train.score", m.train.score, {to_string(Score::kExcessLoss), to_string(Score::kReferenceLoss)},
+                 &models::score_from_string);
+  check_settings(L, m.train);
+  m.points = train_points(L, m.train, axes, score);
 
   std::ostringstream os;
   os << "# Resolved training manifest: " << path << " with --set overrides, then defaults filled in.\n";

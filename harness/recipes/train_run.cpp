@@ -123,6 +123,141 @@ void print_runs(const TrainManifest& m, const std::string& data_dir, std::ostrea
   for (size_t i = 0; i < m.points.size(); ++i) out << fmt::format("{:>4}  {}\n", i + 1, m.points[i].id(s));
 }
 
+// The token shards a training manifest reads: the training pool, the curated reference split and
+// the eval sets (each read in windows of seq_len, up to eval_tokens).
+struct TrainData {
+  std::shared_ptr<TokenShard> train, reference;
+  std::vector<EvalSet> evals;
+};
+
+TrainData open_data(const TrainSettings& s, const std::string& data_dir, const models::ModelConfig& cfg) {
+  auto shard = [&](const std::string& split) {
+    return std::make_shared<TokenShard>(fsutil::join(data_dir, split + ".bin"));
+  };
+  TrainData d;
+  d.train = shard(s.train_split);
+  d.reference = shard(s.reference_split);
+  if (d.train->header().vocab_size > static_cast<uint32_t>(cfg.vocab_size)) {
+    throw std::runtime_error(fmt::format("the tokenizer of {} has {} pieces but {} has vocab_size {}", data_dir,
+                                         d.train->header().vocab_size, s.model, cfg.vocab_size));
+  }
+  for (const auto& e : s.eval_splits) {
+    auto sh = shard(e);
+    const int64_t w = std::min((sh->size() - 1) / s.seq_len, std::max<int64_t>(1, s.eval_tokens / s.seq_len));
+    d.evals.push_back({e, sh, w});
+  }
+  return d;
+}
+
+// The mean loss of `model` on each eval set.
+std::vector<std::pair<std::string, double>> evaluate(const TrainData& d, const TrainSettings& s,
+                                                     models::CausalLM& model) {
+  std::vector<std::pair<std::string, double>> r;
+  for (const auto& e : d.evals) {
+    r.emplace_back(e.name, mean_window_loss(model, *e.shard, s.seq_len, e.windows, s.eval_batch_size));
+  }
+  return r;
+}
+
+// What every training run of one command shares.
+struct RunContext {
+  const TrainManifest& m;
+  const TrainData& data;
+  WindowLoader& loader;
+  const RefLosses& ref_losses;
+  const Resumed& resumed;
+  JsonlWriter* rows;  // null on the ranks that do not write
+  torch::Device device;
+  std::shared_ptr<ProcessGroup> dist;
+  bool resume;
+  std::ostream& log;
+};
+
+// One training run, point i of the manifest: its model and trainer, the loop with a training-loss
+// row per logged step and eval rows per eval step, its checkpoints in ckpt_dir (removed once it
+// finished: its rows hold the result).
+void train_point(const RunContext& c, size_t i, const nlohmann::json& base, const std::string& pid,
+                 const std::string& ckpt_dir) {
+  const TrainSettings& s = c.m.train;
+  const TrainPoint& p = c.m.points[i];
+  StepConfig sc;
+  sc.spec = p.spec;
+  sc.filter_ratio = p.filter_ratio;
+  sc.align = s.align;
+  sc.weight_decay = s.weight_decay;
+  sc.grad_clip = s.grad_clip;
+  Trainer tr(models::build_model(models::preset(s.model), models::AttentionImpl::kEager, s.seed), sc, c.device,
+             s.seed);
+  if (c.dist) tr.set_reducer(std::make_shared<GradientReducer>(c.dist, tr.model()->parameters()));
+  RunSpec spec;
+  spec.label = fmt::format("[{}/{} {} {}{}]", i + 1, c.m.points.size(), to_string(p.spec.method),
+                           p.spec.method == Method::kCollider ? models::attention_grad_name(p.spec) + " " : "",
+                           fmt_num(p.filter_ratio));
+  spec.step_cfg = sc;
+  spec.loader = &c.loader;
+  spec.ref = models::uses_selection(p.spec.method) ? &c.ref_losses : nullptr;  // regular, forward_drop: none
+  spec.steps = s.steps;
+  spec.warmup_steps = s.warmup_steps;
+  spec.lr = s.lr;
+  spec.min_lr = s.min_lr;
+  spec.ckpt_dir = ckpt_dir;
+  spec.resume = c.resume;
+  spec.may_stop = true;
+  spec.dist = c.dist.get();
+  const std::set<std::string>& written = c.resumed.written;
+  auto progress = [&](nlohmann::json& row, const RunState& st, double lr) {
+    row["step"] = st.step;
+    row["elapsed_s"] = st.elapsed_s;
+    row["tokens_seen"] = st.tokens_seen;
+    row["tokens_backprop"] = st.tokens_backprop;
+    write_kept_counts(row, st.last_kept_per_row);  // the logged step's rows (ragged under batch_topk)
+    row["lr"] = lr;
+    row["final"] = st.step == s.steps;
+    row["timestamp"] = utc_timestamp();
+  };
+  train_loop(
+      s, spec, tr,
+      [&](const RunState& st, double train_loss, double train_loss_kept, double lr) {
+        if (!c.rows || written.count(row_key(pid, st.step, ""))) return;
+        nlohmann::json row = base;  // a training-loss row (no eval_set)
+        progress(row, st, lr);
+        row["final"] = false;  // the eval rows of the last step mark the run finished
+        row["train_loss"] = train_loss;
+        row["train_loss_kept"] = train_loss_kept;
+        row["eval_set"] = nullptr;
+        c.rows->append(row);
+      },
+      [&](const RunState& st, double lr) {
+        const auto te = Clock::now();
+        const auto ev = evaluate(c.data, s, tr.model());
+        const double eval_s = seconds_since(te);
+        for (const auto& [name, loss] : ev) {
+          if (written.count(row_key(pid, st.step, name))) continue;  // written before a kill
+          nlohmann::json row = base;
+          progress(row, st, lr);
+          row["eval_set"] = name;
+          row["val_loss"] = loss;
+          row["val_ppl"] = std::exp(loss);
+          row["eval_tokens"] = c.data.evals.front().windows * s.seq_len;
+          row["eval_s"] = eval_s;
+          c.rows->append(row);  // on_eval runs on rank 0 only
+          c.log << fmt::format("{} step {} eval {} loss {:.4f} ppl {:.2f}\n", spec.label, st.step, name, loss,
+                               std::exp(loss));
+        }
+      },
+      c.log);
+}
+
+// A failed run's row: its identity, status "error" and the message.
+nlohmann::json error_row(const nlohmann::json& base, const std::string& what) {
+  nlohmann::json row = base;
+  row["status"] = "error";
+  row["error"] = what;
+  row["step"] = 0;
+  row["timestamp"] = utc_timestamp();
+  return row;
+}
+
 }  // namespace
 
 int run_train_command(const std::string& manifest_path, const std::vector<std::string>& sets, std::string out_dir,
@@ -165,139 +300,49 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
     const Provenance prov = collect_provenance(device);
     const RunDir run_dir(out_dir, resume, writer, log);
     const std::string& results_path = run_dir.results_path();
-    const ExistingResults& existing = run_dir.existing();
     run_dir.write_records(m.resolved_toml, prov, dist, log);
     log << fmt::format("collider run: {} ({} training runs, {} steps each{}) -> {}\n", m.name, m.points.size(), s.steps,
                        dist ? fmt::format(", {} ranks x batch {}", world, s.batch_size) : "", out_dir);
-
-    // Data.
-    auto shard = [&](const std::string& split) {
-      return std::make_shared<TokenShard>(fsutil::join(data_dir, split + ".bin"));
-    };
-    auto train_shard = shard(s.train_split);
-    auto ref_shard = shard(s.reference_split);
     const auto& cfg = models::preset(s.model);
-    if (train_shard->header().vocab_size > static_cast<uint32_t>(cfg.vocab_size)) {
-      throw std::runtime_error(fmt::format("the tokenizer of {} has {} pieces but {} has vocab_size {}", data_dir,
-                                           train_shard->header().vocab_size, s.model, cfg.vocab_size));
-    }
-    std::vector<EvalSet> evals;
-    for (const auto& e : s.eval_splits) {
-      auto sh = shard(e);
-      const int64_t w = std::min((sh->size() - 1) / s.seq_len, std::max<int64_t>(1, s.eval_tokens / s.seq_len));
-      evals.push_back({e, sh, w});
-    }
-    auto evaluate = [&](models::CausalLM& model) {
-      std::vector<std::pair<std::string, double>> r;
-      for (const auto& e : evals) {
-        r.emplace_back(e.name, mean_window_loss(model, *e.shard, s.seq_len, e.windows, s.eval_batch_size));
-      }
-      return r;
-    };
+    const TrainData data = open_data(s, data_dir, cfg);
 
     // Reference stage: train (regular) on the curated split, then score the training pool once.
-    const ReferenceStage ref = run_reference_stage(s, data_dir, pool, ref_shard, *train_shard, evaluate, dist, log);
-    const std::string& ref_tag = ref.tag;
-    const std::string& ref_dir = ref.dir;
-    const std::string& ref_losses_path = ref.losses_path;
-    RefLosses ref_losses(ref_losses_path);
-    if (ref_losses.shard_tokens() != train_shard->size() || ref_losses.seq_len() != s.seq_len ||
+    const ReferenceStage ref = run_reference_stage(
+        s, data_dir, pool, data.reference, *data.train,
+        [&](models::CausalLM& model) { return evaluate(data, s, model); }, dist, log);
+    RefLosses ref_losses(ref.losses_path);
+    if (ref_losses.shard_tokens() != data.train->size() || ref_losses.seq_len() != s.seq_len ||
         ref_losses.num_windows() < pool) {
       throw std::runtime_error(
-          fmt::format("{} does not match the shard {} (delete it to recompute)", ref_losses_path, train_shard->path()));
+          fmt::format("{} does not match the shard {} (delete it to recompute)", ref.losses_path, data.train->path()));
     }
-    if (writer && fsutil::exists(fsutil::join(ref_dir, "reference.json"))) {
+    if (writer && fsutil::exists(fsutil::join(ref.dir, "reference.json"))) {
       fsutil::write_file_atomic(fsutil::join(out_dir, "reference.json"),
-                                fsutil::read_file(fsutil::join(ref_dir, "reference.json")));
+                                fsutil::read_file(fsutil::join(ref.dir, "reference.json")));
     }
 
     // Training runs.
     // Rank r takes windows [r*B, (r+1)*B) of each step's global batch of world_size x B.
-    WindowLoader loader(train_shard, s.seq_len, s.batch_size, static_cast<uint64_t>(s.seed), pool, rank, world);
+    WindowLoader loader(data.train, s.seq_len, s.batch_size, static_cast<uint64_t>(s.seed), pool, rank, world);
     std::unique_ptr<JsonlWriter> rows = run_dir.open_rows();
-    const Resumed resumed = read_resumed(existing, s.eval_splits);
-    const std::set<std::string>& written = resumed.written;
-    const std::set<std::string>& done = resumed.done;
+    const Resumed resumed = read_resumed(run_dir.existing(), s.eval_splits);
+    const RunContext context{m, data, loader, ref_losses, resumed, rows.get(), device, dist_ptr, resume, log};
     int64_t failed = 0;
     const auto t_all = Clock::now();
     for (size_t i = 0; i < m.points.size(); ++i) {
-      const TrainPoint& p = m.points[i];
-      const std::string pid = p.id(s);
+      const std::string pid = m.points[i].id(s);
       std::string slug = pid;
       for (char& c : slug) c = c == '/' ? '_' : c;
       const std::string ckpt_dir = fsutil::join(fsutil::join(out_dir, "checkpoints"), slug);
-      if (from_rank0(dist, done.count(pid), "whether a run is finished") != 0) {
+      if (from_rank0(dist, resumed.done.count(pid), "whether a run is finished") != 0) {
         log << fmt::format("[{}/{}] {}: already finished (resume)\n", i + 1, m.points.size(), pid);
         if (writer) remove_checkpoint(ckpt_dir);  // left by a kill after its last rows
         continue;
       }
-      const nlohmann::json base = training_row(m, p, pid, prov, cfg, ref_tag, data_dir, world);
+      const nlohmann::json base = training_row(m, m.points[i], pid, prov, cfg, ref.tag, data_dir, world);
       try {
-        StepConfig sc;
-        sc.spec = p.spec;
-        sc.filter_ratio = p.filter_ratio;
-        sc.align = s.align;
-        sc.weight_decay = s.weight_decay;
-        sc.grad_clip = s.grad_clip;
-        Trainer tr(models::build_model(cfg, models::AttentionImpl::kEager, s.seed), sc, device, s.seed);
-        if (dist) tr.set_reducer(std::make_shared<GradientReducer>(dist_ptr, tr.model()->parameters()));
-        RunSpec spec;
-        spec.label = fmt::format("[{}/{} {} {}{}]", i + 1, m.points.size(), to_string(p.spec.method),
-                                 p.spec.method == Method::kCollider ? models::attention_grad_name(p.spec) + " " : "",
-                                 fmt_num(p.filter_ratio));
-        spec.step_cfg = sc;
-        spec.loader = &loader;
-        spec.ref = models::uses_selection(p.spec.method) ? &ref_losses : nullptr;  // regular, forward_drop: none
-        spec.steps = s.steps;
-        spec.warmup_steps = s.warmup_steps;
-        spec.lr = s.lr;
-        spec.min_lr = s.min_lr;
-        spec.ckpt_dir = ckpt_dir;
-        spec.resume = resume;
-        spec.may_stop = true;
-        spec.dist = dist;
-        auto progress = [&](nlohmann::json& row, const RunState& st, double lr) {
-          row["step"] = st.step;
-          row["elapsed_s"] = st.elapsed_s;
-          row["tokens_seen"] = st.tokens_seen;
-          row["tokens_backprop"] = st.tokens_backprop;
-          write_kept_counts(row, st.last_kept_per_row);  // the logged step's rows (ragged under batch_topk)
-          row["lr"] = lr;
-          row["final"] = st.step == s.steps;
-          row["timestamp"] = utc_timestamp();
-        };
-        train_loop(
-            s, spec, tr,
-            [&](const RunState& st, double train_loss, double train_loss_kept, double lr) {
-              if (!rows || written.count(row_key(pid, st.step, ""))) return;
-              nlohmann::json row = base;  // a training-loss row (no eval_set)
-              progress(row, st, lr);
-              row["final"] = false;  // the eval rows of the last step mark the run finished
-              row["train_loss"] = train_loss;
-              row["train_loss_kept"] = train_loss_kept;
-              row["eval_set"] = nullptr;
-              rows->append(row);
-            },
-            [&](const RunState& st, double lr) {
-              const auto te = Clock::now();
-              const auto ev = evaluate(tr.model());
-              const double eval_s = seconds_since(te);
-              for (const auto& [name, loss] : ev) {
-                if (written.count(row_key(pid, st.step, name))) continue;  // written before a kill
-                nlohmann::json row = base;
-                progress(row, st, lr);
-                row["eval_set"] = name;
-                row["val_loss"] = loss;
-                row["val_ppl"] = std::exp(loss);
-                row["eval_tokens"] = evals.front().windows * s.seq_len;
-                row["eval_s"] = eval_s;
-                rows->append(row);  // on_eval runs on rank 0 only
-                log << fmt::format("{} step {} eval {} loss {:.4f} ppl {:.2f}\n", spec.label, st.step, name, loss,
-                                   std::exp(loss));
-              }
-            },
-            log);
-        if (writer) remove_checkpoint(spec.ckpt_dir);  // finished: the rows hold the result
+        train_point(context, i, base, pid, ckpt_dir);
+        if (writer) remove_checkpoint(ckpt_dir);  // finished: the rows hold the result
         log << fmt::format("[{}/{}] {} done; all runs so far {}\n", i + 1, m.points.size(), pid,
                            hms(seconds_since(t_all)));
       } catch (const SimulatedKill&) { throw; } catch (const DistributedError&) {
@@ -306,12 +351,7 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
         throw;  // no space or no permission: the next run would fail the same way; end here
       } catch (const std::exception& e) {
         failed += 1;
-        nlohmann::json row = base;
-        row["status"] = "error";
-        row["error"] = e.what();
-        row["step"] = 0;
-        row["timestamp"] = utc_timestamp();
-        if (rows) rows->append(row);
+        if (rows) rows->append(error_row(base, e.what()));
         err << fmt::format("{}[{}/{}] {}: error: {}\n", rank_tag, i + 1, m.points.size(), pid, e.what());
         if (dist) {
           // The other ranks may be inside a collective of this run: stop (exiting closes this rank's
