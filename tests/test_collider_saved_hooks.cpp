@@ -4,8 +4,9 @@
 // (collider_core/src/saved_cut.h). A cut cached by the address of a tensor that died gave wrong
 // gradients from run to run here, so each case runs on 8 fresh models. After filter_backward every
 // parameter gradient equals the model-level oracle of DESIGN.md section 3 (max|diff| / max|ref|
-// <= 1e-4, fp32) on the three families (-debug presets), eager and SDPA, both semantics, B = 3,
-// T = 97, per-sequence and ragged (batch_topk-like) masks. The Python set-ups (checkpointing in
+// <= 1e-4, fp32) on the four families (-debug presets; Mixtral's routes behind the hooks run on all
+// their rows, collider_core/src/routes.h), eager and SDPA, both semantics, B = 3, T = 97,
+// per-sequence and ragged (batch_topk-like) masks. The Python set-ups (checkpointing in
 // transformers, save_on_cpu, LoRA) are python/tests/test_checkpointing.py.
 // Run: build/tests/test_collider_saved_hooks
 #include "../collider_core/src/node_fields.h"
@@ -132,7 +133,7 @@ TEST_P(SavedHooksGrad, CloneOnUnpackMatchesOracleOnFreshModels) {
 
 std::vector<Case> all_cases() {
   std::vector<Case> out;
-  for (const char* p : {"tinyllama-debug", "qwen2.5-debug", "phi-1.5-debug"})
+  for (const char* p : {"tinyllama-debug", "qwen2.5-debug", "phi-1.5-debug", "mixtral-debug"})
     for (auto a : {AttentionGrad::kKeptOnly, AttentionGrad::kExactQuery})
       for (bool sdpa : {false, true})
         for (bool ragged : {false, true}) out.push_back({p, a, sdpa, ragged});

@@ -293,6 +293,10 @@ class Rewriter {
         pack_node(g, static_cast<int>(i), static_cast<size_t>(packed_output[i]));
         continue;
       }
+      if (!masked_ && nodes[i].type == "IndexAddBackward0" && ix_->hooked_route(static_cast<int32_t>(i))) {
+        replace_hooked_scatter(g, static_cast<int>(i));
+        continue;
+      }
       rewrite_node(g.nodes[i], nodes[i], static_cast<int>(i));
     }
   }
@@ -302,6 +306,7 @@ class Rewriter {
     for (auto& w : writes_) w();
     for (auto& [inner, node] : packed_) node->adopt_edges();
     for (auto& node : row_attention_) node->adopt_edges();
+    for (auto& node : hooked_scatters_) node->adopt_edges();
   }
   // The graph as it was before commit() (the writes swapped back), for validate: the rewrite is
   // then discarded.
@@ -371,6 +376,23 @@ class Rewriter {
   // Fused attention: every edge into the SDPA node will lead to its filtered replacement.
   void replace_fused(const Graph& g, int i) {
     replace_node(g, i, make_filtered_attention(g.nodes[i], ix_, !cut_keys_, masked_));
+    ++stats_.nodes_rewritten;
+  }
+
+  // The scatter of a mixture-of-experts route behind saved-tensor hooks (routes.h): replaced by a
+  // node that takes the cut token rows and gives the route all its rows, a dropped token's zero.
+  void replace_hooked_scatter(const Graph& g, int i) {
+    const FieldSpec* in = plan_.nodes[i].find(FieldKind::kInputMeta, 0);
+    const auto full = to_ints(g.nodes[i]->input_metadata(0).shape_as_dim_vector());
+    const std::string bad = in ? ix_->mismatch(full, in->shape) : "no token rows";
+    if (!bad.empty()) {
+      throw Error(fmt::format("filter_backward: the graph does not match the plan at node #{} {}: {}. Re-trace the "
+                              "plan for this model (collider::trace_plan).",
+                              i, plan_.nodes[i].type, bad));
+    }
+    auto node = make_hooked_scatter(g.nodes[i], ix_, ix_->cut_sizes(full, in->shape, cut_keys_));
+    replace_node(g, i, node);
+    hooked_scatters_.push_back(std::move(node));
     ++stats_.nodes_rewritten;
   }
 
@@ -514,6 +536,7 @@ class Rewriter {
   std::vector<std::shared_ptr<SavedVariable>> hooked_slots_;
   std::unordered_map<const Node*, std::shared_ptr<PackedRowsNode>> packed_;  // original node -> its stand-in
   std::vector<std::shared_ptr<RowAttentionNode>> row_attention_;  // eager cores run row by row
+  std::vector<std::shared_ptr<HookedScatterNode>> hooked_scatters_;  // hooked routes' scatters (routes.h)
 };
 
 // Applies one node's FieldSpecs through the generated field handlers.
@@ -609,7 +632,14 @@ class Rewriter::Apply final : public FieldVisitor {
                     "Re-trace the plan for this model (collider::trace_plan).",
                     index_, spec_.type, f.name, what));
   }
+  // A field of a mixture-of-experts route behind saved-tensor hooks, which keeps all its rows (routes.h).
+  bool in_hooked_route(const FieldSpec& f) const {
+    for (const auto& d : f.shape.dims)
+      if (d.routed() && rw_.ix_->hooked_route(d.route)) return true;
+    return false;
+  }
   std::vector<int64_t> apply_sizes(const FieldSpec& f, const std::vector<int64_t>& values) {
+    if (in_hooked_route(f)) return values;
     auto bad = rw_.ix_->mismatch(values, f.shape);
     if (!bad.empty()) mismatch(f, bad);
     if (rw_.masked_) return values;
@@ -621,6 +651,14 @@ class Rewriter::Apply final : public FieldVisitor {
   void on_saved(const char* name, int32_t item, SavedVariable& v) {
     const FieldSpec* f = find(name, item, FieldKind::kSaved);
     if (!f) return;
+    if (in_hooked_route(*f)) {
+      // The route keeps its rows; a gather's index turns into rows of the cut token rows, a dropped
+      // token's into row 0, where its zero gradient adds nothing.
+      if (rw_.masked_ || !f->shape.has_route_positions()) return;
+      auto ix = rw_.ix_;
+      replace_saved(name, v, [ix](const torch::Tensor& index) { return ix->cut_rows_of(index).clamp_min(0); });
+      return;
+    }
     // The kept_only oracle of the masked method touches only the attention probabilities.
     const bool masked_probabilities = rw_.cut_keys_ && spec_.attention_core && f->shape.has_key();
     if (rw_.masked_ && !masked_probabilities) return;
@@ -653,12 +691,7 @@ class Rewriter::Apply final : public FieldVisitor {
       } else {
         fn = rw_.cut_fn(f->shape, zero_keys, /*check=*/true);
       }
-      auto slot = std::make_shared<SavedVariable>();
-      auto cut = std::make_shared<SavedCut>(std::weak_ptr<Node>(node_), slot, rw_.keep_sources_, std::move(fn));
-      *slot = saved_cut_variable(cut);
-      rw_.count_hooked();
-      rw_.defer_hooked(v, slot);
-      changed = true;
+      cut_behind_hooks(v, std::move(fn));
       return;
     }
     torch::Tensor t;
@@ -690,6 +723,36 @@ class Rewriter::Apply final : public FieldVisitor {
     rw_.defer([&v, other = std::make_shared<SavedVariable>(saved_cut_variable(ref->cut, ref->view))] {
       std::swap(v, *other);
     });
+    changed = true;
+  }
+
+  // A saved tensor behind saved-tensor hooks: made by `fn` from what the hooks unpack, when the
+  // backward first reads it (saved_cut.h).
+  void cut_behind_hooks(SavedVariable& v, SavedCut::CutFn fn) {
+    auto slot = std::make_shared<SavedVariable>();
+    auto cut = std::make_shared<SavedCut>(std::weak_ptr<Node>(node_), slot, rw_.keep_sources_, std::move(fn));
+    *slot = saved_cut_variable(cut);
+    rw_.count_hooked();
+    rw_.defer_hooked(v, slot);
+    changed = true;
+  }
+  // A saved tensor replaced by `fn` of it, behind hooks or not.
+  void replace_saved(const char* name, SavedVariable& v, SavedCut::CutFn fn) {
+    if (v.has_hooks()) {
+      cut_behind_hooks(v, std::move(fn));
+      return;
+    }
+    torch::Tensor t;
+    try {
+      t = v.unpack(node_);
+    } catch (const std::exception& e) {
+      throw Error(fmt::format("filter_backward: cannot read saved tensor {} of node #{} {} ({}). Call "
+                              "filter_backward once per loss, before loss.backward().",
+                              name, index_, spec_.type, first_line(e.what())));
+    }
+    if (!t.defined()) return;
+    auto cut = std::make_shared<SavedCut>(t.detach(), std::move(fn));
+    rw_.defer([&v, other = std::make_shared<SavedVariable>(saved_cut_variable(cut, {}))] { std::swap(v, *other); });
     changed = true;
   }
 

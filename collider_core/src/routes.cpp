@@ -8,6 +8,8 @@
 
 #include <collider/collider.h>
 
+#include <torch/csrc/autograd/generated/Functions.h>
+
 #include <fmt/format.h>
 
 #include <deque>
@@ -248,12 +250,9 @@ void register_routes(const Graph& g, const PlanData& plan, TokenIndex& ix, const
     IndexField reader;
     if (nf) nf->visit(node.get(), reader);
     if (!reader.index) throw Error(fmt::format("{}: node #{} is not a mixture-of-experts scatter (plan bug)", who, r));
-    if (reader.index->has_hooks()) {
-      throw Error(fmt::format(
-          "{}: the mixture-of-experts layer of node #{} is behind saved-tensor hooks (activation checkpointing or "
-          "offloading), which collider does not filter through routed experts yet; leave those layers unhooked or "
-          "use method loss_only",
-          who, r));
+    if (reader.index->has_hooks()) {  // read when the backward reaches it (make_hooked_scatter)
+      ix.add_hooked_route(r, node->input_metadata(0).device());
+      continue;
     }
     torch::Tensor index;
     try {
@@ -386,6 +385,49 @@ std::optional<PlanData> plan_without_absent_routes(const Graph& g, const PlanDat
     ins.node = g_of[ins.node];
   }
   return out;
+}
+
+HookedScatterNode::HookedScatterNode(std::shared_ptr<torch::autograd::Node> scatter, std::shared_ptr<TokenIndex> ix)
+    : Node(scatter->sequence_nr()), scatter_(std::move(scatter)), ix_(std::move(ix)) {}
+
+void HookedScatterNode::adopt_edges() {
+  next_edges_ = scatter_->next_edges();
+  topological_nr_ = scatter_->topological_nr();
+}
+
+void HookedScatterNode::release_variables() { scatter_->release_variables(); }
+
+torch::autograd::variable_list HookedScatterNode::apply(torch::autograd::variable_list&& grads) {
+  torch::NoGradGuard no_grad;
+  auto* ia = dynamic_cast<torch::autograd::generated::IndexAddBackward0*>(scatter_.get());
+  TORCH_CHECK(ia, "collider: a hooked route's scatter is not IndexAddBackward0 (plan bug)");
+  const torch::Tensor& grad_MD = grads.at(0);  // the cut token rows [B*N, ..]
+  torch::Tensor source_RD;
+  if (grad_MD.defined() && should_compute_output(1)) {
+    const torch::Tensor rows_R = ix_->cut_rows_of(ia->index_.unpack(scatter_));
+    const torch::Tensor dropped_R = rows_R.lt(0);
+    source_RD = grad_MD.index_select(0, rows_R.clamp_min(0));
+    std::vector<int64_t> row_shape(static_cast<size_t>(source_RD.dim()), 1);
+    row_shape[0] = dropped_R.size(0);
+    source_RD.masked_fill_(dropped_R.view(row_shape), 0);
+    if (!ia->alpha.equal(1)) source_RD = source_RD * ia->alpha;
+  }
+  return {should_compute_output(0) ? grad_MD : torch::Tensor(), source_RD};
+}
+
+std::shared_ptr<HookedScatterNode> make_hooked_scatter(const std::shared_ptr<torch::autograd::Node>& scatter,
+                                                       std::shared_ptr<TokenIndex> ix,
+                                                       const std::vector<int64_t>& cut_input_sizes) {
+  auto* ia = dynamic_cast<torch::autograd::generated::IndexAddBackward0*>(scatter.get());
+  if (!ia || ia->dim != 0 || scatter->num_inputs() != 1 || scatter->next_edges().size() != 2) {
+    throw Error(fmt::format("filter_backward: node {} is not a mixture-of-experts scatter along dimension 0 (plan bug)",
+                            scatter->name()));
+  }
+  auto node = std::make_shared<HookedScatterNode>(scatter, std::move(ix));
+  const auto& meta = scatter->input_metadata(0);
+  node->add_input_metadata(meta.options(), std::vector<c10::SymInt>(cut_input_sizes.begin(), cut_input_sizes.end()),
+                           false, false, std::nullopt);
+  return node;  // its edges: adopt_edges()
 }
 
 }  // namespace collider::detail

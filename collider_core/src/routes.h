@@ -19,8 +19,10 @@
 #include "observe.h"
 
 #include <collider/collider.h>
+#include <torch/csrc/autograd/function.h>
 #include "plan_impl.h"
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -51,8 +53,40 @@ void assign_routes(const Graph& g, const std::vector<ObservedNode>& oa, const st
                    Sizes sa, Sizes sb, PlanData& plan, const std::vector<RoutedCandidate>& candidates);
 
 // Reads every route's index from the graph into `ix`; throws collider::Error (graph untouched)
-// where one cannot be read (saved behind saved-tensor hooks) or does not address [B*T] rows.
+// where one cannot be read or does not address [B*T] rows. A route whose index is behind
+// saved-tensor hooks is registered as hooked (below).
 void register_routes(const Graph& g, const PlanData& plan, TokenIndex& ix, const char* who);
+
+// Routes behind saved-tensor hooks (activation checkpointing, offloading). Their index exists only
+// when the backward unpacks it, after filter_backward has written the rewrite, so such a route is
+// not cut: it runs on all its rows, a dropped token's rows with a zero gradient, which gives each
+// expert the gradient of its kept tokens alone (exact; its GEMMs keep their full size, and
+// checkpointing its memory saving). The scatter is replaced by the node below; the gathers' index
+// becomes, when unpacked, rows of the cut [B*N] token rows (a dropped token's row 0, which its zero
+// gradient leaves as it is); the fields inside the route are left alone.
+// The node in place of a hooked route's scatter (IndexAddBackward0 `scatter`): it takes the cut
+// token rows' gradient ([B*N, ..], input shape cut_input_sizes), passes it on along the scatter's
+// first edge (the rows added into, as IndexAddBackward0 does) and gives the route, along the
+// second, a kept token's cut row and zeros for a dropped one, by the index it unpacks through the
+// scatter's hooks when the backward reaches it.
+class HookedScatterNode final : public torch::autograd::Node {
+ public:
+  HookedScatterNode(std::shared_ptr<torch::autograd::Node> scatter, std::shared_ptr<TokenIndex> ix);
+  std::string name() const override { return "collider::HookedRouteScatter"; }
+  // The scatter's edges, taken once every edge write of the rewrite is done (the scatter before it
+  // in the chain may have been replaced too).
+  void adopt_edges();
+  void release_variables() override;
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
+
+ private:
+  std::shared_ptr<torch::autograd::Node> scatter_;
+  std::shared_ptr<TokenIndex> ix_;
+};
+
+std::shared_ptr<HookedScatterNode> make_hooked_scatter(const std::shared_ptr<torch::autograd::Node>& scatter,
+                                                       std::shared_ptr<TokenIndex> ix,
+                                                       const std::vector<int64_t>& cut_input_sizes);
 
 // The plan for a graph in which some routes of `plan` are absent (experts that received no token of
 // this step). The graph's nodes are matched to the plan's by walking both from the loss along the

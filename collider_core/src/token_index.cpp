@@ -507,17 +507,32 @@ void TokenIndex::add_route(int32_t id, const torch::Tensor& positions_R) {
           id, lo, hi, B_ * T_, B_, T_));
     }
   }
-  // Row of [B*T] -> row of the cut [B*N] (-1 where cut away), built once for every route.
-  if (!cut_row_M_.defined()) {
-    auto rows_BN = (torch::arange(B_, torch::kLong) * T_).unsqueeze(1) + idx_BN_.cpu();
-    cut_row_M_ = torch::full({B_ * T_}, -1, torch::kLong);
-    cut_row_M_.index_put_({rows_BN.reshape(-1)}, torch::arange(B_ * N_, torch::kLong));
-    cut_row_M_ = cut_row_M_.to(dev);
-    keep_M_ = keep_BT_.reshape(-1).to(dev);
-  }
+  build_cut_rows(dev);
   r.kept_K = keep_M_.index_select(0, positions_R).nonzero().squeeze(1);
   r.cut_positions_K = cut_row_M_.index_select(0, positions_R.index_select(0, r.kept_K));
   routes_[id] = std::move(r);
+}
+
+// Row of [B*T] -> row of the cut [B*N] (-1 where cut away), built once for every route.
+void TokenIndex::build_cut_rows(torch::Device device) {
+  if (cut_row_M_.defined()) return;
+  auto rows_BN = (torch::arange(B_, torch::kLong) * T_).unsqueeze(1) + idx_BN_.cpu();
+  cut_row_M_ = torch::full({B_ * T_}, -1, torch::kLong);
+  cut_row_M_.index_put_({rows_BN.reshape(-1)}, torch::arange(B_ * N_, torch::kLong));
+  cut_row_M_ = cut_row_M_.to(device);
+  keep_M_ = keep_BT_.reshape(-1).to(device);
+}
+
+void TokenIndex::add_hooked_route(int32_t id, torch::Device device) {
+  build_cut_rows(device);
+  hooked_routes_.insert(id);
+}
+
+torch::Tensor TokenIndex::cut_rows_of(const torch::Tensor& positions_R) const {
+  TORCH_CHECK(cut_row_M_.defined(), "collider: no mixture-of-experts route was registered (plan bug)");
+  TORCH_CHECK(positions_R.dim() == 1 && positions_R.scalar_type() == torch::kLong,
+              "collider: the index of a mixture-of-experts route is not int64 [R]");
+  return cut_row_M_.index_select(0, positions_R.to(cut_row_M_.device()));
 }
 
 const TokenIndex::Route& TokenIndex::route(int32_t id) const {

@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <set>
 #include <memory>
 #include <vector>
 
@@ -77,11 +78,18 @@ class TokenIndex {
   void add_route(int32_t id, const torch::Tensor& positions_R);
   // Whether x, a field whose values the plan marks as its route's positions, is that index.
   bool is_route_index(const torch::Tensor& x, const ShapeSpec& spec) const;
+  // A route behind saved-tensor hooks (routes.h), whose index exists only when the backward unpacks
+  // it: not cut, it runs on all its rows. cut_rows_of maps such an index (rows of [B*T]) to rows of
+  // the cut [B*N] token rows, -1 where the token was dropped.
+  void add_hooked_route(int32_t id, torch::Device device);
+  bool hooked_route(int32_t id) const { return hooked_routes_.count(id) > 0; }
+  torch::Tensor cut_rows_of(const torch::Tensor& positions_R) const;
 
  private:
   torch::Tensor zero_padding_impl(torch::Tensor x, bool in_place, const ShapeSpec& spec, bool keys_only) const;
   const Route& route(int32_t id) const;
   torch::Tensor cut_routed(const torch::Tensor& x, const ShapeSpec& spec) const;
+  void build_cut_rows(torch::Device device);  // cut_row_M_ and keep_M_, once
   torch::Tensor cut_dim(const torch::Tensor& x, int64_t batch_dim, int64_t token_dim);
   torch::Tensor cut_in_memory_order(const torch::Tensor& x, const ShapeSpec& spec, bool cut_keys);
   const torch::Tensor& flat_rows(int64_t rows_per_batch);   // [B*rpb*N] row indices into [B*rpb*T]
@@ -113,6 +121,7 @@ class TokenIndex {
   std::vector<std::unique_ptr<TokenIndex>> rows_;  // row(b), built on first use
   std::vector<torch::Tensor> live_slots_;          // [B] x int64 [N_b], ragged only
   std::map<int32_t, Route> routes_;                // add_route
+  std::set<int32_t> hooked_routes_;                // add_hooked_route
   torch::Tensor cut_row_M_, keep_M_;               // add_route: [B*T] row -> cut row (-1: cut away); the mask flat
 };
 

@@ -16,6 +16,8 @@ refused, briefly and with the graph untouched: grouped experts, GPT-OSS's attent
 in which an expert receives no token (its route absent from the graph) is filtered exactly.
   pytest python/tests/test_moe.py
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -185,3 +187,96 @@ def test_a_graph_that_differs_otherwise_is_still_refused():
     model.zero_grad(set_to_none=True)
     loss.backward()
     assert max_rel_diff(grads(model), plain_grads(model, "per_token", ids, keep)[0]) == 0.0
+
+
+# Saved-tensor hooks around the mixture-of-experts layers: transformers' checkpointing (non-reentrant,
+# what gradient_checkpointing_enable() gives), checkpointing with offload to the CPU, and save_on_cpu
+# around the forward. Each route's index then exists only when the backward unpacks it: the route
+# runs on all its rows, a dropped token's with a zero gradient (routes.h).
+HOOK_SETUPS = {
+    "checkpointing": (lambda m: m.gradient_checkpointing_enable(), contextlib.nullcontext),
+    "offload": (lambda m: m.activation_checkpointing_enable(offload=True), contextlib.nullcontext),
+    "save_on_cpu": (lambda m: None, torch.autograd.graph.save_on_cpu),
+}
+
+
+def hooked_model(family, attn, setup):
+    model = tiny_model(family, attn)
+    HOOK_SETUPS[setup][0](model)
+    return model.train()
+
+
+@pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
+@pytest.mark.parametrize("setup", HOOK_SETUPS)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_behind_saved_tensor_hooks_matches_oracle(family, attn, setup):
+    model, context = hooked_model(family, attn, setup), HOOK_SETUPS[setup][1]
+    plan = chf.trace_plan(model, loss="per_token")
+    reference = tiny_model(family, attn)  # the same weights, no hooks
+    worst = {}
+    for name, (ids, keep) in (("0.5", batch_and_mask(3, 0.5, seed=3)), ("batch_topk", ragged_batch(seed=11))):
+        for attention in ("kept_only", "exact_query"):
+            model.zero_grad(set_to_none=True)
+            with context():
+                loss = step_loss(model, "per_token", ids, keep)
+            stats = collider.filter_backward(loss, keep, plan, attention=attention)
+            loss.backward()
+            assert stats.tensors_hooked > 0
+            reference.zero_grad(set_to_none=True)
+            with oracle_keep(reference, keep, attention), moe_inputs_detached(reference, keep):
+                step_loss(reference, "per_token", ids, keep).backward()
+            want = grads(reference)
+            worst[(name, attention)] = max_rel_diff(grads(model), want)
+    assert max_rel_diff(plain_grads(reference, "per_token", ids, keep)[0], want) > 1e-2
+    bad = {k: v for k, v in worst.items() if not v <= TOL}
+    assert not bad, f"{family}/{attn}/{setup}: max relative gradient difference above {TOL}: {bad}"
+
+
+@pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
+def test_moe_behind_checkpointing_validates_and_masks_alike():
+    """validate=True (the filtered gradient checked against mask_backward's in the same step) passes,
+    and mask_backward gives the oracle's gradient, with the routes behind checkpointing."""
+    model = hooked_model("qwen3_moe", "eager", "checkpointing")
+    plan = chf.trace_plan(model, loss="per_token")
+    ids, keep = batch_and_mask(3, 0.25, seed=8)
+    got = {}
+    for how in ("validate", "mask"):
+        model.zero_grad(set_to_none=True)
+        loss = step_loss(model, "per_token", ids, keep)
+        if how == "validate":
+            collider.filter_backward(loss, keep, plan, attention="kept_only", validate=True)
+        else:
+            collider.mask_backward(loss, keep, plan, attention="kept_only")
+        loss.backward()
+        got[how] = grads(model)
+    reference = tiny_model("qwen3_moe", "eager")
+    with oracle_keep(reference, keep, "kept_only"), moe_inputs_detached(reference, keep):
+        step_loss(reference, "per_token", ids, keep).backward()
+    assert max_rel_diff(got["validate"], grads(reference)) <= TOL
+    assert max_rel_diff(got["mask"], grads(reference)) <= TOL
+
+
+@pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
+def test_an_expert_without_tokens_behind_checkpointing_is_filtered_exactly():
+    model = hooked_model("mixtral", "eager", "checkpointing")
+    plan = chf.trace_plan(model, loss="per_token")
+    reference = tiny_model("mixtral", "eager")
+    for seed in range(400):
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, 128, (3, 5), generator=gen)
+        keep = chf.keep_mask_from_labels(ids) & (torch.rand(3, 5, generator=gen) > 0.4)
+        keep[:, 0], keep[:, 1] = False, True
+        if _scatters(step_loss(reference, "per_token", ids, keep)) < reference.config.num_hidden_layers * 4:
+            break
+    else:
+        pytest.fail("no [3, 5] batch left an expert unused")
+    for attention in ("kept_only", "exact_query"):
+        model.zero_grad(set_to_none=True)
+        loss = step_loss(model, "per_token", ids, keep)
+        collider.filter_backward(loss, keep, plan, attention=attention)
+        loss.backward()
+        reference.zero_grad(set_to_none=True)
+        with oracle_keep(reference, keep, attention), moe_inputs_detached(reference, keep):
+            step_loss(reference, "per_token", ids, keep).backward()
+        assert max_rel_diff(grads(model), grads(reference)) <= TOL, (seed, attention)
