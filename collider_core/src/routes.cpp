@@ -15,7 +15,6 @@
 #include <deque>
 #include <set>
 #include <string>
-#include <utility>
 #include <vector>
 
 namespace collider::detail {
@@ -334,7 +333,7 @@ std::optional<PlanData> plan_without_absent_routes(const Graph& g, const PlanDat
       int32_t pc = k < children.size() ? children[k] : -1;
       // A route the graph lacks: pass over its scatter to the tensor its rows were added into.
       while (pc >= 0 && is_route_scatter(plan, pc) && (gc < 0 || type[gc] != "IndexAddBackward0")) {
-        dropped.insert(pc);
+        if (!dropped.insert(pc).second) return differ(gi, pc);  // a cycle: not a plan trace_plan wrote
         pc = plan.children[pc].empty() ? -1 : plan.children[pc][0];
       }
       if (gc < 0 && pc < 0) continue;
