@@ -694,15 +694,7 @@ class Rewriter::Apply final : public FieldVisitor {
       cut_behind_hooks(v, std::move(fn));
       return;
     }
-    torch::Tensor t;
-    try {
-      t = v.unpack(node_);
-    } catch (const std::exception& e) {
-      throw Error(
-          fmt::format("filter_backward: cannot read saved tensor {} of node #{} {} ({}). Call "
-                      "filter_backward once per loss, before loss.backward().",
-                      name, index_, spec_.type, first_line(e.what())));
-    }
+    torch::Tensor t = unpacked(name, v);
     if (!t.defined()) return;
     auto bad = rw_.ix_->mismatch(t.sizes(), f->shape);
     if (!bad.empty()) mismatch(*f, bad);
@@ -726,6 +718,16 @@ class Rewriter::Apply final : public FieldVisitor {
     changed = true;
   }
 
+  // A saved tensor not behind hooks, as the node holds it.
+  torch::Tensor unpacked(const char* name, SavedVariable& v) const {
+    try {
+      return v.unpack(node_);
+    } catch (const std::exception& e) {
+      throw Error(fmt::format("filter_backward: cannot read saved tensor {} of node #{} {} ({}). Call "
+                              "filter_backward once per loss, before loss.backward().",
+                              name, index_, spec_.type, first_line(e.what())));
+    }
+  }
   // A saved tensor behind saved-tensor hooks: made by `fn` from what the hooks unpack, when the
   // backward first reads it (saved_cut.h).
   void cut_behind_hooks(SavedVariable& v, SavedCut::CutFn fn) {
@@ -742,14 +744,7 @@ class Rewriter::Apply final : public FieldVisitor {
       cut_behind_hooks(v, std::move(fn));
       return;
     }
-    torch::Tensor t;
-    try {
-      t = v.unpack(node_);
-    } catch (const std::exception& e) {
-      throw Error(fmt::format("filter_backward: cannot read saved tensor {} of node #{} {} ({}). Call "
-                              "filter_backward once per loss, before loss.backward().",
-                              name, index_, spec_.type, first_line(e.what())));
-    }
+    torch::Tensor t = unpacked(name, v);
     if (!t.defined()) return;
     auto cut = std::make_shared<SavedCut>(t.detach(), std::move(fn));
     rw_.defer([&v, other = std::make_shared<SavedVariable>(saved_cut_variable(cut, {}))] { std::swap(v, *other); });
