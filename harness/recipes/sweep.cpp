@@ -86,15 +86,17 @@ SweepSummary run_sweep(const Manifest& m, const SweepOptions& opts) {
                          todo.size(), m.run.warmup_steps, m.run.repetitions, m.run.measure_steps);
     }
     GroupRows g = measure_group(m, todo, prov, &ranges, opts.profile_begin, opts.profile_end, opts.dist, &log, label);
-    for (size_t t = 0; t < g.rows.size(); ++t) {
-      nlohmann::json& row = g.rows[t];
+    for (const auto& row : g.rows) {
       if (rows) rows->append(row);
       ++sum.ran;
+      row["status"] == "ok" ? ++sum.ok : ++sum.failed;
+    }
+    // The group's points finish together: one elapsed time and one estimate for what is left.
+    const double elapsed = static_cast<double>(host_now_ns() - t0) * 1e-9;
+    const double eta = elapsed / static_cast<double>(sum.ran) * static_cast<double>(to_run - sum.ran);
+    for (size_t t = 0; t < g.rows.size() && writer; ++t) {
+      const nlohmann::json& row = g.rows[t];
       const bool ok = row["status"] == "ok";
-      ok ? ++sum.ok : ++sum.failed;
-      if (!writer) continue;
-      const double elapsed = static_cast<double>(host_now_ns() - t0) * 1e-9;
-      const double eta = elapsed / static_cast<double>(sum.ran) * static_cast<double>(to_run - sum.ran);
       std::string what =
           ok ? fmt::format(
                    "ok  step {:.2f} ms +-{:.1f}% (fwd {:.2f}, filter {:.2f}, bwd {:.2f} +-{:.1f}%, optim {:.2f})",
