@@ -1,7 +1,9 @@
 """The trainers users run, with activation checkpointing on as they default to it: every step's
 filtered gradient equals the oracle at that step's weights.
 
-- collider.hf.Rho1Trainer with TrainingArguments(gradient_checkpointing=True), 3 steps;
+- collider.hf.Rho1Trainer with TrainingArguments(gradient_checkpointing=True), 3 steps, on Llama
+  and on a mixture of experts (Mixtral, eager experts: its routes behind checkpointing run on all
+  their rows, collider_core/src/routes.h; 3 fresh models);
 - TRL's SFTTrainer with its defaults (SFTConfig's gradient_checkpointing=True, its collator and
   loss scaling), 3 steps, with the compute_loss docs/PYTHON.md gives (RHO-1 selection, the per-token
   loss, filter_backward), on a tokenized dataset of equal-length rows.
@@ -11,12 +13,14 @@ step and the gradient its backward produced; the oracle (oracle.py, checkpointin
 computed on a fresh model with those weights.
   pytest python/tests/test_trainers_checkpointing.py
 """
+import contextlib
+
 import pytest
 import torch
 
 import collider
 import collider.hf as chf
-from oracle import max_rel_diff, oracle_keep, tiny_model
+from oracle import max_rel_diff, moe_inputs_detached, oracle_keep, tiny_model
 
 B, T, RATIO, STEPS = 3, 37, 0.4, 3
 SEEDS = range(8)
@@ -52,7 +56,8 @@ def oracle_grads(family, attn, params, ids, keep, attention, loss_form):
         for n, p in model.named_parameters():
             p.copy_(params[n])
     names = [n for n, _ in model.named_parameters()]
-    with oracle_keep(model, keep, attention):
+    experts = moe_inputs_detached(model, keep) if family == "mixtral" else contextlib.nullcontext()
+    with oracle_keep(model, keep, attention), experts:
         loss = chf.training_loss(model, ids, ids, keep, loss=loss_form)
         return dict(zip(names, torch.autograd.grad(loss, list(model.parameters()))))
 
@@ -69,10 +74,11 @@ def check_steps(steps, family, attn, attention, loss_form, label):
 
 @pytest.mark.parametrize("attention", ["kept_only", "exact_query"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_rho1_trainer_with_checkpointing_matches_oracle(tmp_path, attn, attention):
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_rho1_trainer_with_checkpointing_matches_oracle(tmp_path, family, attn, attention):
     from transformers import TrainingArguments
 
-    for seed in SEEDS:
+    for seed in SEEDS if family == "llama" else range(3):
         steps = []
 
         class Spy(chf.Rho1Trainer):
@@ -85,17 +91,17 @@ def test_rho1_trainer_with_checkpointing_matches_oracle(tmp_path, attn, attentio
                     steps[-1].update(keep=self.last_keep_mask.clone(), stats=self.last_filter_stats)
                 return out
 
-        model = tiny_model("llama", attn, seed=seed)
+        model = tiny_model(family, attn, seed=seed)
         args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=B, max_steps=STEPS,
                                  learning_rate=1e-2, report_to=[], use_cpu=True, save_strategy="no",
                                  disable_tqdm=True, dataloader_num_workers=0, seed=seed, gradient_checkpointing=True,
                                  logging_strategy="no")
         trainer = Spy(model=model, args=args, train_dataset=Windows(B * STEPS, seed),
-                      reference_model=tiny_model("llama", attn, seed=100 + seed), filter_ratio=RATIO,
+                      reference_model=tiny_model(family, attn, seed=100 + seed), filter_ratio=RATIO,
                       attention=attention)
         spy_on(trainer, model, steps)
         trainer.train()
-        check_steps(steps, "llama", attn, attention, "labels", f"Rho1Trainer seed {seed}")
+        check_steps(steps, family, attn, attention, "labels", f"Rho1Trainer {family} seed {seed}")
 
 
 def tiny_tokenizer():
