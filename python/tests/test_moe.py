@@ -13,7 +13,8 @@ give dropped tokens nothing. Max relative difference <= 1e-4 (transformers' eage
 float32); a plain backward of the same loss is far from the oracle. The load-balancing loss over
 the kept tokens (collider.hf.training_loss(router_aux=True)) against the same oracle. What is
 refused, briefly and with the graph untouched: grouped experts, GPT-OSS's attention sinks. A batch
-in which an expert receives no token (its route absent from the graph) is filtered exactly.
+in which an expert receives no token (its route absent from the graph) is filtered exactly, and so
+are the routes behind checkpointing, offloading and save_on_cpu.
   pytest python/tests/test_moe.py
 """
 import contextlib
@@ -192,7 +193,9 @@ def test_a_graph_that_differs_otherwise_is_still_refused():
 # Saved-tensor hooks around the mixture-of-experts layers: transformers' checkpointing (non-reentrant,
 # what gradient_checkpointing_enable() gives), checkpointing with offload to the CPU, and save_on_cpu
 # around the forward. Each route's index then exists only when the backward unpacks it: the route
-# runs on all its rows, a dropped token's with a zero gradient (routes.h).
+# runs on all its rows, a dropped token's with a zero gradient (routes.h). Every family, eager and
+# SDPA, both loss forms, both semantics, ratios 0.25 and 0.5 and ragged rows, against the oracle on
+# a model with the same weights and no hooks.
 HOOK_SETUPS = {
     "checkpointing": (lambda m: m.gradient_checkpointing_enable(), contextlib.nullcontext),
     "offload": (lambda m: m.activation_checkpointing_enable(offload=True), contextlib.nullcontext),
@@ -207,30 +210,32 @@ def hooked_model(family, attn, setup):
 
 
 @pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
+@pytest.mark.parametrize("form", LOSS_FORMS)
 @pytest.mark.parametrize("setup", HOOK_SETUPS)
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_moe_behind_saved_tensor_hooks_matches_oracle(family, attn, setup):
+def test_moe_behind_saved_tensor_hooks_matches_oracle(family, attn, setup, form):
     model, context = hooked_model(family, attn, setup), HOOK_SETUPS[setup][1]
-    plan = chf.trace_plan(model, loss="per_token")
+    plan = chf.trace_plan(model, loss="per_token" if form == "per_token" else "labels")
     reference = tiny_model(family, attn)  # the same weights, no hooks
     worst = {}
-    for name, (ids, keep) in (("0.5", batch_and_mask(3, 0.5, seed=3)), ("batch_topk", ragged_batch(seed=11))):
+    points = [(str(ratio), batch_and_mask(3, ratio, seed=3 + int(ratio * 100))) for ratio in (0.25, 0.5)]
+    for name, (ids, keep) in points + [("batch_topk", ragged_batch(seed=11))]:
         for attention in ("kept_only", "exact_query"):
             model.zero_grad(set_to_none=True)
             with context():
-                loss = step_loss(model, "per_token", ids, keep)
+                loss = step_loss(model, form, ids, keep)
             stats = collider.filter_backward(loss, keep, plan, attention=attention)
             loss.backward()
             assert stats.tensors_hooked > 0
             reference.zero_grad(set_to_none=True)
             with oracle_keep(reference, keep, attention), moe_inputs_detached(reference, keep):
-                step_loss(reference, "per_token", ids, keep).backward()
+                step_loss(reference, form, ids, keep).backward()
             want = grads(reference)
             worst[(name, attention)] = max_rel_diff(grads(model), want)
-    assert max_rel_diff(plain_grads(reference, "per_token", ids, keep)[0], want) > 1e-2
+    assert max_rel_diff(plain_grads(reference, form, ids, keep)[0], want) > 1e-2
     bad = {k: v for k, v in worst.items() if not v <= TOL}
-    assert not bad, f"{family}/{attn}/{setup}: max relative gradient difference above {TOL}: {bad}"
+    assert not bad, f"{family}/{attn}/{setup}/{form}: max relative gradient difference above {TOL}: {bad}"
 
 
 @pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
