@@ -6,7 +6,8 @@ filtered gradient equals the oracle at that step's weights.
   their rows, collider_core/src/routes.h; 3 fresh models);
 - TRL's SFTTrainer with its defaults (SFTConfig's gradient_checkpointing=True, its collator and
   loss scaling), 3 steps, with the compute_loss docs/PYTHON.md gives (RHO-1 selection, the per-token
-  loss, filter_backward), on a tokenized dataset of equal-length rows.
+  loss, filter_backward), on a tokenized dataset of equal-length rows; Llama, and Mixtral on 3 fresh
+  models.
 Tiny random Llama (float64), eager and sdpa, both semantics, B = 3, T = 37, 40% filtered, each
 case on 8 fresh models (seeds 0-7). A spy records each step's batch, keep mask, weights before the
 step and the gradient its backward produced; the oracle (oracle.py, checkpointing off) is then
@@ -116,11 +117,12 @@ def tiny_tokenizer():
 
 @pytest.mark.parametrize("attention", ["kept_only", "exact_query"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_trl_sft_trainer_with_its_defaults_matches_oracle(tmp_path, attn, attention):
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_trl_sft_trainer_with_its_defaults_matches_oracle(tmp_path, family, attn, attention):
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
 
-    for seed in SEEDS:
+    for seed in SEEDS if family == "llama" else range(3):
         steps = []
 
         class Rho1SFTTrainer(trl.SFTTrainer):
@@ -141,7 +143,7 @@ def test_trl_sft_trainer_with_its_defaults_matches_oracle(tmp_path, attn, attent
                 steps[-1].update(keep=keep, stats=collider.filter_backward(loss, keep, self.plan, attention=attention))
                 return loss
 
-        model = tiny_model("llama", attn, seed=seed)
+        model = tiny_model(family, attn, seed=seed)
         rows = torch.randint(0, 128, (B * STEPS, T), generator=torch.Generator().manual_seed(seed)).tolist()
         args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=B, max_steps=STEPS,
                              learning_rate=1e-2, report_to=[], use_cpu=True, bf16=False, save_strategy="no",
@@ -151,4 +153,4 @@ def test_trl_sft_trainer_with_its_defaults_matches_oracle(tmp_path, attn, attent
                                  train_dataset=datasets.Dataset.from_dict({"input_ids": rows}))
         spy_on(trainer, model, steps)
         trainer.train()
-        check_steps(steps, "llama", attn, attention, "per_token", f"SFTTrainer seed {seed}")
+        check_steps(steps, family, attn, attention, "per_token", f"SFTTrainer {family} seed {seed}")
