@@ -4,8 +4,9 @@ the concatenated batch.
 
 LoRA: the dropout masks must be the same in the Collider run and the oracle run, so the RNG is
 reseeded before each forward; a different seed must change the gradient (dropout is really on).
-DDP: DDP's reducer hooks fire on each parameter's AccumulateGrad node, which filter_backward leaves
-in place, so the all-reduce sees Collider's gradients. Each rank's loss is the mean over its own
+DDP (Llama, and Mixtral's routed experts): DDP's reducer hooks fire on each parameter's
+AccumulateGrad node, which filter_backward leaves in place, so the all-reduce sees Collider's
+gradients. Each rank's loss is the mean over its own
 kept tokens and DDP averages over ranks; per_sequence selection gives every rank the same kept
 count, so the average is the mean over every kept token: one process on the 2B-row batch.
   pytest python/tests/test_peft_ddp.py
@@ -84,13 +85,13 @@ def batch(rows):
     return ids, keep
 
 
-def ddp_worker(rank, world, port, rows_per_rank, out_dir, sys_path):
+def ddp_worker(rank, world, port, rows_per_rank, out_dir, sys_path, family):
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(tiny_model("llama", "sdpa"))
+        model = DDP(tiny_model(family, "sdpa"))
         plan = chf.trace_plan(model, loss="per_token")  # through the DDP wrapper
         ids, keep = batch(world * rows_per_rank)
         mine = slice(rank * rows_per_rank, (rank + 1) * rows_per_rank)
@@ -112,11 +113,13 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_ddp_two_ranks_equal_one_process(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_ddp_two_ranks_equal_one_process(tmp_path, family):
     world, rows = 2, 2
-    mp.spawn(ddp_worker, args=(world, free_port(), rows, str(tmp_path), list(sys.path)), nprocs=world, join=True)
+    mp.spawn(ddp_worker, args=(world, free_port(), rows, str(tmp_path), list(sys.path), family), nprocs=world,
+             join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    model = tiny_model("llama", "sdpa")
+    model = tiny_model(family, "sdpa")
     plan = chf.trace_plan(model, loss="per_token")
     ids, keep = batch(world * rows)
     for attention in ("kept_only", "exact_query"):
