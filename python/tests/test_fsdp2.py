@@ -1,5 +1,6 @@
 """Collider under FSDP2 (torch.distributed.fsdp.fully_shard on every decoder layer and the root),
-gloo, 2 ranks on loopback, tiny random Llama (sdpa).
+gloo, 2 ranks on loopback, tiny random Llama (sdpa), and Mixtral (a mixture of experts; sdpa,
+float64).
 
 Each rank takes its half of a batch, normalises its loss by the kept tokens of both halves (times
 the world size: FSDP2 averages the gradients over ranks), filters and runs the backward; the
@@ -14,6 +15,7 @@ loss of a sharded model a backward of zero (python/collider/__init__.py). FSDP2'
   initialisation scale (0.02): within 2e-2 of the float32 oracle.
   pytest python/tests/test_fsdp2.py
 """
+import contextlib
 import os
 import sys
 
@@ -24,7 +26,7 @@ import torch.multiprocessing as mp
 
 import collider
 import collider.hf as chf
-from oracle import grads, max_rel_diff, oracle_keep, tiny_model
+from oracle import grads, max_rel_diff, moe_inputs_detached, oracle_keep, tiny_model
 from test_peft_ddp import free_port
 
 T, ROWS, STEPS = 37, 2, 3
@@ -38,7 +40,7 @@ def batch(step: int, world: int):
     return ids, keep
 
 
-def worker(rank, world, port, out_dir, sys_path, mixed):
+def worker(rank, world, port, out_dir, sys_path, mixed, family):
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -51,8 +53,8 @@ def worker(rank, world, port, out_dir, sys_path, mixed):
         mine = slice(rank * ROWS, (rank + 1) * ROWS)
         result = {}
         for attention in ("kept_only", "exact_query"):
-            model = tiny_model("llama", "sdpa", **kw)
-            reference = tiny_model("llama", "sdpa", **kw)  # the whole model in one process: the oracle
+            model = tiny_model(family, "sdpa", **kw)
+            reference = tiny_model(family, "sdpa", **kw)  # the whole model in one process: the oracle
             for layer in model.model.layers:
                 fully_shard(layer, mesh=mesh, **({"mp_policy": policy} if mixed else {}))
             fully_shard(model, mesh=mesh, **({"mp_policy": policy} if mixed else {}))
@@ -73,7 +75,8 @@ def worker(rank, world, port, out_dir, sys_path, mixed):
                     for n, p in reference.named_parameters():
                         p.copy_(weights[n])
                 reference.zero_grad(set_to_none=True)
-                with oracle_keep(reference, keep, attention):
+                experts = moe_inputs_detached(reference, keep) if family == "mixtral" else contextlib.nullcontext()
+                with oracle_keep(reference, keep, attention), experts:
                     chf.masked_mean(chf.token_losses(reference(input_ids=ids, use_cache=False).logits, ids),
                                     keep).backward()
                 worst.append(max_rel_diff(got, grads(reference)))
@@ -86,10 +89,12 @@ def worker(rank, world, port, out_dir, sys_path, mixed):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["float64", "bf16_mixed_precision"])
-def test_fsdp2_steps_equal_one_process_oracle(tmp_path, mixed):
+@pytest.mark.parametrize("family, mixed", [("llama", False), ("llama", True), ("mixtral", False)],
+                         ids=["float64", "bf16_mixed_precision", "mixtral_float64"])
+def test_fsdp2_steps_equal_one_process_oracle(tmp_path, family, mixed):
     world = 2
-    mp.spawn(worker, args=(world, free_port(), str(tmp_path), list(sys.path), mixed), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, free_port(), str(tmp_path), list(sys.path), mixed, family), nprocs=world,
+             join=True)
     bound = 2e-2 if mixed else 1e-4
     for r in range(world):
         result = torch.load(tmp_path / f"rank{r}.pt")
