@@ -36,6 +36,17 @@ Graph collect_graph(const std::shared_ptr<torch::autograd::Node>& root, size_t e
   return g;
 }
 
+std::vector<const std::string*> node_types(const Graph& g, NodeNames& names) {
+  std::vector<const std::string*> types;
+  types.reserve(g.nodes.size());
+  for (const auto& n : g.nodes) {
+    auto it = names.find(typeid(*n));
+    if (it == names.end()) it = names.emplace(typeid(*n), n->name()).first;
+    types.push_back(&it->second);  // an unordered_map's elements stay where they are
+  }
+  return types;
+}
+
 std::shared_ptr<torch::autograd::Node> loss_root(const std::shared_ptr<torch::autograd::Node>& grad_fn) {
   static const char* const kScalings[] = {"MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1",
                                           "NegBackward0", "ToCopyBackward0"};

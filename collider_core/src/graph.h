@@ -5,6 +5,8 @@
 #include <torch/csrc/autograd/function.h>
 
 #include <memory>
+#include <string>
+#include <typeindex>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -20,6 +22,11 @@ struct Graph {
 
 // expected_nodes: a size hint (a plan's node count), so replaying a plan does not regrow tables.
 Graph collect_graph(const std::shared_ptr<torch::autograd::Node>& root, size_t expected_nodes = 0);
+
+// Node::name() of every node of g (what a plan's NodeSpec::type records). Node::name() demangles on
+// every call: node_types demangles once per type into `names`, and types[i] points there.
+using NodeNames = std::unordered_map<std::type_index, std::string>;
+std::vector<const std::string*> node_types(const Graph& g, NodeNames& names);
 
 // The node a plan starts at: loss.grad_fn() below any scaling of the scalar loss by a constant
 // (loss / n for gradient accumulation or a token count, loss * w, a loss scaler's multiply, -loss,

@@ -40,7 +40,6 @@
 #include <mutex>
 #include <optional>
 #include <tuple>
-#include <typeindex>
 #include <unordered_map>
 
 namespace collider {
@@ -803,15 +802,11 @@ bool has_routes(const PlanData& plan) {
 }
 
 // Why the graph is not the one `plan` was traced on (its first differing node), or empty.
-std::string type_mismatch(const Graph& g, const PlanData& plan, const char* who,
-                          std::unordered_map<std::type_index, std::string>& names) {
+std::string type_mismatch(const Graph& g, const std::vector<const std::string*>& types, const PlanData& plan,
+                          const char* who) {
   const size_t n = std::min(g.nodes.size(), plan.nodes.size());
   for (size_t i = 0; i < n; ++i) {
-    const Node& node = *g.nodes[i];
-    // Node::name() demangles the node's type on every call: one demangle per type, not per node.
-    auto it = names.find(typeid(node));
-    if (it == names.end()) it = names.emplace(typeid(node), node.name()).first;
-    const std::string& t = it->second;
+    const std::string& t = *types[i];
     // The fused attention kernels are interchangeable: which one runs can depend on the mask, the
     // dtype or the device (CUDA's flash takes no mask, the memory-efficient one does).
     if (t != plan.nodes[i].type && !(plan.nodes[i].fused_attention && is_fused_attention_node(t))) {
@@ -851,21 +846,21 @@ std::pair<Graph, std::shared_ptr<const PlanData>> checked_graph(const torch::Ten
     if ((v.batch_a == 1) == (batch == 1) && !v.nodes.empty()) candidates.push_back(&v);
   if (candidates.empty()) throw Error(fmt::format("{}: empty plan; build one with collider::trace_plan", who));
   Graph g = collect_graph(loss_root(loss.grad_fn()), candidates.front()->nodes.size());
-  std::unordered_map<std::type_index, std::string> names;
+  NodeNames names;
+  const std::vector<const std::string*> types = node_types(g, names);
   std::string first_why;
   for (const PlanData* c : candidates) {
-    std::string why = type_mismatch(g, *c, who, names);
+    std::string why = type_mismatch(g, types, *c, who);
     if (why.empty()) return {std::move(g), std::shared_ptr<const PlanData>(std::shared_ptr<void>(), c)};
     if (first_why.empty()) first_why = std::move(why);
   }
   for (const PlanData* c : candidates) {
-    std::string why;  // where the walk parted from the plan; the first mismatch above says it for the user
     if (!has_routes(*c)) continue;
-    if (auto derived = plan_without_absent_routes(g, *c, why)) {
+    if (auto derived = plan_without_absent_routes(g, types, *c)) {
       return {std::move(g), std::make_shared<const PlanData>(std::move(*derived))};
     }
   }
-  throw Error(first_why);
+  throw Error(first_why);  // the first variant's mismatch says what differs
 }
 
 // The [B, T] the loss was computed on, read from the first input shape the plan marks with a token

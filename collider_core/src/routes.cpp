@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <deque>
 #include <set>
 #include <string>
@@ -296,29 +297,18 @@ std::vector<char> below_dropped(const PlanData& plan, const std::set<int32_t>& d
 
 }  // namespace
 
-std::optional<PlanData> plan_without_absent_routes(const Graph& g, const PlanData& plan, std::string& why) {
+std::optional<PlanData> plan_without_absent_routes(const Graph& g, const std::vector<const std::string*>& types,
+                                                   const PlanData& plan) {
   const int ng = static_cast<int>(g.nodes.size());
   const int np = static_cast<int>(plan.nodes.size());
-  if (static_cast<int>(plan.children.size()) != np) {
-    why = "the plan has no edges (its text form lacks them); trace it again";
-    return std::nullopt;
-  }
-  if (ng == 0 || np == 0) {
-    why = "empty graph or plan";
-    return std::nullopt;
-  }
-  std::vector<std::string> type(ng);
-  for (int i = 0; i < ng; ++i) type[i] = g.nodes[i]->name();
+  if (static_cast<int>(plan.children.size()) != np || ng == 0 || np == 0) return std::nullopt;
   auto same = [&](int gi, int32_t pi) {
-    return type[gi] == plan.nodes[pi].type || (plan.nodes[pi].fused_attention && is_fused_attention_node(type[gi]));
+    const std::string& t = *types[gi];
+    return t == plan.nodes[pi].type || (plan.nodes[pi].fused_attention && is_fused_attention_node(t));
   };
   std::vector<int32_t> p_of(ng, -1), g_of(np, -1);
   std::set<int32_t> dropped;
-  auto differ = [&](int gi, int32_t pi) {
-    why = fmt::format("node #{} is {} where the plan has {}", gi, type[gi], pi >= 0 ? plan.nodes[pi].type : "no node");
-    return std::nullopt;
-  };
-  if (!same(0, 0)) return differ(0, 0);
+  if (!same(0, 0)) return std::nullopt;
   p_of[0] = 0;
   g_of[0] = 0;
   std::deque<int> queue{0};
@@ -332,17 +322,17 @@ std::optional<PlanData> plan_without_absent_routes(const Graph& g, const PlanDat
       const int gc = k < edges.size() && edges[k].function ? g.index.at(edges[k].function.get()) : -1;
       int32_t pc = k < children.size() ? children[k] : -1;
       // A route the graph lacks: pass over its scatter to the tensor its rows were added into.
-      while (pc >= 0 && is_route_scatter(plan, pc) && (gc < 0 || type[gc] != "IndexAddBackward0")) {
-        if (!dropped.insert(pc).second) return differ(gi, pc);  // a cycle: not a plan trace_plan wrote
+      while (pc >= 0 && is_route_scatter(plan, pc) && (gc < 0 || *types[gc] != "IndexAddBackward0")) {
+        if (!dropped.insert(pc).second) return std::nullopt;  // a cycle: not a plan trace_plan wrote
         pc = plan.children[pc].empty() ? -1 : plan.children[pc][0];
       }
       if (gc < 0 && pc < 0) continue;
-      if (gc < 0 || pc < 0) return differ(gc < 0 ? gi : gc, pc < 0 ? pi : pc);
+      if (gc < 0 || pc < 0) return std::nullopt;
       if (p_of[gc] >= 0) {
-        if (p_of[gc] != pc) return differ(gc, pc);
+        if (p_of[gc] != pc) return std::nullopt;
         continue;
       }
-      if (g_of[pc] >= 0 || !same(gc, pc)) return differ(gc, pc);
+      if (g_of[pc] >= 0 || !same(gc, pc)) return std::nullopt;
       p_of[gc] = pc;
       g_of[pc] = gc;
       queue.push_back(gc);
@@ -350,25 +340,25 @@ std::optional<PlanData> plan_without_absent_routes(const Graph& g, const PlanDat
   }
   // Every plan node left unmatched is below a route the graph lacks.
   const std::vector<char> below = below_dropped(plan, dropped);
-  for (int32_t p = 0; p < np; ++p) {
-    if (g_of[p] < 0 && !dropped.count(p) && !below[p]) {
-      why = fmt::format("the plan's node #{} {} has no counterpart in the graph", p, plan.nodes[p].type);
-      return std::nullopt;
-    }
-  }
-  PlanData out = plan;
-  out.nodes.assign(ng, NodeSpec{});
-  out.children.assign(ng, {});
+  for (int32_t p = 0; p < np; ++p)
+    if (g_of[p] < 0 && !dropped.count(p) && !below[p]) return std::nullopt;
+  PlanData out;  // the plan's own fields; its nodes, edges and inserts in the graph's order below
+  out.batch_a = plan.batch_a;
+  out.seq_a = plan.seq_a;
+  out.batch_b = plan.batch_b;
+  out.seq_b = plan.seq_b;
+  out.num_attention_cores = plan.num_attention_cores;
+  out.exact_query_blocker = plan.exact_query_blocker;
+  out.inserts = plan.inserts;
+  out.nodes.resize(ng);
+  out.children.resize(ng);
   for (int gi = 0; gi < ng; ++gi) {
     NodeSpec ns = plan.nodes[p_of[gi]];
-    ns.type = type[gi];
+    ns.type = *types[gi];
     for (auto& f : ns.fields) {
       for (auto& d : f.shape.dims) {
         if (!d.routed()) continue;
-        if (g_of[d.route] < 0) {
-          why = fmt::format("node #{} {} is in a route the graph lacks", gi, ns.type);
-          return std::nullopt;
-        }
+        if (g_of[d.route] < 0) return std::nullopt;  // in a route the graph lacks
         d.route = g_of[d.route];
       }
     }
@@ -377,10 +367,7 @@ std::optional<PlanData> plan_without_absent_routes(const Graph& g, const PlanDat
       out.children[gi].push_back(e.function ? g.index.at(e.function.get()) : -1);
   }
   for (auto& ins : out.inserts) {
-    if (g_of[ins.node] < 0) {
-      why = fmt::format("attention core #{} is in a route the graph lacks", ins.node);
-      return std::nullopt;
-    }
+    if (g_of[ins.node] < 0) return std::nullopt;  // an attention core in a route the graph lacks
     ins.node = g_of[ins.node];
   }
   return out;

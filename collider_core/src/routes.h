@@ -95,7 +95,9 @@ std::shared_ptr<HookedScatterNode> make_hooked_scatter(const std::shared_ptr<tor
 // The routes of one layer line up in order, each of the graph's routes taking the specs of the
 // plan's route it meets: the experts of a layer are the same ops on rows of the same width, and
 // the rewrite checks every routed size against the route's own index. Returns the plan in the
-// graph's node order, or nullopt and `why` where the graph differs from the plan in anything else.
-std::optional<PlanData> plan_without_absent_routes(const Graph& g, const PlanData& plan, std::string& why);
+// graph's node order, or nullopt where the graph differs from the plan in anything else (or the plan
+// has no edges). types: node_types(g).
+std::optional<PlanData> plan_without_absent_routes(const Graph& g, const std::vector<const std::string*>& types,
+                                                   const PlanData& plan);
 
 }  // namespace collider::detail
