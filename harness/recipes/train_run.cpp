@@ -162,6 +162,7 @@ std::vector<std::pair<std::string, double>> evaluate(const TrainData& d, const T
 // What every training run of one command shares.
 struct RunContext {
   const TrainManifest& m;
+  const models::ModelConfig& cfg;  // the preset of train.model
   const TrainData& data;
   WindowLoader& loader;
   const RefLosses& ref_losses;
@@ -186,8 +187,7 @@ void train_point(const RunContext& c, size_t i, const nlohmann::json& base, cons
   sc.align = s.align;
   sc.weight_decay = s.weight_decay;
   sc.grad_clip = s.grad_clip;
-  Trainer tr(models::build_model(models::preset(s.model), models::AttentionImpl::kEager, s.seed), sc, c.device,
-             s.seed);
+  Trainer tr(models::build_model(c.cfg, models::AttentionImpl::kEager, s.seed), sc, c.device, s.seed);
   if (c.dist) tr.set_reducer(std::make_shared<GradientReducer>(c.dist, tr.model()->parameters()));
   RunSpec spec;
   spec.label = fmt::format("[{}/{} {} {}{}]", i + 1, c.m.points.size(), to_string(p.spec.method),
@@ -326,7 +326,7 @@ int run_train_command(const std::string& manifest_path, const std::vector<std::s
     WindowLoader loader(data.train, s.seq_len, s.batch_size, static_cast<uint64_t>(s.seed), pool, rank, world);
     std::unique_ptr<JsonlWriter> rows = run_dir.open_rows();
     const Resumed resumed = read_resumed(run_dir.existing(), s.eval_splits);
-    const RunContext context{m, data, loader, ref_losses, resumed, rows.get(), device, dist_ptr, resume, log};
+    const RunContext context{m, cfg, data, loader, ref_losses, resumed, rows.get(), device, dist_ptr, resume, log};
     int64_t failed = 0;
     const auto t_all = Clock::now();
     for (size_t i = 0; i < m.points.size(); ++i) {
