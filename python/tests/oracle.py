@@ -174,6 +174,11 @@ def tiny_config(family: str, attn: str, **overrides):
     raise ValueError(family)
 
 
+def moe_blocks(model) -> list:
+    """The model's sparse mixture-of-experts blocks (empty for a dense model)."""
+    return [m for m in model.modules() if type(m).__name__.endswith(("SparseMoeBlock", "V3MoE"))]  # DeepseekV3MoE
+
+
 @contextlib.contextmanager
 def moe_inputs_detached(model, keep: torch.Tensor):
     """The mixture-of-experts half of the oracle: every sparse MoE block's input rows of dropped
@@ -185,15 +190,23 @@ def moe_inputs_detached(model, keep: torch.Tensor):
         x = args[0]  # [B, T, D]
         return (torch.where(keep.to(x.device)[..., None], x, x.detach()),) + tuple(args[1:])
 
-    for module in model.modules():
-        if type(module).__name__.endswith(("SparseMoeBlock", "V3MoE")):  # DeepseekV3MoE
-            hooks.append(module.register_forward_pre_hook(detach_dropped))
+    for module in moe_blocks(model):
+        hooks.append(module.register_forward_pre_hook(detach_dropped))
     assert hooks, "no mixture-of-experts block in the model"
     try:
         yield
     finally:
         for h in hooks:
             h.remove()
+
+
+@contextlib.contextmanager
+def model_oracle(model, keep: torch.Tensor, attention: str):
+    """The whole oracle of a dense or mixture-of-experts model: oracle_keep, and moe_inputs_detached
+    where the model has sparse MoE blocks."""
+    experts = moe_inputs_detached(model, keep) if moe_blocks(model) else contextlib.nullcontext()
+    with oracle_keep(model, keep, attention), experts:
+        yield
 
 
 @contextlib.contextmanager

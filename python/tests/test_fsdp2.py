@@ -15,7 +15,6 @@ loss of a sharded model a backward of zero (python/collider/__init__.py). FSDP2'
   initialisation scale (0.02): within 2e-2 of the float32 oracle.
   pytest python/tests/test_fsdp2.py
 """
-import contextlib
 import os
 import sys
 
@@ -26,7 +25,7 @@ import torch.multiprocessing as mp
 
 import collider
 import collider.hf as chf
-from oracle import grads, max_rel_diff, moe_inputs_detached, oracle_keep, tiny_model
+from oracle import grads, max_rel_diff, model_oracle, tiny_model
 from test_peft_ddp import free_port
 
 T, ROWS, STEPS = 37, 2, 3
@@ -75,8 +74,7 @@ def worker(rank, world, port, out_dir, sys_path, mixed, family):
                     for n, p in reference.named_parameters():
                         p.copy_(weights[n])
                 reference.zero_grad(set_to_none=True)
-                experts = moe_inputs_detached(reference, keep) if family == "mixtral" else contextlib.nullcontext()
-                with oracle_keep(reference, keep, attention), experts:
+                with model_oracle(reference, keep, attention):
                     chf.masked_mean(chf.token_losses(reference(input_ids=ids, use_cache=False).logits, ids),
                                     keep).backward()
                 worst.append(max_rel_diff(got, grads(reference)))

@@ -14,14 +14,12 @@ step and the gradient its backward produced; the oracle (oracle.py, checkpointin
 computed on a fresh model with those weights.
   pytest python/tests/test_trainers_checkpointing.py
 """
-import contextlib
-
 import pytest
 import torch
 
 import collider
 import collider.hf as chf
-from oracle import max_rel_diff, moe_inputs_detached, oracle_keep, tiny_model
+from oracle import max_rel_diff, model_oracle, tiny_model
 
 B, T, RATIO, STEPS = 3, 37, 0.4, 3
 SEEDS = range(8)
@@ -57,8 +55,7 @@ def oracle_grads(family, attn, params, ids, keep, attention, loss_form):
         for n, p in model.named_parameters():
             p.copy_(params[n])
     names = [n for n, _ in model.named_parameters()]
-    experts = moe_inputs_detached(model, keep) if family == "mixtral" else contextlib.nullcontext()
-    with oracle_keep(model, keep, attention), experts:
+    with model_oracle(model, keep, attention):
         loss = chf.training_loss(model, ids, ids, keep, loss=loss_form)
         return dict(zip(names, torch.autograd.grad(loss, list(model.parameters()))))
 
