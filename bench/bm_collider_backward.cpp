@@ -2,7 +2,7 @@
 // backward benchmark of results/README.md). For each model and T: regular, loss_only, collider
 // kept_only, collider exact_query and the T' floor (regular on a batch of T' = N tokens): --warmup
 // steps of each in turn, then --reps rounds in the measurement engine's serpentine order
-// (harness/measure/rounds.h), so machine drift hits all methods alike; medians are reported
+// (base/rounds.h), so machine drift hits all methods alike; medians are reported
 // with the FLOP ideal (models/flops.h: flop_ideal_reduction), the rewrite overhead and the
 // live-tensor peak; the JSON rows carry the run's provenance as the sweeps' rows do.
 // bwd_ms is loss.backward() alone (it includes cutting the saved tensors, which happens when the
@@ -29,7 +29,7 @@
 #include "base/stats.h"
 #include "collider_core/src/memory.h"
 #include "harness/measure/probes.h"
-#include "harness/measure/rounds.h"
+#include "base/rounds.h"
 #include "harness/run/results.h"
 #include "harness/components/token_data.h"
 #include "harness/components/train_step.h"
@@ -137,10 +137,10 @@ struct Sample {
   int64_t peak_bytes = 0, gathered_bytes = 0, tensors_gathered = 0;
 };
 
-// What the rounds of one variant add up to: a Series (harness/measure/rounds.h) per time, with
+// What the rounds of one variant add up to: a Series (base/rounds.h) per time, with
 // each round's median, the largest peak and the rewrite's gathered tensors.
 struct Measured {
-  collider::harness::Series bwd_ms, rewrite_ms, gather_ms, copy_ms;  // copy_ms: cold_copy_ms of the gathered bytes
+  collider::stats::Series bwd_ms, rewrite_ms, gather_ms, copy_ms;  // copy_ms: cold_copy_ms of the gathered bytes
   int64_t peak_bytes = 0, gathered_bytes = 0, tensors_gathered = 0;
   void add(const Sample& s, double copy) {
     bwd_ms.add(s.bwd_ms), rewrite_ms.add(s.rewrite_ms), gather_ms.add(s.gather_ms), copy_ms.add(copy);
@@ -293,7 +293,7 @@ struct PointSamples {
   int64_t T;
   std::vector<Kind> kinds;
   std::map<std::string, Measured> samples;
-  double median(const Kind& k, collider::harness::Series Measured::*f) { return (samples[k.name].*f).median(); }
+  double median(const Kind& k, collider::stats::Series Measured::*f) { return (samples[k.name].*f).median(); }
 };
 
 // The FLOP ideal of a collider variant (models/flops.h); ragged rows: on the actual counts.
@@ -311,7 +311,7 @@ void print_table(const Options& o, PointSamples& ps, const PointBatch& pb, const
   const auto& cfg = *ps.cfg;
   const int64_t T = ps.T, N = pb.N;
   const auto& ragged_rows = pb.ragged_rows;
-  auto med = [&](const Kind& k, collider::harness::Series Measured::*f) { return ps.median(k, f); };
+  auto med = [&](const Kind& k, collider::stats::Series Measured::*f) { return ps.median(k, f); };
   auto peak = [&](const Kind& k) { return ps.samples[k.name].peak_bytes; };
   auto& samples = ps.samples;
   const double reg = med(kRegular, &Measured::bwd_ms), floor_ms = med(kFloor, &Measured::bwd_ms);
@@ -462,7 +462,7 @@ int main(int argc, char** argv) try {
         return k.floor ? run_once(m, plan, k, pb.idx_N, pb.labels_N, pb.keep_N, mem, o.bf16)
                        : run_once(m, plan, k, pb.idx, pb.labels, k.ragged() ? pb.keep_ragged : pb.keep, mem, o.bf16);
       };
-      collider::harness::Interleaving how;
+      collider::stats::Interleaving how;
       how.warm_up = [&](size_t j) {
         for (int w = 0; w < o.warmup; ++w) run_kind(ps.kinds[j]);
       };
@@ -471,7 +471,7 @@ int main(int argc, char** argv) try {
         const Sample s = run_kind(k);
         ps.samples[k.name].add(s, k.is_collider() ? collider::harness::cold_copy_ms(s.gathered_bytes, dev) : 0.0);
       };
-      collider::harness::interleave(ps.kinds.size(), o.reps, how);
+      collider::stats::interleave(ps.kinds.size(), o.reps, how);
       print_table(o, ps, pb, provenance, rows);
       print_ragged(o, ps, pb, rows);
       print_rewrites(ps, rows);

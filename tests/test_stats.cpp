@@ -1,10 +1,10 @@
 // Tests of the order statistics every timing row and benchmark reports (base/stats.h): quantiles
 // by linear interpolation (numpy's default), the median, and the relative IQR; and the h:mm:ss
 // durations of progress lines (base/duration.h); the measurement engine's interleaved rounds and
-// per-round medians (harness/measure/rounds.h).
+// per-round medians (base/rounds.h).
 #include "base/duration.h"
 #include "base/stats.h"
-#include "harness/measure/rounds.h"
+#include "base/rounds.h"
 
 #include <string>
 
@@ -44,12 +44,12 @@ TEST(Stats, SerpentineRunsOddRoundsInReverse) {
 
 TEST(Rounds, WarmUpsInOrderThenSerpentineRoundsSkippingFailedVariants) {
   std::string order;
-  collider::harness::Interleaving how;
+  collider::stats::Interleaving how;
   how.warm_up = [&](size_t j) { order += "w" + std::to_string(j) + " "; };
   how.measure = [&](size_t j, int64_t round) { order += std::to_string(round) + ":" + std::to_string(j) + " "; };
   how.standing = [&](size_t j) { return !(j == 1 && order.size() > 20); };  // variant 1 fails after round 0
   how.after_round = [&](int64_t round) { order += "| "; };
-  collider::harness::interleave(3, 3, how);
+  collider::stats::interleave(3, 3, how);
   EXPECT_EQ(order, "w0 w1 w2 0:0 0:1 0:2 | 1:2 1:0 | 2:0 2:2 | ");
   std::string stopped;
   how.warm_up = nullptr;
@@ -57,12 +57,12 @@ TEST(Rounds, WarmUpsInOrderThenSerpentineRoundsSkippingFailedVariants) {
   how.after_round = nullptr;
   how.measure = [&](size_t j, int64_t round) { stopped += std::to_string(round) + ":" + std::to_string(j) + " "; };
   how.stop = [&] { return stopped.size() >= 8; };  // after two blocks
-  collider::harness::interleave(3, 3, how);
+  collider::stats::interleave(3, 3, how);
   EXPECT_EQ(stopped, "0:0 0:1 ");
 }
 
 TEST(Rounds, SeriesKeepsEveryRoundsMedian) {
-  collider::harness::Series s;
+  collider::stats::Series s;
   for (double v : {3.0, 1.0, 2.0}) s.add(v);
   s.end_round();
   for (double v : {10.0, 20.0}) s.add(v);

@@ -9,7 +9,7 @@
 #include "harness/measure/failure.h"
 #include "harness/measure/point_measurements.h"
 #include "harness/measure/probes.h"
-#include "harness/measure/rounds.h"
+#include "base/rounds.h"
 #include "harness/measure/table.h"
 #include "harness/run/run_dir.h"
 #include "models/flops.h"
@@ -202,13 +202,13 @@ class Group {
   // Every standing point's warm-up, then the interleaved rounds, a progress line after each.
   void measure() {
     if (!trainer_) return;
-    Interleaving how;
+    stats::Interleaving how;
     how.warm_up = [&](size_t j) { guarded_block(members_[j], -1); };
     how.measure = [&](size_t j, int64_t rep) { guarded_block(members_[j], rep); };
     how.standing = [&](size_t j) { return !members_[j].failed; };
     how.stop = [&] { return stopped(); };
     how.after_round = [&](int64_t rep) { progress_line(rep); };
-    interleave(members_.size(), m_.run.repetitions, how);
+    stats::interleave(members_.size(), m_.run.repetitions, how);
     if (profiling_) cuda_profiler_stop();
   }
 

@@ -6,7 +6,7 @@
 
 #include "harness/components/distributed.h"
 #include "harness/components/train_step.h"
-#include "harness/measure/rounds.h"
+#include "base/rounds.h"
 
 #include <collider/collider.h>
 #include <nlohmann/json.hpp>
@@ -49,8 +49,8 @@ class PointMeasurements {
 
  private:
   int rank_;
-  Series step_, fwd_, bwd_;  // with each repetition's median
-  Series copy_ms_;           // run.copy_probe
+  stats::Series step_, fwd_, bwd_;  // with each repetition's median
+  stats::Series copy_ms_;           // run.copy_probe
   std::vector<double> filter_, select_, rewrite_, optim_, losses_, allreduce_, ar_wait_, ar_bucket_;
   std::vector<double> bwd_coverage_;
   std::map<std::string, std::vector<double>> layer_fwd_, layer_bwd_;

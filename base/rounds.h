@@ -4,7 +4,8 @@
 // rounds forward, odd rounds reversed: base/stats.h), so drift on a shared machine hits every
 // variant alike and each round pairs their medians. Series: the samples of one quantity, each
 // round's median, the median and relative IQR of all of them.
-// Used by the measurement engine's groups (group.h) and bench/bm_collider_backward.cpp.
+// Used by the measurement engine (harness/measure/group.h), bench/bm_collider_backward.cpp and,
+// through the Python bindings, python/bench/bench_hf_backward.py.
 // Tests: tests/test_stats.cpp.
 #pragma once
 
@@ -13,7 +14,7 @@
 #include <functional>
 #include <vector>
 
-namespace collider::harness {
+namespace collider::stats {
 
 class Series {
  public:
@@ -43,4 +44,4 @@ struct Interleaving {
 // not standing (it failed) is skipped from then on.
 void interleave(size_t n, int64_t rounds, const Interleaving& how);
 
-}  // namespace collider::harness
+}  // namespace collider::stats

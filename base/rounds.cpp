@@ -1,9 +1,9 @@
 // Series and interleave (rounds.h).
-#include "harness/measure/rounds.h"
+#include "base/rounds.h"
 
 #include "base/stats.h"
 
-namespace collider::harness {
+namespace collider::stats {
 
 void Series::end_round() {
   round_medians_.push_back(
@@ -23,11 +23,11 @@ void interleave(size_t n, int64_t rounds, const Interleaving& how) {
   }
   for (int64_t round = 0; round < rounds && !stopped(); ++round) {
     for (size_t k = 0; k < n && !stopped(); ++k) {
-      const size_t j = stats::serpentine(round, k, n);
+      const size_t j = serpentine(round, k, n);
       if (standing(j)) how.measure(j, round);
     }
     if (how.after_round) how.after_round(round);
   }
 }
 
-}  // namespace collider::harness
+}  // namespace collider::stats
