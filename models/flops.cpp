@@ -1,10 +1,10 @@
-// Analytic GEMM FLOPs (formulas in flops.h, next to the declarations).
-// Tested by tests/test_flops.cpp.
+// Analytic GEMM FLOPs (formulas in flops.h, next to the declarations), on a FlopShape: this
+// file needs neither the model zoo nor libtorch's kernels, so the Python bindings compile it too
+// (python/CMakeLists.txt) and the Python benchmark counts with the same formulas. The ModelConfig
+// overloads are in flop_shape.cpp. Tested by tests/test_flops.cpp.
 // Legend: B batch, T sequence, N kept tokens per row, D hidden, H heads, G kv-heads, E head dim,
 // F ffn, V vocab, L layers.
 #include "models/flops.h"
-
-#include "models/common/architecture.h"
 
 #include <fmt/format.h>
 
@@ -15,18 +15,16 @@ namespace collider::models {
 namespace {
 
 // Forward FLOPs of the decoder projections per token, summed over layers.
-double linear_flops_per_token(const ModelConfig& c) {
+double linear_flops_per_token(const FlopShape& c) {
   const double D = c.hidden_size, F = c.intermediate_size, H = c.num_heads, G = c.num_kv_heads, E = c.head_dim;
-  const auto mlp = detail::architecture(c.family).mlp;
   // A mixture of experts: each token's K experts (routed work only) and the router's D x X.
-  const double mlp_flops = mlp == detail::MlpKind::kSwiGLU ? 3 * D * F
-                           : mlp == detail::MlpKind::kMoE  ? c.experts_per_token * 3 * D * F + D * c.num_experts
-                                                           : 2 * D * F;
+  const double routes = c.experts_per_token > 0 ? static_cast<double>(c.experts_per_token) : 1.0;
+  const double mlp_flops = routes * c.mlp_matrices * D * F + D * c.num_experts;
   return 2.0 * c.num_layers * (D * H * E + 2 * D * G * E + H * E * D + mlp_flops);
 }
 
 // One GEMM of the attention core (Q K^T or P V) with Tq query rows and Tk key rows, all layers.
-double attention_gemm_flops(const ModelConfig& c, int64_t B, int64_t Tq, int64_t Tk) {
+double attention_gemm_flops(const FlopShape& c, int64_t B, int64_t Tq, int64_t Tk) {
   return 2.0 * c.num_layers * static_cast<double>(B) * c.num_heads * static_cast<double>(Tq) * Tk * c.head_dim;
 }
 
@@ -38,7 +36,7 @@ void check_sizes(int64_t B, int64_t T) {
 
 }  // namespace
 
-FlopCount forward_flops(const ModelConfig& cfg, int64_t B, int64_t T) {
+FlopCount forward_flops(const FlopShape& cfg, int64_t B, int64_t T) {
   check_sizes(B, T);
   const double tokens = static_cast<double>(B) * T;
   FlopCount f;
@@ -48,11 +46,11 @@ FlopCount forward_flops(const ModelConfig& cfg, int64_t B, int64_t T) {
   return f;
 }
 
-FlopCount forward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N, const MethodSpec& spec) {
+FlopCount forward_flops(const FlopShape& cfg, int64_t B, int64_t T, int64_t N, const MethodSpec& spec) {
   return spec.method == Method::kForwardDrop ? forward_drop_forward_flops(cfg, B, T, N) : forward_flops(cfg, B, T);
 }
 
-FlopCount backward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N, const MethodSpec& spec) {
+FlopCount backward_flops(const FlopShape& cfg, int64_t B, int64_t T, int64_t N, const MethodSpec& spec) {
   check_sizes(B, T);
   if (spec.method == Method::kForwardDrop) return forward_drop_backward_flops(cfg, B, T, N);
   FlopCount f;
@@ -72,7 +70,7 @@ FlopCount backward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N
   return f;
 }
 
-FlopCount backward_flops_rows(const ModelConfig& cfg, int64_t T, const std::vector<int64_t>& kept_per_row,
+FlopCount backward_flops_rows(const FlopShape& cfg, int64_t T, const std::vector<int64_t>& kept_per_row,
                               const MethodSpec& spec) {
   if (kept_per_row.empty()) throw std::invalid_argument("backward_flops_rows: no rows");
   const int64_t B = static_cast<int64_t>(kept_per_row.size());
@@ -88,13 +86,13 @@ FlopCount backward_flops_rows(const ModelConfig& cfg, int64_t T, const std::vect
   return sum;
 }
 
-double flop_ideal_reduction(const ModelConfig& cfg, int64_t T, const std::vector<int64_t>& kept_per_row,
+double flop_ideal_reduction(const FlopShape& cfg, int64_t T, const std::vector<int64_t>& kept_per_row,
                             const MethodSpec& spec) {
   const int64_t B = static_cast<int64_t>(kept_per_row.size());
   return 1.0 - backward_flops_rows(cfg, T, kept_per_row, spec).total() / backward_flops(cfg, B, T, T, MethodSpec{}).total();
 }
 
-FlopCount forward_drop_forward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N) {
+FlopCount forward_drop_forward_flops(const FlopShape& cfg, int64_t B, int64_t T, int64_t N) {
   check_sizes(B, T);
   if (cfg.num_layers < 3)
     throw std::invalid_argument(
@@ -102,7 +100,7 @@ FlopCount forward_drop_forward_flops(const ModelConfig& cfg, int64_t B, int64_t 
   if (N <= 0 || N > T)
     throw std::invalid_argument(
         fmt::format("forward_drop's middle-layer token count N must be in [1, T={}], got {}", T, N));
-  ModelConfig outer = cfg, middle = cfg;
+  FlopShape outer = cfg, middle = cfg;
   outer.num_layers = 2;  // the first and the last layer, every token
   middle.num_layers = cfg.num_layers - 2;
   const FlopCount all = forward_flops(outer, B, T), some = forward_flops(middle, B, N);
@@ -113,7 +111,7 @@ FlopCount forward_drop_forward_flops(const ModelConfig& cfg, int64_t B, int64_t 
   return f;
 }
 
-FlopCount forward_drop_backward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N) {
+FlopCount forward_drop_backward_flops(const FlopShape& cfg, int64_t B, int64_t T, int64_t N) {
   const FlopCount fwd = forward_drop_forward_flops(cfg, B, T, N);
   FlopCount f;
   f.linear = 2 * fwd.linear;
@@ -122,7 +120,7 @@ FlopCount forward_drop_backward_flops(const ModelConfig& cfg, int64_t B, int64_t
   return f;
 }
 
-double attention_linear_ratio(const ModelConfig& cfg, int64_t T) {
+double attention_linear_ratio(const FlopShape& cfg, int64_t T) {
   const FlopCount f = forward_flops(cfg, 1, T);
   return f.attention / f.linear;
 }

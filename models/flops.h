@@ -12,9 +12,31 @@
 #include "models/model.h"
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace collider::models {
+
+// What the formulas read of a model: the shapes of its GEMMs. A ModelConfig converts to one
+// (flop_shape.cpp: the MLP's matrices from its architecture); the Python bindings build one from a
+// transformers config, so that python/bench counts with these formulas (flops.cpp needs neither
+// the model zoo nor a kernel).
+struct FlopShape {
+  std::string name;
+  int64_t vocab_size = 0;         // V
+  int64_t hidden_size = 0;        // D
+  int64_t intermediate_size = 0;  // F
+  int64_t num_layers = 0;         // L
+  int64_t num_heads = 0;          // H
+  int64_t num_kv_heads = 0;       // G
+  int64_t head_dim = 0;           // E
+  int64_t mlp_matrices = 3;       // D x F matrices of an MLP (of each expert): SwiGLU 3, GELU 2
+  int64_t num_experts = 0;        // X (0: a dense MLP)
+  int64_t experts_per_token = 0;  // K
+
+  FlopShape() = default;
+  FlopShape(const ModelConfig& cfg);  // NOLINT: implicit, every formula below takes a preset too
+};
 
 struct FlopCount {
   double linear = 0;     // decoder projections: q, k, v, o (dense), MLP
@@ -30,12 +52,12 @@ struct FlopCount {
 //               backward counts them at N like every token-wise GEMM)
 //   attention = L * 2 GEMMs * 2 * B*H*T*T*E          (full T x T scores)
 //   lm_head   = 2 * B*T * D*V
-FlopCount forward_flops(const ModelConfig& cfg, int64_t B, int64_t T);
+FlopCount forward_flops(const FlopShape& cfg, int64_t B, int64_t T);
 
 // Forward of the method `spec`, N = kept tokens per row: forward_drop_forward_flops(B, T, N) for
 // forward_drop (0 < N <= T), forward_flops(B, T) for every other method (N ignored: their forward
 // sees every token). What a row's flops_fwd is.
-FlopCount forward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N, const MethodSpec& spec);
+FlopCount forward_flops(const FlopShape& cfg, int64_t B, int64_t T, int64_t N, const MethodSpec& spec);
 
 // Backward of the method `spec` (its method and attention_grad; policy and score do not change
 // the count for a given N), N = kept tokens per row (ignored by the dense methods; 0 < N <= T for
@@ -49,19 +71,19 @@ FlopCount forward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N,
 //                dQ = dS K contracts over T, dV = P^T dO and dK = dS^T Q are computed T x N and
 //                gathered: 4 GEMMs of 2*B*H*N*T*E, per layer.
 //   The embedding backward is a scatter-add: 0 GEMM FLOPs.
-FlopCount backward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N, const MethodSpec& spec);
+FlopCount backward_flops(const FlopShape& cfg, int64_t B, int64_t T, int64_t N, const MethodSpec& spec);
 
 // The backward of a batch whose rows keep different counts (kept_per_row: one count per row, as
 // batch_topk selects): collider row by row, a row that keeps nothing has no backward (ragged rows
 // run just that: the token-row GEMMs on the packed kept rows, the attention cores row by row,
 // collider_core/src/row_attention.h). Every other method: backward_flops(B = the rows, T, N =
 // the first row's count, spec). Throws std::invalid_argument for no rows.
-FlopCount backward_flops_rows(const ModelConfig& cfg, int64_t T, const std::vector<int64_t>& kept_per_row,
+FlopCount backward_flops_rows(const FlopShape& cfg, int64_t T, const std::vector<int64_t>& kept_per_row,
                               const MethodSpec& spec);
 
 // The FLOP ideal of DESIGN.md section 7: 1 - backward_flops_rows(kept_per_row, spec) / regular's
 // backward on the same B x T batch.
-double flop_ideal_reduction(const ModelConfig& cfg, int64_t T, const std::vector<int64_t>& kept_per_row,
+double flop_ideal_reduction(const FlopShape& cfg, int64_t T, const std::vector<int64_t>& kept_per_row,
                             const MethodSpec& spec);
 
 // forward_drop (forward token dropping, CausalLM::forward(input_ids, middle_BN)), N = tokens per
@@ -69,13 +91,13 @@ double flop_ideal_reduction(const ModelConfig& cfg, int64_t T, const std::vector
 //   forward:  layers 0 and L-1 and the LM head at T tokens per row, the L-2 middle layers at N
 //             (their attention N x N): forward_flops of those layer counts at T and at N.
 //   backward: every GEMM of that forward twice (dX and dW): 2 x the forward.
-FlopCount forward_drop_forward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N);
-FlopCount forward_drop_backward_flops(const ModelConfig& cfg, int64_t B, int64_t T, int64_t N);
+FlopCount forward_drop_forward_flops(const FlopShape& cfg, int64_t B, int64_t T, int64_t N);
+FlopCount forward_drop_backward_flops(const FlopShape& cfg, int64_t B, int64_t T, int64_t N);
 
 // Forward attention-core FLOPs over forward decoder linear-layer FLOPs (LM head excluded) at
 // sequence length T = 4*T*H*E / (2*[D*H*E + 2*D*G*E + H*E*D + M*D*F]); independent of B.
 // Paper models at T = 2048: TinyLlama-1.1B 0.190, Qwen2.5-1.5B 0.134, Phi-1.5 0.167.
 // DESIGN.md section 7: CPU presets keep this within 2x of the paper model's at T = 2048.
-double attention_linear_ratio(const ModelConfig& cfg, int64_t T);
+double attention_linear_ratio(const FlopShape& cfg, int64_t T);
 
 }  // namespace collider::models
