@@ -6,9 +6,9 @@ downloaded): tinyllama-mini (4 layers, D 512, FFN 1536, 8 heads, 1 KV head, voca
 default), tinyllama-1.1b (the paper's TinyLlama-1.1B) or tinyllama-debug. attn_implementation eager
 and sdpa, batch 2, 40% of each row's labelled positions filtered: the keep mask from
 collider.select_tokens, T' = collider.kept_count of the labelled positions. Per point, in one
-process: warm-up rounds, then timed rounds, every round running each method once in serpentine order
-(even rounds in the order below, odd rounds reversed, as collider::stats::serpentine orders the C++
-sweeps and bm_collider_backward):
+process, through the C++ measurement engine's rounds (base/rounds.h, by the bindings): each method's
+warm-up steps in turn, then timed rounds, every round running each method once in serpentine order
+(even rounds in the order below, odd rounds reversed), as the C++ sweeps and bm_collider_backward run:
   regular               dense backward of the mean over every labelled position
   loss_only             RHO-1 as existing systems run it: masked loss, dense backward
   collider kept_only    collider.filter_backward(...) from Python, then the backward
@@ -19,8 +19,8 @@ sweeps and bm_collider_backward):
 per-round medians: the median over rounds of each round's reduction against the same round's
 regular (reduction_per_round, of_ideal_per_round). bwd_ms runs from the end of the forward to the
 end of loss.backward(), so Collider's includes the Python call of filter_backward. FLOP ideal = 1 -
-backward GEMM FLOPs of the method / regular's, counted as models/flops.cpp does (eager-style full
-T x T attention scores; python/tests/test_bench_hf_backward.py pins these formulas to `collider models`).
+backward GEMM FLOPs of the method / regular's, counted by the C++ FLOP model (models/flops.h, through the
+bindings: eager-style full T x T attention scores). Medians and IQR by the engine's order statistics.
 Python overhead = the filter_backward call's time from Python minus the C++ rewrite_ms it reports.
 The CPU allocator is the C++ harness's caching one (as bm_collider_backward uses); --allocator
 system keeps glibc's. peak_MiB: the step's live tensors at their most (forward, filter_backward and
@@ -54,7 +54,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -88,34 +87,27 @@ METHODS = ("regular", "loss_only", "collider kept_only", "collider exact_query",
 ATTENTION = {"collider kept_only": "kept_only", "collider exact_query": "exact_query"}  # filter_backward's
 
 
-# ---- analytic FLOPs (models/flops.cpp, Llama: SwiGLU MLP = 3 matrices) --------------------------
-def linear_flops_per_token(dims: dict) -> float:
-    D, F = dims["hidden_size"], dims["intermediate_size"]
-    H, G = dims["num_attention_heads"], dims["num_key_value_heads"]
-    E = D // H
-    return 2.0 * dims["num_hidden_layers"] * (D * H * E + 2 * D * G * E + H * E * D + 3 * D * F)
-
-
-def attention_gemm_flops(dims: dict, B: int, Tq: int, Tk: int) -> float:
-    H = dims["num_attention_heads"]
-    return 2.0 * dims["num_hidden_layers"] * B * H * Tq * Tk * (dims["hidden_size"] // H)
+# ---- FLOPs: the C++ FLOP model (models/flops.h) through the bindings -----------------------------
+def flop_shape(dims: dict) -> dict:
+    """models::FlopShape of a LlamaForCausalLM with these shapes (SwiGLU MLP: 3 matrices D x F)."""
+    return {"vocab_size": dims["vocab_size"], "hidden_size": dims["hidden_size"],
+            "intermediate_size": dims["intermediate_size"], "num_layers": dims["num_hidden_layers"],
+            "num_heads": dims["num_attention_heads"], "num_kv_heads": dims["num_key_value_heads"],
+            "head_dim": dims["hidden_size"] // dims["num_attention_heads"], "mlp_matrices": 3}
 
 
 def forward_flops(dims: dict, B: int, T: int) -> dict:
-    return {"linear": B * T * linear_flops_per_token(dims), "attention": 2 * attention_gemm_flops(dims, B, T, T),
-            "lm_head": 2.0 * B * T * dims["hidden_size"] * dims["vocab_size"]}
+    """linear, attention and lm_head GEMM FLOPs of the forward (models::forward_flops)."""
+    return collider._C._forward_flops(flop_shape(dims), B, T)
 
 
 def backward_flops(dims: dict, B: int, T: int, N: int, mode: str, recompute: bool = False) -> float:
-    """mode: dense, kept_only or exact_query. recompute: activation checkpointing of every decoder
-    layer, whose forward (full length, dense: the recomputation is not filtered) the backward runs again."""
+    """mode: dense, kept_only or exact_query (models::backward_flops_rows on B rows of N kept).
+    recompute: activation checkpointing of every decoder layer, whose forward (full length, dense:
+    the recomputation is not filtered) the backward runs again."""
     full = forward_flops(dims, B, T)
     again = full["linear"] + full["attention"] if recompute else 0.0
-    if mode == "dense":
-        return 2 * sum(full.values()) + again
-    kept = forward_flops(dims, B, N)
-    attention = 4 * attention_gemm_flops(dims, B, N, N if mode == "kept_only" else T)
-    return 2 * kept["linear"] + 2 * kept["lm_head"] + attention + again
+    return sum(collider._C._backward_flops(flop_shape(dims), T, [N] * B, mode).values()) + again
 
 
 # ---- provenance ---------------------------------------------------------------------------------
@@ -149,34 +141,37 @@ def provenance(allocator: str, dev: torch.device, bf16: bool) -> dict:
             "dtype": "bf16" if bf16 else "fp32", "num_cores": os.cpu_count(), "num_threads": torch.get_num_threads(),
             "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "cpu_allocator": allocator,
             "scale": "device scale" if cuda else "CPU scale (relative figures only)",
-            "python": platform.python_version(),
+            "python": platform.python_version(), "hostname": platform.node(),
             "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-# ---- side by side -------------------------------------------------------------------------------
-def serpentine(methods: tuple, rnd: int) -> tuple:
-    """The order of round `rnd`: even rounds as given, odd rounds reversed (collider::stats::serpentine)."""
-    return methods if rnd % 2 == 0 else methods[::-1]
-
-
+# ---- side by side: the C++ engine's rounds (base/rounds.h) through the bindings -----------------
 def side_by_side(run_once, methods: tuple, warmup: int, reps: int) -> dict:
-    """`warmup` rounds, then `reps` timed ones; each round calls run_once(method) for every method in
-    serpentine order. Returns each method's samples (what run_once returned), round by round."""
+    """Each method's `warmup` steps in the order given, then `reps` rounds, each calling run_once(method)
+    for every method in serpentine order (collider::stats::interleave, as the C++ sweeps and
+    bm_collider_backward run). Returns each method's samples (what run_once returned), round by round."""
     samples = {m: [] for m in methods}
-    for rnd in range(warmup + reps):
-        for method in serpentine(methods, rnd):
-            sample = run_once(method)
-            if rnd >= warmup:
-                samples[method].append(sample)
+
+    def warm_up(j):
+        for _ in range(warmup):
+            run_once(methods[j])
+
+    collider._C._interleave(len(methods), reps, warm_up, lambda j, rnd: samples[methods[j]].append(run_once(methods[j])))
     return samples
 
 
+def median(xs) -> float:
+    """The median as the C++ tables take it (base/stats.h)."""
+    return collider._C._median(list(xs))
+
+
 def median_iqr(xs):
-    xs = sorted(xs)
-    if len(xs) < 2:
-        return xs[0], 0.0
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return statistics.median(xs), q[2] - q[0]
+    """Median and interquartile range (q75 - q25) as every C++ table computes them (base/rounds.h: Series)."""
+    series = collider._C._Series()
+    for x in xs:
+        series.add(x)
+    med = series.median()
+    return med, series.rel_iqr() * med
 
 
 class Clock:
@@ -303,18 +298,18 @@ def run_once(model, plan, batch: Batch, method: str, clock: Clock, bf16: bool) -
 
 def per_round_median(xs: list, refs: list) -> float:
     """Median over rounds of each round's reduction against the same round's reference."""
-    return statistics.median(1 - x / r for x, r in zip(xs, refs))
+    return median(1 - x / r for x, r in zip(xs, refs))
 
 
 def collider_figures(samples: list, row: dict, ideal: float, bwd: list, reg: list | None) -> dict:
     call = [s["call_ms"] for s in samples]
     rewrite = [s["rewrite_ms"] for s in samples]
     over = [c - r for c, r in zip(call, rewrite)]
-    call_med, rw_med = statistics.median(call), statistics.median(rewrite)
+    call_med, rw_med = median(call), median(rewrite)
     return {"ideal": ideal, "of_ideal": None if row["reduction"] is None else row["reduction"] / ideal,
            "of_ideal_per_round": None if reg is None else per_round_median(bwd, reg) / ideal,
-           "filter_call_ms": call_med, "rewrite_ms": rw_med, "python_overhead_ms": statistics.median(over),
-           "python_overhead_of_bwd": statistics.median(over) / (row["bwd_ms"] - call_med),
+           "filter_call_ms": call_med, "rewrite_ms": rw_med, "python_overhead_ms": median(over),
+           "python_overhead_of_bwd": median(over) / (row["bwd_ms"] - call_med),
            "rewrite_of_bwd": rw_med / row["bwd_ms"]}
 
 
@@ -325,7 +320,7 @@ def method_figures(samples: dict, method: str, ideal: float | None) -> dict:
     floor = [s["bwd_ms"] for s in samples["floor"]] if "floor" in samples else None
     med, iqr = median_iqr(bwd)
     row = {"bwd_ms": med, "iqr_ms": iqr, "samples_bwd_ms": bwd,
-           "fwd_ms": statistics.median(s["fwd_ms"] for s in samples[method]),
+           "fwd_ms": median(s["fwd_ms"] for s in samples[method]),
            "reduction": None if reg is None else 1 - med / median_iqr(reg)[0],
            "reduction_per_round": None if reg is None else per_round_median(bwd, reg),
            "peak_mem_bytes": max(s["peak"] for s in samples[method])}

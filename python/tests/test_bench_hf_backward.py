@@ -1,8 +1,9 @@
-"""python/bench/bench_hf_backward.py against what it copies: its table of shapes and its FLOP formulas
-(Python copies of models/llama.cpp's presets and models/flops.cpp's Llama counts) equal the C++
-owner's, as `collider models --json` (harness/recipes/cli.cpp) prints them: each preset's shapes and,
-at T = 512 and 2048 with 40% filtered, the kept count, forward and backward FLOPs per token (dense,
-kept_only, exact_query) and the attention/linear ratio. And its rounds run in serpentine order.
+"""python/bench/bench_hf_backward.py against the C++ owners: its table of shapes (a Python copy of
+models/llama.cpp's presets) and its FLOP counts (the C++ FLOP model through the bindings, on the shape
+it builds from a transformers config) equal what `collider models --json` (harness/recipes/cli.cpp)
+prints: each preset's shapes and, at T = 512 and 2048 with 40% filtered, the kept count, forward and
+backward FLOPs per token (dense, kept_only, exact_query) and the attention/linear ratio. And its
+rounds are the C++ engine's (base/rounds.h): warm-ups in order, then serpentine rounds.
 Skipped without the C++ CLI (build/collider, from the C++ build).
   pytest python/tests/test_bench_hf_backward.py
 """
@@ -66,5 +67,10 @@ def test_flops_per_token_are_the_cli_counts(bench, presets, shapes):
 def test_rounds_run_in_serpentine_order(bench):
     calls = []
     samples = bench.side_by_side(lambda m: calls.append(m) or len(calls), ("a", "b", "c"), warmup=1, reps=2)
-    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
-    assert samples == {"a": [6, 7], "b": [5, 8], "c": [4, 9]}
+    assert calls == ["a", "b", "c", "a", "b", "c", "c", "b", "a"]
+    assert samples == {"a": [4, 9], "b": [5, 8], "c": [6, 7]}
+
+
+def test_medians_and_spread_are_the_engines(bench):
+    assert bench.median_iqr([4.0, 1.0, 3.0, 2.0]) == pytest.approx((2.5, 1.5))  # q25 1.75, q75 3.25
+    assert bench.per_round_median([9.0, 5.0, 8.0], [10.0, 10.0, 10.0]) == pytest.approx(0.2)
