@@ -4,6 +4,8 @@
 // Tests: tests/test_results.cpp.
 #pragma once
 
+#include "collider_core/src/provenance.h"
+
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
@@ -66,16 +68,9 @@ struct ExistingResults {
 // newline or not valid JSON: a run killed mid-write) is cut so that appending stays clean.
 ExistingResults read_results(const std::string& path, bool repair);
 
-struct Provenance {
-  std::string git_sha;  // "unknown" outside a git checkout
-  bool git_dirty = false;
-  std::string torch_version;
-  std::string cuda_version;  // CUDA runtime torch was built with; empty when CUDA is not available
-  std::string device_name;   // GPU name, or the CPU model
-  int64_t num_threads = 0;
-  std::string hostname;
-};
-
+// What the numbers ran on (collider_core/src/provenance.h), collected in this checkout
+// (COLLIDER_SOURCE_DIR).
+using Provenance = collider::Provenance;
 Provenance collect_provenance(const torch::Device& device);
 nlohmann::json to_json(const Provenance& p);
 // env.json: provenance plus the time and the build's optional components.

@@ -54,7 +54,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -111,37 +110,20 @@ def backward_flops(dims: dict, B: int, T: int, N: int, mode: str, recompute: boo
 
 
 # ---- provenance ---------------------------------------------------------------------------------
-def git(*args) -> str:
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def provenance(allocator: str, dev: torch.device, bf16: bool) -> dict:
-    """What the numbers ran on. Without a .git (a copied tree), the commit comes from COLLIDER_GIT_SHA."""
+    """What the numbers ran on: the C++ rows' record (collider._C._provenance: commit, torch and CUDA
+    versions, device name, threads, host; collider_core/src/provenance.h) and what only Python knows.
+    Without a .git (a copied tree), the commit comes from COLLIDER_GIT_SHA."""
     import transformers
-    sha = git("rev-parse", "--short", "HEAD")
     cuda = dev.type == "cuda"
-    return {"git_sha": sha or os.environ.get("COLLIDER_GIT_SHA", "")[:7],
-            "git_dirty": bool(git("status", "--porcelain", "-uno")) if sha else None,
-            "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
-            "transformers_version": transformers.__version__, "collider_version": collider.__version__,
-            "device": dev.type, "device_name": torch.cuda.get_device_name(dev) if cuda else cpu_name(),
-            "dtype": "bf16" if bf16 else "fp32", "num_cores": os.cpu_count(), "num_threads": torch.get_num_threads(),
+    prov = collider._C._provenance(str(dev), str(ROOT))
+    if prov["git_sha"] == "unknown" and os.environ.get("COLLIDER_GIT_SHA"):
+        prov.update(git_sha=os.environ["COLLIDER_GIT_SHA"], git_dirty=None)
+    return {**prov, "transformers_version": transformers.__version__, "collider_version": collider.__version__,
+            "device": dev.type, "dtype": "bf16" if bf16 else "fp32", "num_cores": os.cpu_count(),
             "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "cpu_allocator": allocator,
             "scale": "device scale" if cuda else "CPU scale (relative figures only)",
-            "python": platform.python_version(), "hostname": platform.node(),
+            "python": platform.python_version(),
             "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 

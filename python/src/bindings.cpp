@@ -8,14 +8,16 @@
 // the pybind11 that torch ships. Tested by python/tests/test_api.py. For the benchmark
 // python/bench/bench_hf_backward.py it also exposes what the C++ measurements use, so that its
 // numbers are measured and counted as theirs are: the core's caching CPU allocator
-// (collider_core/src/memory.h), the engine's rounds and order statistics (base/rounds.h,
-// base/stats.h) and the FLOP model (models/flops.h); tested by python/tests/test_bench_hf_backward.py.
+// (collider_core/src/memory.h), the rows' provenance (provenance.h), the engine's rounds and order
+// statistics (base/rounds.h, base/stats.h) and the FLOP model (models/flops.h); tested by
+// python/tests/test_bench_hf_backward.py.
 #include <collider/collider.h>
 #include <collider/filter_stats_fields.h>
 #include <collider/select.h>
 
 #include "collider_core/src/passthrough.h"
 #include "collider_core/src/memory.h"
+#include "collider_core/src/provenance.h"
 
 #include "base/rounds.h"
 #include "base/stats.h"
@@ -200,6 +202,20 @@ PYBIND11_MODULE(_C, m) {
   // Its live-tensor peak, as bm_collider_backward's peak_MiB: reset, then read after a step.
   m.def("_cpu_memory_reset_peak", [] { collider::memory::MemoryProbe(torch::kCPU).reset_peak(); });
   m.def("_cpu_memory_peak_bytes", [] { return collider::memory::MemoryProbe(torch::kCPU).peak_bytes(); });
+
+  // What the numbers ran on, collected as the C++ rows collect it (collider_core/src/provenance.h),
+  // under the rows' keys (harness/run/results.cpp: to_json). source_dir: the checkout measured.
+  m.def(
+      "_provenance",
+      [](const std::string& device, const std::string& source_dir) {
+        const collider::Provenance p = collider::collect_provenance(torch::Device(device), source_dir);
+        return py::dict(py::arg("git_sha") = p.git_sha, py::arg("git_dirty") = p.git_dirty,
+                        py::arg("torch_version") = p.torch_version,
+                        py::arg("cuda_version") = p.cuda_version.empty() ? py::object(py::none()) : py::str(p.cuda_version),
+                        py::arg("device_name") = p.device_name, py::arg("num_threads") = p.num_threads,
+                        py::arg("hostname") = p.hostname);
+      },
+      py::arg("device"), py::arg("source_dir"));
 
   // The measurement engine's rounds: warm_up(j) for each variant in order, then `rounds` rounds of
   // measure(j, round) in serpentine order (base/rounds.h), as every C++ side-by-side run.

@@ -74,3 +74,17 @@ def test_rounds_run_in_serpentine_order(bench):
 def test_medians_and_spread_are_the_engines(bench):
     assert bench.median_iqr([4.0, 1.0, 3.0, 2.0]) == pytest.approx((2.5, 1.5))  # q25 1.75, q75 3.25
     assert bench.per_round_median([9.0, 5.0, 8.0], [10.0, 10.0, 10.0]) == pytest.approx(0.2)
+
+
+def test_provenance_is_the_rows_record(bench, repo_root):
+    import subprocess as sp
+    import torch
+    prov = bench.provenance("caching", torch.device("cpu"), False)
+    # The keys every C++ row carries (harness/run/results.cpp: to_json), collected by the same code.
+    rows_keys = {"git_sha", "git_dirty", "torch_version", "cuda_version", "device_name", "num_threads", "hostname"}
+    assert rows_keys <= prov.keys()
+    head = sp.run(["git", "-C", str(repo_root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if head:
+        assert prov["git_sha"] == head
+    assert prov["num_threads"] == torch.get_num_threads()
+    assert torch.__version__.startswith(prov["torch_version"])
