@@ -5,15 +5,18 @@
 // duplicate rows; a directory holding rows is refused without --resume; the CPU peak-memory
 // probe grows with the batch and the caching allocator stays exact past its limit; the smoke
 // manifest (all four methods) runs; forward_drop rows count its middle layers' tokens in their
-// FLOPs; run.floor's T' floor points are measured in their group and tabulated.
+// FLOPs; run.floor's T' floor points are measured in their group and tabulated; real text scored
+// by excess loss (run.data) puts batch_topk and per-sequence selection in one group's rounds.
 // Run: OMP_NUM_THREADS=1 build-harness/tests/test_sweep
 #include "harness/recipes/cli.h"
 #include "base/fsutil.h"
+#include "harness/components/token_data.h"
 #include "collider_core/src/memory.h"
 #include "harness/run/results.h"
 #include "models/flops.h"
 
 #include "temp_dir.h"
+#include "utility_test_util.h"
 
 #include <gtest/gtest.h>
 
@@ -372,6 +375,78 @@ TEST(Sweep, BatchTopKRunsColliderAndRecordsTheRowCounts) {
       EXPECT_EQ(row["filter_stats"]["kept_total"].get<int64_t>(), sum);
     }
   }
+}
+
+// Real text (the shared sample) scored by excess loss against a reference model's losses, with
+// batch_topk and per-sequence selection (align 1: the same total kept count) in the same rounds,
+// and the T' floor on the same text: what bench_backward_ragged.toml measures at CPU scale.
+TEST(Sweep, RealTextPutsRaggedAndPerSequenceSelectionInOneGroup) {
+  TempDir tmp;
+  const int status = collider::testing::prepare_sample_data(collider::testing::shared_sample_dir(), tmp / "prep.log");
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 3) GTEST_SKIP() << "no network and no cached .deb files";
+  ASSERT_EQ(status, 0) << fsu::read_file(tmp / "prep.log");
+  const std::string data = collider::testing::shared_sample_dir();
+  {
+    auto ref_model = collider::models::build_model(collider::models::preset("tinyllama-micro"),
+                                                   collider::models::AttentionImpl::kEager, /*seed=*/7);
+    ch::TokenShard shard(data + "/mix_train.bin");
+    ch::compute_ref_losses(ref_model, shard, /*seq_len=*/16, /*num_windows=*/6, /*batch_size=*/6, tmp / "ref.f32");
+  }
+  const std::string manifest = R"(
+name = "ragged-text"
+[run]
+device = "cpu"
+warmup_steps = 0
+measure_steps = 1
+repetitions = 2
+threads = 1
+align = 1
+score = "excess_loss"
+floor = true
+layer_timing = false
+[axes]
+model = "tinyllama-micro"
+seq_len = 32
+batch_size = 3
+filter_ratio = 0.5
+method = ["regular", "collider"]
+attention_grad = "kept_only"
+selection = ["per_sequence", "batch_topk"]
+)";
+  fsu::write_file(tmp / "m.toml", manifest);
+  const auto r = run({tmp / "m.toml", "--out", tmp / "out", "--set", "run.data=\"" + data + "\"", "--set",
+                      "run.reference_losses=\"" + std::string(tmp / "ref.f32") + "\""});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  std::map<std::string, nlohmann::json> by_id;
+  for (const auto& row : rows_of(tmp / "out")) by_id[row["point_id"].get<std::string>()] = row;
+  const std::string base = "tinyllama-micro/T32/B3/f0.5/";
+  ASSERT_EQ(by_id.size(), 4u);  // regular, collider per_sequence and batch_topk, the floor at T' = 16
+  for (const auto& [id, row] : by_id) {
+    EXPECT_EQ(row["status"], "ok") << id << ": " << row["error"];
+    EXPECT_EQ(row["group"], "tinyllama-micro/T32/B3") << id;
+  }
+  const auto& per_seq = by_id.at(base + "collider/kept_only");
+  const auto& ragged = by_id.at(base + "collider/kept_only/batch_topk");
+  EXPECT_EQ(per_seq["selection"], "per_sequence");
+  EXPECT_EQ(ragged["selection"], "batch_topk");
+  EXPECT_EQ(ragged["score"], "excess_loss");
+  EXPECT_EQ(per_seq["kept_per_row"], nlohmann::json({16, 16, 16}));
+  EXPECT_EQ(ragged["tokens_kept"], per_seq["tokens_kept"]);  // the same total, spread differently
+  EXPECT_NE(ragged["kept_per_row_min"], ragged["kept_per_row_max"]) << ragged["kept_per_row"];
+  EXPECT_TRUE(by_id.count("tinyllama-micro/T16/B3/f0/regular/none/floor"));
+}
+
+// run.data, run.reference_losses and score excess_loss go together, and name files that exist.
+TEST(Sweep, RealTextSettingsAreCheckedBeforeAnyCompute) {
+  TempDir tmp;
+  fsu::write_file(tmp / "m.toml", kManifest);
+  auto r = run({tmp / "m.toml", "--out", tmp / "out", "--set", "run.score=excess_loss"});
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.err.find("run.data and run.reference_losses go together"), std::string::npos) << r.err;
+  r = run({tmp / "m.toml", "--out", tmp / "out2", "--set", "run.score=excess_loss", "--set",
+           "run.data=\"" + std::string(tmp / "none") + "\"", "--set", "run.reference_losses=\"x.f32\""});
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.err.find("mix_train.bin not found"), std::string::npos) << r.err;
 }
 
 // forward_drop rows (tinyllama-mini: 4 layers; the -debug presets have 2): flops_fwd and

@@ -381,4 +381,36 @@ double mean_window_loss(models::CausalLM& model, const TokenShard& shard, int64_
   return count ? sum / static_cast<double>(count) : std::nan("");
 }
 
+Batch text_batch(const std::string& dir, const std::string& ref_path, int64_t B, int64_t T, int64_t vocab_size) {
+  TokenShard shard(dir + "/mix_train.bin");
+  RefLosses ref(ref_path);
+  const int64_t Tr = ref.seq_len();
+  if (T % Tr != 0) {
+    throw std::invalid_argument(fmt::format("seq_len {} must be a multiple of the reference losses' window {} ({})", T,
+                                            Tr, ref_path));
+  }
+  if (ref.num_windows() * Tr < B * T) {
+    throw std::invalid_argument(fmt::format("the reference losses ({}) cover {} windows of {}, fewer than B x T = {} "
+                                            "positions",
+                                            ref_path, ref.num_windows(), Tr, B * T));
+  }
+  if (static_cast<int64_t>(shard.header().vocab_size) > vocab_size) {
+    throw std::invalid_argument(fmt::format("the data's vocabulary ({}) is larger than the model's ({})",
+                                            shard.header().vocab_size, vocab_size));
+  }
+  std::vector<torch::Tensor> ids, refs;
+  for (int64_t r = 0; r < B; ++r) {
+    ids.push_back(shard.slice(r * T, T + 1));
+    std::vector<int64_t> windows;
+    for (int64_t j = 0; j < T / Tr; ++j) windows.push_back(r * (T / Tr) + j);
+    refs.push_back(ref.rows(windows).reshape({T}));
+  }
+  const auto all = torch::stack(ids);  // [B, T + 1]
+  Batch b;
+  b.input_ids_BT = all.narrow(1, 0, T).contiguous();
+  b.labels_BT = all.narrow(1, 1, T).contiguous();
+  b.ref_loss_BT = torch::stack(refs);
+  return b;
+}
+
 }  // namespace collider::harness

@@ -150,4 +150,11 @@ void compute_ref_losses(models::CausalLM& model, const TokenShard& shard, int64_
 double mean_window_loss(models::CausalLM& model, const TokenShard& shard, int64_t seq_len, int64_t num_windows,
                         int64_t batch_size);
 
+// The first B windows of T tokens of DIR/mix_train.bin (scripts/prepare_data.sh) with their
+// reference model's per-token losses from `ref_path` (stored per window of the utility
+// experiment's length, consecutive windows consecutive positions, so T must be a multiple of it):
+// the real-text batch of a timing run scored by excess loss (manifest run.data). Throws
+// std::invalid_argument naming what does not fit (too few windows, T, a vocabulary over the model's).
+Batch text_batch(const std::string& dir, const std::string& ref_path, int64_t B, int64_t T, int64_t vocab_size);
+
 }  // namespace collider::harness

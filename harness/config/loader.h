@@ -64,6 +64,8 @@ class Loader {
   // The file's keys, then each --set "key=value". A --set into a table that the file wrote as
   // something else is refused before the file is read.
   void apply(const toml::table& root, const std::vector<std::string>& sets);
+  // Whether the file or a --set gave `key` (false: its built-in default stands).
+  bool given(const std::string& key) const { return sources_.count(key) > 0; }
   // Where `key`'s value came from: "built-in default", the file, or "FILE: --set '...'".
   const std::string& source(const std::string& key) const;
   // One echo line per --set: "override KEY = NEW (was OLD; from --set)".

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <sstream>
 
@@ -30,8 +31,8 @@ using models::uses_attention_grad;
 
 std::string fmt_ratio(double r) { return fmt::format("{}", r); }
 
-const std::vector<std::string> kAxisKeys = {"model",        "seq_len", "batch_size",
-                                            "filter_ratio", "method",  "attention_grad"};
+const std::vector<std::string> kAxisKeys = {"model",  "seq_len",        "batch_size", "filter_ratio",
+                                            "method", "attention_grad", "selection"};
 
 struct Axes {
   std::vector<std::string> model = {"tinyllama-mini"};
@@ -40,6 +41,7 @@ struct Axes {
   std::vector<double> filter_ratio = {0.0};
   std::vector<std::string> method = {"regular"};
   std::vector<std::string> attention_grad = {"kept_only"};
+  std::vector<std::string> selection = {"per_sequence"};  // [run.selection] unless given
 };
 
 struct Exclude {
@@ -72,6 +74,8 @@ class TimingSchema {
     L_.add("run.align", &r.align);
     L_.add("run.selection", &r.selection);
     L_.add("run.score", &r.score);
+    L_.add("run.data", &r.data);
+    L_.add("run.reference_losses", &r.reference_losses);
     L_.add("run.attention_impl", &r.attention_impl);
     L_.add("run.layer_timing", &r.layer_timing);
     L_.add("run.aa_check", &r.aa_check);
@@ -85,6 +89,7 @@ class TimingSchema {
     L_.add("axes.filter_ratio", &axes_.filter_ratio);
     L_.add("axes.method", &axes_.method);
     L_.add("axes.attention_grad", &axes_.attention_grad);
+    L_.add("axes.selection", &axes_.selection);
     L_.add_custom(
         "exclude", [this](const toml::node& v, const std::string& where) { read_excludes(v, where); },
         "[[exclude]] tables cannot be set from the command line; edit the manifest");
@@ -127,7 +132,7 @@ class TimingSchema {
     for (auto&& [k, v] : t) {
       const std::string key(k.str());
       auto& vals = e.values[key];
-      if (key == "model" || key == "method" || key == "attention_grad") {
+      if (key == "model" || key == "method" || key == "attention_grad" || key == "selection") {
         vals = L_.get_list<std::string>(v, key, where);
       } else if (key == "seq_len" || key == "batch_size") {
         for (int64_t x : L_.get_list<int64_t>(v, key, where)) vals.push_back(std::to_string(x));
@@ -181,10 +186,18 @@ class TimingSchema {
     L_.check(r.eps > 0, "run.eps", fmt::format("{}", r.eps), "a number > 0");
     L_.check(r.grad_clip >= 0, "run.grad_clip", fmt::format("{}", r.grad_clip), "a number >= 0 (0 disables clipping)");
     L_.check(r.align >= 1, "run.align", std::to_string(r.align), "an integer >= 1");
-    // The run's selection (MethodSpec.policy) and scores, parsed once; method and attention_grad per point.
-    spec_.policy = L_.parse_in("run.selection", r.selection, models::policy_names(), &collider::select_policy_from_string);
-    spec_.score = L_.parse_in("run.score", r.score, {to_string(Score::kSelf), to_string(Score::kRandom)},
+    // The run's selection policies and scores, parsed once; method and attention_grad per point.
+    L_.parse_in("run.selection", r.selection, models::policy_names(), &collider::select_policy_from_string);
+    if (!L_.given("axes.selection")) axes_.selection = {r.selection};
+    for (const auto& s : axes_.selection) {
+      policies_.push_back(L_.parse_in("axes.selection", s, models::policy_names(), &collider::select_policy_from_string));
+    }
+    L_.check_unique("axes.selection", axes_.selection);
+    spec_.policy = policies_.front();  // what the methods that select nothing carry
+    spec_.score = L_.parse_in("run.score", r.score,
+                              {to_string(Score::kSelf), to_string(Score::kRandom), to_string(Score::kExcessLoss)},
                               &models::score_from_string);
+    check_data();
     L_.check_in("run.attention_impl", r.attention_impl, {"eager", "sdpa"});
 
     for (const auto& name : axes_.model) {
@@ -225,7 +238,9 @@ class TimingSchema {
         std::any_of(methods_.begin(), methods_.end(), [](Method m) { return m != Method::kRegular; });
     if (filtering) {
       // forward_drop's middle-layer count is always aligned (it has no selection policy).
-      const int64_t align = spec_.policy == collider::SelectPolicy::kPerSequence || forward_drop ? r.align : 1;
+      int64_t align = forward_drop ? r.align : 1;
+      for (auto policy : policies_)
+        if (policy == collider::SelectPolicy::kPerSequence) align = r.align;
       for (int64_t T : axes_.seq_len) {
         for (double f : axes_.filter_ratio) {
           if (collider::kept_count(T, f, align) < 1) {
@@ -235,6 +250,32 @@ class TimingSchema {
                             L_.source("axes.filter_ratio"), fmt_ratio(f), T, align));
           }
         }
+      }
+    }
+  }
+
+  // run.data and run.reference_losses: both or neither, with score excess_loss, files present.
+  void check_data() const {
+    const auto& r = m_.run;
+    const bool excess = spec_.score == Score::kExcessLoss;
+    if (r.data.empty() && r.reference_losses.empty() && !excess) return;
+    if (r.data.empty() || r.reference_losses.empty() || !excess) {
+      std::vector<std::string> missing;
+      if (!excess) missing.push_back("run.score = \"excess_loss\"");
+      if (r.data.empty()) missing.push_back("run.data");
+      if (r.reference_losses.empty()) missing.push_back("run.reference_losses");
+      throw ManifestError(fmt::format(
+          "{}: run.score = \"excess_loss\", run.data and run.reference_losses go together (real text scored "
+          "against its reference losses); missing {}: give all three (--set run.data=\"DIR\" --set "
+          "run.reference_losses=\"FILE\"), or none for random tokens",
+          L_.path(), fmt::join(missing, ", ")));
+    }
+    const std::string shard = r.data + "/mix_train.bin";
+    for (const auto& [key, file] : {std::pair{"run.data", shard}, std::pair{"run.reference_losses", r.reference_losses}}) {
+      if (!std::filesystem::is_regular_file(file)) {
+        throw ManifestError(fmt::format("{}: key '{}': {} not found (scripts/prepare_data.sh writes the data; the "
+                                        "utility experiment's reference stage the *.reflosses.f32)",
+                                        L_.source(key), key, file));
       }
     }
   }
@@ -250,8 +291,12 @@ class TimingSchema {
               MethodSpec spec = spec_;
               spec.method = methods_[mi];
               // attention_grad multiplies only the methods that use it; the others carry "none".
+              // selection multiplies only the methods that select.
               const size_t num_grads = uses_attention_grad(spec.method) ? grads_.size() : 1;
+              const size_t num_policies = models::uses_selection(spec.method) ? policies_.size() : 1;
+              for (size_t si = 0; si < num_policies; ++si)
               for (size_t gi = 0; gi < num_grads; ++gi) {
+                spec.policy = policies_[si];
                 if (uses_attention_grad(spec.method)) spec.attention_grad = grads_[gi];
                 Point p{model, T, B, f, axes_.method[mi], models::attention_grad_name(spec), spec};
                 ++m_.num_expanded;
@@ -305,7 +350,9 @@ class TimingSchema {
     for (size_t k = group_begin; k < group_end; ++k) {
       const Point& p = m_.points[k];
       if (p.spec.method != Method::kCollider && p.spec.method != Method::kForwardDrop) continue;
-      const int64_t t_prime = collider::kept_count(p.seq_len, p.filter_ratio, m_.run.align);
+      // batch_topk keeps kept_count(T, ratio, 1) per row on average: its floor is that many.
+      const bool aligned = p.spec.policy == collider::SelectPolicy::kPerSequence || p.spec.method == Method::kForwardDrop;
+      const int64_t t_prime = collider::kept_count(p.seq_len, p.filter_ratio, aligned ? m_.run.align : 1);
       if (t_prime >= p.seq_len || std::find(added.begin(), added.end(), t_prime) != added.end()) continue;
       MethodSpec spec = spec_;
       spec.method = Method::kRegular;
@@ -342,6 +389,8 @@ class TimingSchema {
         v = fmt_ratio(p.filter_ratio);
       else if (key == "method")
         v = p.method;
+      else if (key == "selection")
+        v = models::uses_selection(p.spec.method) ? collider::to_string(p.spec.policy) : "none";
       else
         v = p.attention_grad;
       if (std::find(vals.begin(), vals.end(), v) == vals.end()) return false;
@@ -387,7 +436,8 @@ class TimingSchema {
   Manifest m_;
   Axes axes_;
   std::vector<Exclude> excludes_;
-  MethodSpec spec_;                             // run.selection and run.score, parsed
+  MethodSpec spec_;                             // run.score, parsed (and the first selection)
+  std::vector<collider::SelectPolicy> policies_;  // axes.selection, parsed
   std::vector<Method> methods_;                 // axes.method, parsed
   std::vector<collider::AttentionGrad> grads_;  // axes.attention_grad, parsed
 };
@@ -401,9 +451,13 @@ std::string stem_of(const std::string& path) {
 
 }  // namespace
 
+bool Point::ragged() const {
+  return spec.policy == collider::SelectPolicy::kBatchTopK && models::uses_selection(spec.method);
+}
+
 std::string Point::id() const {
-  return fmt::format("{}/T{}/B{}/f{}/{}/{}{}", model, seq_len, batch_size, fmt_ratio(filter_ratio), method,
-                     attention_grad, aa_copy ? "/aa" : floor_of > 0 ? "/floor" : "");
+  return fmt::format("{}/T{}/B{}/f{}/{}/{}{}{}", model, seq_len, batch_size, fmt_ratio(filter_ratio), method,
+                     attention_grad, ragged() ? "/batch_topk" : "", aa_copy ? "/aa" : floor_of > 0 ? "/floor" : "");
 }
 
 std::string Point::group_id() const {

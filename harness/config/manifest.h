@@ -7,6 +7,7 @@
 //   dtype = "auto"                 # fp32 | bf16 | auto (bf16 autocast on cuda, fp32 on cpu)
 //   warmup_steps = 2; measure_steps = 5; repetitions = 1; seed = 0; threads = 0 (torch default)
 //   lr, weight_decay, beta1, beta2, eps, grad_clip, align, selection, score, attention_impl, layer_timing
+//   data = ""; reference_losses = ""   # real text scored by excess loss (score = "excess_loss")
 //   aa_check = false               # measure each group's regular point twice (the A/A noise band)
 //   floor = false                  # add each group's T' floor: regular on T' = kept_count(T, ratio,
 //                                  # align) positions per row, measured in the group's rounds
@@ -14,12 +15,14 @@
 //   [axes]                         # each a scalar or an array; cartesian product in this order
 //   model = ["tinyllama-mini"]; seq_len = [512]; batch_size = [1]; filter_ratio = [0.0, 0.4]
 //   method = ["regular", "loss_only", "collider", "masked"]; attention_grad = ["kept_only"]
+//   selection = ["per_sequence", "batch_topk"]   # default: [run.selection]
 //   [[exclude]]                    # drop the points that match every key given (arrays = any of)
 //   method = "regular"; filter_ratio = 0.4
 //
 // attention_grad multiplies only collider and masked points; regular / loss_only points carry
-// attention_grad = "none". Precedence: built-in defaults, then the file, then --set key=value
-// (each override echoed). Every problem (unknown key, wrong type, unknown model or method, ratio
+// attention_grad = "none". selection multiplies only the methods that select (loss_only, collider,
+// masked); a batch_topk point's id ends in /batch_topk. Precedence: built-in defaults, then the
+// file, then --set key=value (each override echoed). Every problem (unknown key, wrong type, unknown model or method, ratio
 // outside [0, 1), a ratio that keeps no token) is a ManifestError naming the file, the key, the
 // value and what is allowed, raised before any compute. Loaded by the shared loader (loader.h);
 // the training-manifest schema is train_manifest.h.
@@ -48,8 +51,15 @@ struct RunSettings {
   int64_t threads = 0;  // torch intra-op threads; 0 = torch's default
   double lr = 3e-4, weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, grad_clip = 1.0;
   int64_t align = 8;
-  std::string selection = "per_sequence";  // per_sequence | batch_topk (RHO-1: ragged rows; loss_only, collider, masked)
-  std::string score = "self";            // self | random
+  // per_sequence | batch_topk (RHO-1: ragged rows; loss_only, collider, masked): the default of
+  // axes.selection, which puts both in one group's rounds.
+  std::string selection = "per_sequence";
+  std::string score = "self";            // self | random | excess_loss (with data)
+  // Real text instead of random tokens: every step runs on the first batch_size windows of
+  // DATA/mix_train.bin (scripts/prepare_data.sh), scored by excess loss against their reference
+  // model's per-token losses, REFERENCE_LOSSES (a *.reflosses.f32 of the utility experiment's
+  // reference stage; seq_len a multiple of its window). Both empty: a random batch per step.
+  std::string data, reference_losses;
   std::string attention_impl = "eager";  // eager | sdpa
   bool layer_timing = true;              // per-layer marker timings in every row
   bool aa_check = false;                 // each group's regular point twice (its copy's id ends in /aa)
@@ -79,9 +89,12 @@ struct Point {
   // floor_of = T; 0 for every other point.
   int64_t floor_of = 0;
   // Stable id from the axis values, e.g. "tinyllama-debug/T64/B2/f0.4/collider/kept_only"
-  // ("tinyllama-debug/T64/B2/f0.4/regular/none/aa" for an A/A copy,
+  // (".../f0.4/collider/kept_only/batch_topk" under batch_topk selection,
+  // "tinyllama-debug/T64/B2/f0.4/regular/none/aa" for an A/A copy,
   // "tinyllama-debug/T32/B2/f0/regular/none/floor" for a floor point).
   std::string id() const;
+  // Selects with batch_topk (a method that selects: loss_only, collider, masked).
+  bool ragged() const;
   // The interleaved group it is measured in: "tinyllama-debug/T64/B2" (model, seq_len, batch_size;
   // a floor point's: floor_of).
   std::string group_id() const;

@@ -2,14 +2,15 @@
 // their warm-up and interleaved rounds, and their rows (identity, measured keys, work).
 #include "harness/measure/group.h"
 
+#include "base/rounds.h"
 #include "base/stats.h"
 #include "collider_core/src/memory.h"
 #include "harness/components/timer.h"
+#include "harness/components/token_data.h"
 #include "harness/components/train_step.h"
 #include "harness/measure/failure.h"
 #include "harness/measure/point_measurements.h"
 #include "harness/measure/probes.h"
-#include "base/rounds.h"
 #include "harness/measure/table.h"
 #include "harness/run/run_dir.h"
 #include "models/flops.h"
@@ -189,6 +190,7 @@ class Group {
       trainer_ = std::make_unique<Trainer>(models::build_model(*cfg_, attn, seed),
                                            step_config(m_, *members_.front().point), device_, seed, ranges_);
       if (dist_) trainer_->set_reducer(std::make_shared<GradientReducer>(dist_, trainer_->model()->parameters()));
+      if (!m_.run.data.empty()) text_ = group_text_batch();
       for (auto& mb : members_) {
         mb.acc.set_timer_kind(trainer_->timer().kind());
         if (trainer_->reducer()) mb.acc.set_overlaps(trainer_->reducer()->overlaps_backward());
@@ -270,10 +272,12 @@ class Group {
         profiling_ = true;
       }
       // Every rank draws the same global batch and takes its own rows (world 1: the whole batch).
-      Batch batch = random_batch(p.batch_size * world_, p.seq_len, cfg_->vocab_size, data_gen_, device_);
+      Batch batch = text_ ? text_at(p.seq_len)
+                          : random_batch(p.batch_size * world_, p.seq_len, cfg_->vocab_size, data_gen_, device_);
       if (world_ > 1) {
         batch.input_ids_BT = batch.input_ids_BT.narrow(0, rank_ * p.batch_size, p.batch_size);
         batch.labels_BT = batch.labels_BT.narrow(0, rank_ * p.batch_size, p.batch_size);
+        if (batch.ref_loss_BT) batch.ref_loss_BT = batch.ref_loss_BT->narrow(0, rank_ * p.batch_size, p.batch_size);
       }
       StepResult r;
       {
@@ -295,6 +299,22 @@ class Group {
     mb.wall_ns += host_now_ns() - t0;
   }
 
+  // run.data: the group's batch of real text at its T (every step of every point runs on it).
+  Batch group_text_batch() const {
+    const Point& p = *members_.front().point;
+    Batch b = text_batch(m_.run.data, m_.run.reference_losses, p.batch_size * world_,
+                         p.floor_of > 0 ? p.floor_of : p.seq_len, cfg_->vocab_size);
+    b.input_ids_BT = b.input_ids_BT.to(device_);
+    b.labels_BT = b.labels_BT.to(device_);
+    return b;
+  }
+  // Its first T positions: a floor point's T' (regular at T' runs on the same text).
+  Batch text_at(int64_t T) const {
+    if (T == text_->input_ids_BT.size(1)) return *text_;
+    return Batch{text_->input_ids_BT.narrow(1, 0, T), text_->labels_BT.narrow(1, 0, T),
+                 text_->ref_loss_BT->narrow(1, 0, T)};
+  }
+
   // interleave() runs a block only for a point still standing in a group not stopped.
   void guarded_block(Member& mb, int64_t rep) {
     try {
@@ -310,8 +330,10 @@ class Group {
     if (!log_ || (dist_ && dist_->rank() != 0) || m_.run.repetitions <= 1) return;
     std::string line;
     for (const auto& mb : members_) {
-      line += fmt::format("{}{} {}", line.empty() ? "" : ", ", point_label(mb.point->method, mb.point->attention_grad, mb.point->filter_ratio,
-                                      mb.point->aa_copy, mb.point->floor_of > 0 ? mb.point->seq_len : 0),
+      const Point& p = *mb.point;
+      line += fmt::format("{}{} {}", line.empty() ? "" : ", ",
+                          point_label(p.method, p.attention_grad, p.ragged(), p.filter_ratio, p.aa_copy,
+                                      p.floor_of > 0 ? p.seq_len : 0),
                           mb.failed ? std::string("failed") : fmt::format("{:.2f}", mb.acc.last_repetition_step_ms()));
     }
     *log_ << fmt::format("  {} round {}/{}: step ms {}\n", label_, rep + 1, m_.run.repetitions, line);
@@ -328,6 +350,7 @@ class Group {
   const int world_, rank_;
   const torch::Device device_;
   torch::Generator data_gen_;
+  std::optional<Batch> text_;  // run.data: the group's real text (else a random batch per step)
   std::vector<Member> members_;
   GroupRows out_;
   bool stop_now_ = false;

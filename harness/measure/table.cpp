@@ -18,7 +18,8 @@ bool ok(const nlohmann::json& row) { return row.value("status", "") == "ok"; }
 bool is_floor(const nlohmann::json& row) { return row.contains("floor_of") && !row["floor_of"].is_null(); }
 
 std::string label(const nlohmann::json& row) {
-  return point_label(row.value("method", "?"), row.value("attention_grad", "none"), number(row, "filter_ratio"),
+  const bool ragged = row.value("point_id", "").find("/batch_topk") != std::string::npos;
+  return point_label(row.value("method", "?"), row.value("attention_grad", "none"), ragged, number(row, "filter_ratio"),
                      row.value("aa_copy", false), is_floor(row) ? row["seq_len"].get<int64_t>() : 0);
 }
 
@@ -26,11 +27,12 @@ std::string cell(double v, const char* format) { return std::isnan(v) ? "-" : fm
 
 }  // namespace
 
-std::string point_label(const std::string& method, const std::string& attention_grad, double filter_ratio,
-                        bool aa_copy, int64_t floor_seq_len) {
+std::string point_label(const std::string& method, const std::string& attention_grad, bool ragged,
+                        double filter_ratio, bool aa_copy, int64_t floor_seq_len) {
   if (floor_seq_len > 0) return fmt::format("floor (regular at T'={})", floor_seq_len);
   std::string s = method;
   if (attention_grad != "none") s += " " + attention_grad;
+  if (ragged) s += " batch_topk";
   if (method != "regular") s += fmt::format("@{:g}", filter_ratio);
   if (aa_copy) s += " (A/A)";
   return s;
