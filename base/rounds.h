@@ -4,8 +4,8 @@
 // rounds forward, odd rounds reversed: base/stats.h), so drift on a shared machine hits every
 // variant alike and each round pairs their medians. Series: the samples of one quantity, each
 // round's median, the median and relative IQR of all of them.
-// Used by the measurement engine (harness/measure/group.h), bench/bm_collider_backward.cpp and,
-// through the Python bindings, python/bench/bench_hf_backward.py.
+// Used by the measurement engine (harness/measure/group.h) and, through the Python bindings,
+// python/bench/bench_hf_backward.py.
 // Tests: tests/test_stats.cpp.
 #pragma once
 

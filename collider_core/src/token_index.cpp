@@ -32,11 +32,11 @@ namespace collider::detail {
 // attention, sdpa.cpp's per_row for the fused one). Element-wise work stays padded.
 // Why this layout: the per-sequence case (no padding) runs the very same code, the rewrite
 // touches only the kept positions' bookkeeping and three zeroing points, and the FLOP-heavy parts
-// cost what the kept tokens cost. What the padding costs: on real excess-loss selections
-// (bench/bm_collider_backward --selection batch_topk, B = 4, 40% filtered) tinyllama-mini rows
-// kept [227, 325, 305, 371] of 512 (+21% element-wise rows; the attention cores padded to 371
-// did 42% more scores than sum N_b^2, which is why they run per row) and [516, 674, 614, 653] of
-// 1024 (+10% rows). Measured on 2 CPU cores (results/bm_collider_backward/
+// cost what the kept tokens cost. What the padding costs: on real excess-loss selections (the
+// ragged backward benchmark, now experiments/bench_backward_ragged.toml; B = 4, 40% filtered)
+// tinyllama-mini rows kept [227, 325, 305, 371] of 512 (+21% element-wise rows; the attention
+// cores padded to 371 did 42% more scores than sum N_b^2, which is why they run per row) and
+// [516, 674, 614, 653] of 1024 (+10% rows). Measured on 2 CPU cores (results/bm_collider_backward/
 // cpu-cpu-20261203-ragged-{d,f}; median of per-round ratios on a host whose rounds spread over
 // +-25%), ragged rows took 1-2% longer than per-sequence rows of the same total at T = 1024 and
 // -4% to +6% at T = 512 (with the cores padded: 3-10% at T = 512, up to 19% at 1024). Packing

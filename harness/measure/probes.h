@@ -5,7 +5,7 @@
 // drifts; the medians then cover the same minutes); a 64 MiB fill before the copy evicts both
 // buffers from the caches, and the buffers live only inside the call, so the next step's peak
 // memory does not see them. Device-synchronised on CUDA. 0 for bytes <= 0.
-// Used by the engine's groups (run.copy_probe) and bench/bm_collider_backward.cpp.
+// Used by the engine's groups (run.copy_probe).
 #pragma once
 
 #include <torch/torch.h>

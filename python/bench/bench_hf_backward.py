@@ -8,7 +8,7 @@ and sdpa, batch 2, 40% of each row's labelled positions filtered: the keep mask 
 collider.select_tokens, T' = collider.kept_count of the labelled positions. Per point, in one
 process, through the C++ measurement engine's rounds (base/rounds.h, by the bindings): each method's
 warm-up steps in turn, then timed rounds, every round running each method once in serpentine order
-(even rounds in the order below, odd rounds reversed), as the C++ sweeps and bm_collider_backward run:
+(even rounds in the order below, odd rounds reversed), as the C++ sweeps run:
   regular               dense backward of the mean over every labelled position
   loss_only             RHO-1 as existing systems run it: masked loss, dense backward
   collider kept_only    collider.filter_backward(...) from Python, then the backward
@@ -22,9 +22,9 @@ end of loss.backward(), so Collider's includes the Python call of filter_backwar
 backward GEMM FLOPs of the method / regular's, counted by the C++ FLOP model (models/flops.h, through the
 bindings: eager-style full T x T attention scores). Medians and IQR by the engine's order statistics.
 Python overhead = the filter_backward call's time from Python minus the C++ rewrite_ms it reports.
-The CPU allocator is the C++ harness's caching one (as bm_collider_backward uses); --allocator
+The CPU allocator is the C++ harness's caching one (as the C++ sweeps use); --allocator
 system keeps glibc's. peak_MiB: the step's live tensors at their most (forward, filter_backward and
-backward; on the CPU the caching allocator's count, as bm_collider_backward's; on CUDA torch.cuda's).
+backward; on the CPU the caching allocator's count, as the C++ rows'; on CUDA torch.cuda's).
 --checkpointing layers: transformers' gradient_checkpointing_enable() (non-reentrant) on every
 decoder layer, so each backward recomputes the layers' forward at full length; the FLOP ideal then
 counts that recomputation, dense, on both sides. --layout packed: every row packs documents of mixed
@@ -131,7 +131,7 @@ def provenance(allocator: str, dev: torch.device, bf16: bool) -> dict:
 def side_by_side(run_once, methods: tuple, warmup: int, reps: int) -> dict:
     """Each method's `warmup` steps in the order given, then `reps` rounds, each calling run_once(method)
     for every method in serpentine order (collider::stats::interleave, as the C++ sweeps and
-    bm_collider_backward run). Returns each method's samples (what run_once returned), round by round."""
+    its benchmarks run). Returns each method's samples (what run_once returned), round by round."""
     samples = {m: [] for m in methods}
 
     def warm_up(j):

@@ -199,7 +199,7 @@ PYBIND11_MODULE(_C, m) {
     collider::memory::install_cpu_memory_tracking();
     return std::string(collider::memory::cpu_allocator_mode());
   });
-  // Its live-tensor peak, as bm_collider_backward's peak_MiB: reset, then read after a step.
+  // Its live-tensor peak, as the C++ rows' peak_mem_bytes: reset, then read after a step.
   m.def("_cpu_memory_reset_peak", [] { collider::memory::MemoryProbe(torch::kCPU).reset_peak(); });
   m.def("_cpu_memory_peak_bytes", [] { return collider::memory::MemoryProbe(torch::kCPU).peak_bytes(); });
 

@@ -308,7 +308,7 @@ dev_check_deps() {
     else echo "BAD  no link step uses the .debs' $p" >>"$out"; bad=1; fi
   done
   local bin lib
-  for bin in "$BUILD/collider" "$BUILD/bench/bm_collider_backward"; do
+  for bin in "$BUILD/collider" "$BUILD/bench/bm_backward_gemm"; do
     [[ -x "$bin" ]] || continue
     for lib in libtomlplusplus libbenchmark libsentencepiece; do
       val=$(ldd "$bin" 2>/dev/null | awk -v l="$lib" '$1 ~ "^"l {print $3}')

@@ -73,7 +73,7 @@ run_one run_gpu_checks.sh "$W/gpu-check" 0
 steps=$(tar xzf "$W/gpu-check/details.tar.gz" -O ./steps.tsv 2>/dev/null)
 for want in "machine" "unpack .debs" "configure (preset" "build " "dependencies only from .debs" "ctest -L gpu" \
             "gpu tests listed, skip cleanly" "TinyLlama-1.1B T=2048 sdpa (flash)" "TinyLlama-1.1B T=2048 eager" \
-            "bm_cublas_gemm" "bm_collider_backward TinyLlama B=2" "python tests" "HF LlamaForCausalLM" \
+            "bm_cublas_gemm" "side by side TinyLlama B=2" "python tests" "HF LlamaForCausalLM" \
             "Qwen2.5-1.5B, Phi-1.5 T=2048 sdpa" "bm_backward_gemm TinyLlama (brief)"; do
   line=$(printf '%s\n' "$steps" | grep -F -m1 "$want")
   if [[ -z "$line" ]]; then fail "gpu-check: no step '$want' in steps.tsv"
@@ -82,7 +82,7 @@ for want in "machine" "unpack .debs" "configure (preset" "build " "dependencies 
   fi
 done
 for f in run.log summary.md provenance.json tab_backward_time_sdpa.jsonl tab_backward_time.jsonl \
-         bm_collider_backward.jsonl details.tar.gz; do
+         bench_backward.jsonl details.tar.gz; do
   [[ -s "$W/gpu-check/$f" ]] || fail "gpu-check: $f missing or empty"
 done
 grep -q 'CPU REHEARSAL' "$W/gpu-check/summary.md" || fail "gpu-check: summary.md does not say it is a rehearsal"

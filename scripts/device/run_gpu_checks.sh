@@ -24,7 +24,7 @@
 #   TinyLlama T=2048 eager, 5 points           75     327   150   the same + eager's memory-bound T x T softmax
 #   --- TinyLlama-1.1B's backward and end-to-end rows are in by ~330 s: inside the first 8 minutes ---
 #   bm_cublas_gemm (brief, 168 GEMMs)          25     352    90   168 x (0.05 s warm-up + 0.02 s timed + ~0.03 s)
-#   bm_collider_backward B=2 T=2048            45     397   120   35 forward+backward x ~0.2 s + ~15 s set-up
+#   side by side (bench_backward) B=2 T=2048   45     397   120   6 points x 7 steps x ~0.2 s + ~15 s set-up
 #   Python: install, tests on CUDA, HF Llama   60     457   510   240 + 150 + 120; only once python/ is in the tree
 #   Qwen2.5-1.5B, Phi-1.5 T=2048 sdpa          -        -   240   what is left (needs 60 s; resumable by a rerun)
 #   bm_backward_gemm (TinyLlama, 42 GEMMs)     10       -    60   what is left (needs 20 s)
@@ -45,7 +45,7 @@
 # + links and gtest discovery ~10 s = ~85 s; ~105 s if the 16 are 8 cores x 2 threads (~10 cores'
 # worth); the plan takes 150 s. A rerun on a warm machine rebuilds nothing (build/ is kept).
 # DEST (8 files): run.log, summary.md (scripts/device/summarize.py), provenance.json,
-# tab_backward_time_sdpa.jsonl, tab_backward_time.jsonl (sweep rows), bm_collider_backward.jsonl,
+# tab_backward_time_sdpa.jsonl, tab_backward_time.jsonl, bench_backward.jsonl (sweep rows),
 # bm_cublas_gemm.json, details.tar.gz (logs, build and configure logs, CTest / pytest JUnit XML,
 # bm_backward_gemm.json, hf_llama.jsonl, tables from plots/, resolved manifests, nvidia-smi, steps.tsv).
 # shellcheck disable=SC2317  # dev_pack runs from the EXIT trap (scripts/device/lib.sh dev_finish)
@@ -63,7 +63,7 @@ dev_pack() {
     [[ -s "$WORK/$name/results.jsonl" ]] && cp -f "$WORK/$name/results.jsonl" "$DEST/$name.jsonl"
   done
   cp -f "$WORK/provenance.json" "$DEST/" 2>/dev/null
-  [[ -s "$WORK/bm_collider_backward.jsonl" ]] && cp -f "$WORK/bm_collider_backward.jsonl" "$DEST/"
+  [[ -s "$WORK/bench_backward/results.jsonl" ]] && cp -f "$WORK/bench_backward/results.jsonl" "$DEST/bench_backward.jsonl"
   [[ -s "$WORK/bm_cublas_gemm.json" ]] && cp -f "$WORK/bm_cublas_gemm.json" "$DEST/"
   # The paper's tables from plots/ (one per results file), into details.tar.gz.
   for name in tab_backward_time_sdpa tab_backward_time; do
@@ -90,7 +90,7 @@ rc=$?
 dev_unpack_debs || exit 1
 
 # ---- 2. build the run's targets (not the CPU test suite, which the GPU run does not run) ---------
-dev_build collider_cli bm_collider_backward bm_backward_gemm test_gpu_collider || exit 1
+dev_build collider_cli bm_backward_gemm test_gpu_collider || exit 1
 dev_check_deps
 
 # ---- 3. the gpu tests (rehearsal: listed, and every one that needs a device skips) --------------
@@ -145,10 +145,12 @@ else
 fi
 
 # ---- 6. Collider's backward side by side with regular / loss_only / the floor, TinyLlama-1.1B ---
-if [[ -n "$REHEARSAL" ]]; then bm_args=(--device cpu --models "$(model tinyllama-1.1b)" --seq 2048 --batch 2 --reps 1 --warmup 0)
-else bm_args=(--device cuda --bf16 --models tinyllama-1.1b --seq 2048 --batch 2 --reps 5 --warmup 2); fi
-step "bm_collider_backward TinyLlama B=2" 120 45 "$WORK/logs/bm_collider_backward.log" \
-  "$BUILD/bench/bm_collider_backward" "${bm_args[@]}" --json "$WORK/bm_collider_backward.jsonl"
+# experiments/bench_backward.toml through the measurement engine (`collider run`): regular,
+# loss_only, both semantics, the T' floor and regular's A/A copy in the same interleaved rounds,
+# with the copy probe; B = 2, T = 2048 (rehearsal: lib.sh's swaps, the -debug preset).
+MANIFEST=experiments/bench_backward.toml sweep "side by side TinyLlama B=2" bench_backward 120 45 \
+  --set "axes.model=$(model tinyllama-1.1b)" --set 'axes.seq_len=[2048]' --set axes.batch_size=2 \
+  --set run.device=cuda --set run.dtype=bf16 --set run.threads=0 --set run.repetitions=5
 
 # ---- 7. the Python package on CUDA, and transformers' LlamaForCausalLM at TinyLlama-1.1B's shapes -
 # HOOK for the Python package (python/, pip-installable): skipped with a message while it is not

@@ -223,31 +223,43 @@ def headline(rows_by_impl: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def side_by_side(rows: list[dict], sweep_rows: list[dict], peak: float | None) -> str:
+def side_by_side(rows: list[dict], peak: float | None) -> str:
+    """experiments/bench_backward.toml's rows (the measurement engine's, `collider run`): per group, each
+    method against the group's regular, its FLOP ideal (the row's flop_ideal_bwd_reduction) and the T'
+    floor measured in the same rounds (the row whose floor_of is the group's T)."""
     if not rows:
-        return "## Side by side (bench/bm_collider_backward)\n\nnot run."
-    out = ["## Side by side (bench/bm_collider_backward: interleaved in one process, medians)", ""]
+        return "## Side by side (experiments/bench_backward.toml)\n\nnot run."
+    out = ["## Side by side (experiments/bench_backward.toml: the measurement engine, interleaved rounds, medians)",
+           ""]
     body = []
-    flops = {}
-    for r in sweep_rows:
-        if r.get("status") == "ok":
-            flops[(r["model"], r["seq_len"], r["batch_size"], method_key(r))] = r
+    groups = defaultdict(list)
     for r in rows:
-        m = r["method"]
-        key = {"floor (regular at T')": None}.get(m, m)
-        sw = flops.get((r["model"], r["seq_len"], r["batch_size"], key)) if key else None
-        pk = peak or (sw or {}).get("device_peak_flops")
-        s = (r["bwd_ms"] + r.get("rewrite_ms", 0)) / 1e3
-        mfu = (f"{frac(sw['flops_bwd_dense'] / s / pk)} / {frac(sw['flops_bwd'] / s / pk)}" if sw and pk else "n/a")
-        body.append([r["model"], r["seq_len"], r["batch_size"], m, ms(r["bwd_ms"]), ms(r.get("rewrite_ms")),
-                     pct(-r["reduction"]) if m != "regular" else "", pct(-r["ideal"]) if r.get("ideal") else "",
-                     frac(r["reduction"] / r["ideal"]) if r.get("ideal") else "",
-                     frac((r["bwd_ms"] + r.get("rewrite_ms", 0)) / r["floor_ms"]) if r.get("floor_ms") else "",
-                     mfu, r.get("dtype"), r.get("device")])
+        if r.get("status") == "ok":
+            groups[r["group"]].append(r)
+    for group in groups.values():
+        reg = next((r for r in group if r["method"] == "regular" and not r.get("aa_copy") and r.get("floor_of") is None),
+                   None)
+        floor = {r["seq_len"]: r for r in group if r.get("floor_of") is not None}
+        for r in group:
+            name = method_key(r) + (" (A/A copy)" if r.get("aa_copy") else "")
+            if r.get("floor_of") is not None:
+                name = f"floor (regular at T' = {r['seq_len']})"
+            t = r["bwd_ms"] + (r.get("filter_stats") or {}).get("rewrite_ms", 0.0)
+            ideal = r.get("flop_ideal_bwd_reduction") if r["method"] == "collider" else None
+            change = t / reg["bwd_ms"] - 1 if reg and r is not reg else None
+            fl = floor.get(r.get("kept_per_seq")) if r["method"] == "collider" else None
+            pk = peak or r.get("device_peak_flops")
+            s = t / 1e3
+            mfu = f"{frac(r['flops_bwd_dense'] / s / pk)} / {frac(r['flops_bwd'] / s / pk)}" if pk else "n/a"
+            body.append([r["model"], r.get("floor_of") or r["seq_len"], r["batch_size"], name, ms(r["bwd_ms"]),
+                         ms((r.get("filter_stats") or {}).get("rewrite_ms")) if r["method"] == "collider" else "",
+                         pct(change) if change is not None else "", pct(-ideal) if ideal else "",
+                         frac(-change / ideal) if ideal and change is not None else "",
+                         frac(t / fl["bwd_ms"]) if fl else "", mfu, r.get("dtype"), r.get("device")])
     out.append(table(["model", "T", "B", "method", "bwd ms", "rewrite ms", "vs regular (with rewrite)", "FLOP ideal",
                       "of ideal", "x floor", "bwd MFU dense-eq / executed", "dtype", "device"], body))
-    out += ["", "MFU from the sweep rows' analytic FLOPs of the same model, T, B and method (n/a where the sweep "
-            "has no such row or the peak is unknown); Collider's time includes its rewrite."]
+    out += ["", "MFU on the row's analytic FLOPs (a regular backward's, and those executed; n/a where the peak is "
+            "unknown); Collider's time includes its rewrite."]
     return "\n".join(out)
 
 
@@ -354,8 +366,7 @@ def main() -> int:
     parts = [title, f"Made by scripts/device/summarize.py from `{os.path.basename(os.path.abspath(a.dest))}`.",
              prov_text, headline(sweeps), "## Backward and end-to-end rows (experiments/paper/tab_backward_time.toml)"]
     parts += [reductions(rows, a.peak_flops, f"attention {impl}") for impl, rows in sweeps.items() if rows]
-    # bench/bm_collider_backward runs eager attention: its FLOPs come from the eager rows.
-    parts += [side_by_side(d.jsonl("bm_collider_backward.jsonl"), sweeps["eager"], a.peak_flops), floors(d, all_sweep),
+    parts += [side_by_side(d.jsonl("bench_backward.jsonl"), a.peak_flops), floors(d, all_sweep),
               junit(d, "logs/ctest_gpu.xml", "gpu tests (ctest -L gpu)"),
               junit(d, "logs/pytest.xml", "Python package tests (pytest, COLLIDER_TEST_DEVICE)"), hf_rows(d), steps(d)]
     page = "\n\n".join(p for p in parts if p) + "\n"
