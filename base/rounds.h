@@ -33,7 +33,7 @@ class Series {
 };
 
 struct Interleaving {
-  std::function<void(size_t variant)> warm_up;                  // may be empty: no warm-up
+  std::function<void(size_t variant)> warm_up;                 // may be empty: no warm-up
   std::function<void(size_t variant, int64_t round)> measure;  // one variant's block of a round
   std::function<bool(size_t variant)> standing;                // empty: every variant stands
   std::function<void(int64_t round)> after_round;              // may be empty

@@ -89,7 +89,8 @@ FlopCount backward_flops_rows(const FlopShape& cfg, int64_t T, const std::vector
 double flop_ideal_reduction(const FlopShape& cfg, int64_t T, const std::vector<int64_t>& kept_per_row,
                             const MethodSpec& spec) {
   const int64_t B = static_cast<int64_t>(kept_per_row.size());
-  return 1.0 - backward_flops_rows(cfg, T, kept_per_row, spec).total() / backward_flops(cfg, B, T, T, MethodSpec{}).total();
+  return 1.0 -
+         backward_flops_rows(cfg, T, kept_per_row, spec).total() / backward_flops(cfg, B, T, T, MethodSpec{}).total();
 }
 
 FlopCount forward_drop_forward_flops(const FlopShape& cfg, int64_t B, int64_t T, int64_t N) {

@@ -386,13 +386,14 @@ Batch text_batch(const std::string& dir, const std::string& ref_path, int64_t B,
   RefLosses ref(ref_path);
   const int64_t Tr = ref.seq_len();
   if (T % Tr != 0) {
-    throw std::invalid_argument(fmt::format("seq_len {} must be a multiple of the reference losses' window {} ({})", T,
-                                            Tr, ref_path));
+    throw std::invalid_argument(
+        fmt::format("seq_len {} must be a multiple of the reference losses' window {} ({})", T, Tr, ref_path));
   }
   if (ref.num_windows() * Tr < B * T) {
-    throw std::invalid_argument(fmt::format("the reference losses ({}) cover {} windows of {}, fewer than B x T = {} "
-                                            "positions",
-                                            ref_path, ref.num_windows(), Tr, B * T));
+    throw std::invalid_argument(
+        fmt::format("the reference losses ({}) cover {} windows of {}, fewer than B x T = {} "
+                    "positions",
+                    ref_path, ref.num_windows(), Tr, B * T));
   }
   if (static_cast<int64_t>(shard.header().vocab_size) > vocab_size) {
     throw std::invalid_argument(fmt::format("the data's vocabulary ({}) is larger than the model's ({})",

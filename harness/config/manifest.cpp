@@ -190,7 +190,8 @@ class TimingSchema {
     L_.parse_in("run.selection", r.selection, models::policy_names(), &collider::select_policy_from_string);
     if (!L_.given("axes.selection")) axes_.selection = {r.selection};
     for (const auto& s : axes_.selection) {
-      policies_.push_back(L_.parse_in("axes.selection", s, models::policy_names(), &collider::select_policy_from_string));
+      policies_.push_back(
+          L_.parse_in("axes.selection", s, models::policy_names(), &collider::select_policy_from_string));
     }
     L_.check_unique("axes.selection", axes_.selection);
     spec_.policy = policies_.front();  // what the methods that select nothing carry
@@ -271,11 +272,13 @@ class TimingSchema {
           L_.path(), fmt::join(missing, ", ")));
     }
     const std::string shard = r.data + "/mix_train.bin";
-    for (const auto& [key, file] : {std::pair{"run.data", shard}, std::pair{"run.reference_losses", r.reference_losses}}) {
+    for (const auto& [key, file] :
+         {std::pair{"run.data", shard}, std::pair{"run.reference_losses", r.reference_losses}}) {
       if (!std::filesystem::is_regular_file(file)) {
-        throw ManifestError(fmt::format("{}: key '{}': {} not found (scripts/prepare_data.sh writes the data; the "
-                                        "utility experiment's reference stage the *.reflosses.f32)",
-                                        L_.source(key), key, file));
+        throw ManifestError(
+            fmt::format("{}: key '{}': {} not found (scripts/prepare_data.sh writes the data; the "
+                        "utility experiment's reference stage the *.reflosses.f32)",
+                        L_.source(key), key, file));
       }
     }
   }
@@ -294,8 +297,8 @@ class TimingSchema {
               // selection multiplies only the methods that select.
               const size_t num_grads = uses_attention_grad(spec.method) ? grads_.size() : 1;
               const size_t num_policies = models::uses_selection(spec.method) ? policies_.size() : 1;
-              for (size_t si = 0; si < num_policies; ++si)
-              for (size_t gi = 0; gi < num_grads; ++gi) {
+              for (size_t k = 0; k < num_policies * num_grads; ++k) {
+                const size_t si = k / num_grads, gi = k % num_grads;  // each selection's attention_grads
                 spec.policy = policies_[si];
                 if (uses_attention_grad(spec.method)) spec.attention_grad = grads_[gi];
                 Point p{model, T, B, f, axes_.method[mi], models::attention_grad_name(spec), spec};
@@ -351,7 +354,8 @@ class TimingSchema {
       const Point& p = m_.points[k];
       if (p.spec.method != Method::kCollider && p.spec.method != Method::kForwardDrop) continue;
       // batch_topk keeps kept_count(T, ratio, 1) per row on average: its floor is that many.
-      const bool aligned = p.spec.policy == collider::SelectPolicy::kPerSequence || p.spec.method == Method::kForwardDrop;
+      const bool aligned =
+          p.spec.policy == collider::SelectPolicy::kPerSequence || p.spec.method == Method::kForwardDrop;
       const int64_t t_prime = collider::kept_count(p.seq_len, p.filter_ratio, aligned ? m_.run.align : 1);
       if (t_prime >= p.seq_len || std::find(added.begin(), added.end(), t_prime) != added.end()) continue;
       MethodSpec spec = spec_;
@@ -436,10 +440,10 @@ class TimingSchema {
   Manifest m_;
   Axes axes_;
   std::vector<Exclude> excludes_;
-  MethodSpec spec_;                             // run.score, parsed (and the first selection)
+  MethodSpec spec_;                               // run.score, parsed (and the first selection)
   std::vector<collider::SelectPolicy> policies_;  // axes.selection, parsed
-  std::vector<Method> methods_;                 // axes.method, parsed
-  std::vector<collider::AttentionGrad> grads_;  // axes.attention_grad, parsed
+  std::vector<Method> methods_;                   // axes.method, parsed
+  std::vector<collider::AttentionGrad> grads_;    // axes.attention_grad, parsed
 };
 
 std::string stem_of(const std::string& path) {
@@ -457,7 +461,10 @@ bool Point::ragged() const {
 
 std::string Point::id() const {
   return fmt::format("{}/T{}/B{}/f{}/{}/{}{}{}", model, seq_len, batch_size, fmt_ratio(filter_ratio), method,
-                     attention_grad, ragged() ? "/batch_topk" : "", aa_copy ? "/aa" : floor_of > 0 ? "/floor" : "");
+                     attention_grad, ragged() ? "/batch_topk" : "",
+                     aa_copy        ? "/aa"
+                     : floor_of > 0 ? "/floor"
+                                    : "");
 }
 
 std::string Point::group_id() const {

@@ -54,7 +54,7 @@ struct RunSettings {
   // per_sequence | batch_topk (RHO-1: ragged rows; loss_only, collider, masked): the default of
   // axes.selection, which puts both in one group's rounds.
   std::string selection = "per_sequence";
-  std::string score = "self";            // self | random | excess_loss (with data)
+  std::string score = "self";  // self | random | excess_loss (with data)
   // Real text instead of random tokens: every step runs on the first batch_size windows of
   // DATA/mix_train.bin (scripts/prepare_data.sh), scored by excess loss against their reference
   // model's per-token losses, REFERENCE_LOSSES (a *.reflosses.f32 of the utility experiment's
@@ -70,7 +70,7 @@ struct RunSettings {
   // Each collider point's copy floor: per round, a plain cold copy of the bytes its rewrite cut
   // (harness/measure/probes.h), row key copy_floor_ms.
   bool copy_probe = false;
-  std::string fail_point;                // tests: points whose point_id contains this fail
+  std::string fail_point;  // tests: points whose point_id contains this fail
 };
 
 struct Point {

@@ -27,8 +27,8 @@ std::string cell(double v, const char* format) { return std::isnan(v) ? "-" : fm
 
 }  // namespace
 
-std::string point_label(const std::string& method, const std::string& attention_grad, bool ragged,
-                        double filter_ratio, bool aa_copy, int64_t floor_seq_len) {
+std::string point_label(const std::string& method, const std::string& attention_grad, bool ragged, double filter_ratio,
+                        bool aa_copy, int64_t floor_seq_len) {
   if (floor_seq_len > 0) return fmt::format("floor (regular at T'={})", floor_seq_len);
   std::string s = method;
   if (attention_grad != "none") s += " " + attention_grad;
@@ -65,11 +65,14 @@ std::string group_table(const std::vector<nlohmann::json>& rows) {
     const bool baseline = method == "regular" && !is_floor(row) && !row.value("aa_copy", false);
     const double reduction = baseline ? 0.0 : 1.0 - cost / regular_ms;
     const double ideal = filters ? number(row, "flop_ideal_bwd_reduction") : std::nan("");
-    // The floor at this point's T': collider's kept count per row, forward_drop's middle count.
+    // The floor at this point's T': collider's kept count per row (ragged rows: their mean, the
+    // floor of the same total), forward_drop's middle count.
     double over_floor = std::nan("");
-    const int64_t t_prime = method == "forward_drop" && row["middle_tokens_per_seq"].is_number_integer()
-                                ? row["middle_tokens_per_seq"].get<int64_t>()
-                                : row.value("kept_per_seq", int64_t{-1});
+    int64_t t_prime = method == "forward_drop" && row["middle_tokens_per_seq"].is_number_integer()
+                          ? row["middle_tokens_per_seq"].get<int64_t>()
+                          : row.value("kept_per_seq", int64_t{-1});
+    if (t_prime < 0 && !std::isnan(number(row, "kept_per_row_mean")))
+      t_prime = std::llround(number(row, "kept_per_row_mean"));
     if (filters && floor_ms.count(t_prime)) over_floor = cost / floor_ms.at(t_prime);
     out += fmt::format("  {:<34} {:>9.2f} {:>5.1f}% {:>10.2f} {:>9.1f}% {:>7} {:>9} {:>9} {:>9.1f}\n", label(row), bwd,
                        100 * number(row, "bwd_ms_rel_iqr"), std::isnan(rewrite) ? 0.0 : rewrite, 100 * reduction,
@@ -79,10 +82,11 @@ std::string group_table(const std::vector<nlohmann::json>& rows) {
     if (row.contains("copy_floor_ms") && row.contains("filter_stats")) {
       const auto& fs = row["filter_stats"];
       const double copy = number(row, "copy_floor_ms");
-      cuts += fmt::format("  {:<34} {} saved tensors cut in the backward, {:.1f} MB; a plain cold copy of those bytes "
-                          "{:.2f} ms = {:.2f}% of the backward\n",
-                          label(row), fs.value("tensors_gathered", int64_t{0}),
-                          static_cast<double>(fs.value("bytes_gathered", int64_t{0})) / 1e6, copy, 100 * copy / bwd);
+      cuts += fmt::format(
+          "  {:<34} {} saved tensors cut in the backward, {:.1f} MB; a plain cold copy of those bytes "
+          "{:.2f} ms = {:.2f}% of the backward\n",
+          label(row), fs.value("tensors_gathered", int64_t{0}),
+          static_cast<double>(fs.value("bytes_gathered", int64_t{0})) / 1e6, copy, 100 * copy / bwd);
     }
   }
   out += cuts;

@@ -20,7 +20,7 @@ std::string group_table(const std::vector<nlohmann::json>& rows);
 // A point's name in the table and in a round's progress line, from its identity: method[ attention_grad]
 // [ batch_topk][@filter_ratio][ (A/A)], or "floor (regular at T'=N)" for a floor point
 // (floor_seq_len = N > 0). ragged: a point that selects with batch_topk.
-std::string point_label(const std::string& method, const std::string& attention_grad, bool ragged,
-                        double filter_ratio, bool aa_copy, int64_t floor_seq_len);
+std::string point_label(const std::string& method, const std::string& attention_grad, bool ragged, double filter_ratio,
+                        bool aa_copy, int64_t floor_seq_len);
 
 }  // namespace collider::harness

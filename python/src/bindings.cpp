@@ -209,11 +209,12 @@ PYBIND11_MODULE(_C, m) {
       "_provenance",
       [](const std::string& device, const std::string& source_dir) {
         const collider::Provenance p = collider::collect_provenance(torch::Device(device), source_dir);
-        return py::dict(py::arg("git_sha") = p.git_sha, py::arg("git_dirty") = p.git_dirty,
-                        py::arg("torch_version") = p.torch_version,
-                        py::arg("cuda_version") = p.cuda_version.empty() ? py::object(py::none()) : py::str(p.cuda_version),
-                        py::arg("device_name") = p.device_name, py::arg("num_threads") = p.num_threads,
-                        py::arg("hostname") = p.hostname);
+        return py::dict(
+            py::arg("git_sha") = p.git_sha, py::arg("git_dirty") = p.git_dirty,
+            py::arg("torch_version") = p.torch_version,
+            py::arg("cuda_version") = p.cuda_version.empty() ? py::object(py::none()) : py::str(p.cuda_version),
+            py::arg("device_name") = p.device_name, py::arg("num_threads") = p.num_threads,
+            py::arg("hostname") = p.hostname);
       },
       py::arg("device"), py::arg("source_dir"));
 
@@ -246,8 +247,10 @@ PYBIND11_MODULE(_C, m) {
   auto shape_of = [](const py::dict& d) {
     collider::models::FlopShape s;
     auto get = [&](const char* key, int64_t& field, bool required) {
-      if (d.contains(key)) field = d[key].cast<int64_t>();
-      else if (required) throw collider::Error(std::string("FLOP shape: missing ") + key);
+      if (d.contains(key))
+        field = d[key].cast<int64_t>();
+      else if (required)
+        throw collider::Error(std::string("FLOP shape: missing ") + key);
     };
     if (d.contains("name")) s.name = d["name"].cast<std::string>();
     get("vocab_size", s.vocab_size, true);
@@ -275,7 +278,8 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "_forward_flops",
       [=](const py::dict& shape, int64_t B, int64_t T) {
-        return guarded("_forward_flops", [&] { return counts(collider::models::forward_flops(shape_of(shape), B, T)); });
+        return guarded("_forward_flops",
+                       [&] { return counts(collider::models::forward_flops(shape_of(shape), B, T)); });
       },
       py::arg("shape"), py::arg("batch"), py::arg("seq_len"));
   m.def(

@@ -247,7 +247,11 @@ def side_by_side(rows: list[dict], peak: float | None) -> str:
             t = r["bwd_ms"] + (r.get("filter_stats") or {}).get("rewrite_ms", 0.0)
             ideal = r.get("flop_ideal_bwd_reduction") if r["method"] == "collider" else None
             change = t / reg["bwd_ms"] - 1 if reg and r is not reg else None
-            fl = floor.get(r.get("kept_per_seq")) if r["method"] == "collider" else None
+            # the floor at its T' (ragged rows: their mean kept count, the floor of the same total)
+            t_prime = r.get("kept_per_seq")
+            if t_prime in (None, -1) and r.get("kept_per_row_mean") is not None:
+                t_prime = round(r["kept_per_row_mean"])
+            fl = floor.get(t_prime) if r["method"] == "collider" else None
             pk = peak or r.get("device_peak_flops")
             s = t / 1e3
             mfu = f"{frac(r['flops_bwd_dense'] / s / pk)} / {frac(r['flops_bwd'] / s / pk)}" if pk else "n/a"
