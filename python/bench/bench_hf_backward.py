@@ -34,9 +34,10 @@ for one causal sequence (what regular's kernel computes with a mask).
 --device cuda: the model is initialised on the device and every timing is bracketed by device
 synchronisation; --bf16 (CUDA only) runs the forward and loss under bfloat16 autocast with fp32
 weights, and traces the plan under the same autocast. CPU numbers are CPU scale.
---json appends one row per point: "source": "bench_hf_backward", the point's figures with
-provenance, and "methods": {method: its figures}. The GPU run (scripts/device/run_gpu_checks.sh)
-writes them to hf_llama.jsonl, which scripts/device/summarize.py tabulates.
+--json appends one result row per method and point (result_rows: the C++ sweeps' row keys, DESIGN.md
+section 6, with the point's keys and the method's figures; "label" names the method as the table
+does). The GPU run (scripts/device/run_gpu_checks.sh) writes them to hf_llama.jsonl, which
+scripts/device/summarize.py tabulates.
   python python/bench/bench_hf_backward.py                       # T 512,1024, eager+sdpa, 5 reps
   python python/bench/bench_hf_backward.py --seq 512 --reps 3 --json out.jsonl
   python python/bench/bench_hf_backward.py --seq 1024 --attn sdpa --checkpointing none,layers
@@ -352,6 +353,38 @@ def bench_point(p: Point, args, dev: torch.device, methods: tuple) -> dict:
     return point
 
 
+# ---- rows ---------------------------------------------------------------------------------------
+# Each method's (method, attention_grad) in the result rows of DESIGN.md section 6; the floor is
+# regular at S = T' + 1 tokens with floor_of = T, as the C++ sweeps' floor points.
+ROW_METHOD = {"regular": ("regular", "none"), "loss_only": ("loss_only", "none"),
+              "collider kept_only": ("collider", "kept_only"), "collider exact_query": ("collider", "exact_query"),
+              "floor": ("regular", "none")}
+
+
+def result_rows(point: dict) -> list:
+    """One result row per method, keyed as the C++ sweeps' rows (DESIGN.md section 6: experiment,
+    point_id, status, model, seq_len, batch_size, filter_ratio, method, attention_grad, dtype, device,
+    provenance; bwd_ms, bwd_ms_rel_iqr, fwd_ms, flop_ideal_bwd_reduction, peak_mem_bytes, floor_of),
+    with the point's other keys and the method's figures beside them (label: the table's method name)."""
+    rows = []
+    for label, fig in point["methods"].items():
+        method, grad = ROW_METHOD[label]
+        floor = label == "floor"
+        seq_len = point["kept"] + 1 if floor else point["seq_len"]
+        ratio = 0.0 if floor else point["filter_ratio"]
+        point_id = (f"{point['shapes']}/{point['attn_implementation']}/T{seq_len}/B{point['batch_size']}/f{ratio}/"
+                    f"{method}/{grad}/{point['checkpointing']}/{point['layout']}" + ("/floor" if floor else ""))
+        row = {k: v for k, v in point.items() if k != "methods"}
+        row.update(fig)
+        row.update(experiment="bench_hf_backward", point_id=point_id, status="ok", error=None, seq_len=seq_len,
+                   filter_ratio=ratio, method=method, attention_grad=grad, label=label,
+                   floor_of=point["seq_len"] if floor else None,
+                   bwd_ms_rel_iqr=fig["iqr_ms"] / fig["bwd_ms"] if fig["bwd_ms"] else 0.0,
+                   flop_ideal_bwd_reduction=fig.get("ideal"))
+        rows.append(row)
+    return rows
+
+
 # ---- output -------------------------------------------------------------------------------------
 def cell(x, spec: str, width: int, scale: float = 1.0, suffix: str = "") -> str:
     return f"{'-':>{width}}" if x is None else f"{format(x * scale, spec)}{suffix}".rjust(width)
@@ -404,7 +437,7 @@ def parse_args():
                     help="causal: one sequence per row; packed: documents of mixed lengths per row (SDPA gets a mask)")
     ap.add_argument("--checkpointing", default="none",
                     help="comma list of none (no activation checkpointing) and layers (every decoder layer)")
-    ap.add_argument("--json", default=None, help="append one JSON row per point (with provenance) to this file")
+    ap.add_argument("--json", default=None, help="append the result rows (one per method and point) to this file")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda, but torch sees no CUDA device: run on a GPU machine or pass --device cpu")
@@ -433,7 +466,8 @@ def main() -> int:
                 print_point(point)
                 if args.json:
                     with open(args.json, "a") as f:
-                        f.write(json.dumps({**point, "command": " ".join(sys.argv)}) + "\n")
+                        for row in result_rows(point):
+                            f.write(json.dumps({**row, "command": " ".join(sys.argv)}) + "\n")
                 sys.stdout.flush()
     return 0
 

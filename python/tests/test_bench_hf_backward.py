@@ -3,7 +3,8 @@ models/llama.cpp's presets) and its FLOP counts (the C++ FLOP model through the 
 it builds from a transformers config) equal what `collider models --json` (harness/recipes/cli.cpp)
 prints: each preset's shapes and, at T = 512 and 2048 with 40% filtered, the kept count, forward and
 backward FLOPs per token (dense, kept_only, exact_query) and the attention/linear ratio. And its
-rounds are the C++ engine's (base/rounds.h): warm-ups in order, then serpentine rounds.
+rounds are the C++ engine's (base/rounds.h): warm-ups in order, then serpentine rounds; its
+provenance the C++ rows' record; its --json rows keyed as the C++ sweeps' rows.
 Skipped without the C++ CLI (build/collider, from the C++ build).
   pytest python/tests/test_bench_hf_backward.py
 """
@@ -88,3 +89,30 @@ def test_provenance_is_the_rows_record(bench, repo_root):
         assert prov["git_sha"] == head
     assert prov["num_threads"] == torch.get_num_threads()
     assert torch.__version__.startswith(prov["torch_version"])
+
+
+def test_rows_are_result_rows(bench, tmp_path):
+    """--json writes one row per method keyed as the C++ sweeps' rows (DESIGN.md section 6), with the
+    point's keys and the method's figures beside them."""
+    import json
+    out = tmp_path / "rows.jsonl"
+    argv = ["bench_hf_backward.py", "--shapes", "tinyllama-debug", "--seq", "32", "--attn", "eager", "--reps", "1",
+            "--warmup", "0", "--allocator", "system", "--json", str(out)]  # torch's allocator stays
+    old, sys.argv = sys.argv, argv
+    try:
+        assert bench.main() == 0
+    finally:
+        sys.argv = old
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["label"] for r in rows] == list(bench.METHODS)
+    identity = {"experiment", "point_id", "status", "error", "model", "seq_len", "batch_size", "filter_ratio",
+                "method", "attention_grad", "dtype", "device", "git_sha", "torch_version", "device_name",
+                "bwd_ms", "bwd_ms_rel_iqr", "fwd_ms", "peak_mem_bytes", "flop_ideal_bwd_reduction", "floor_of"}
+    for r in rows:
+        assert identity <= r.keys(), identity - r.keys()
+    by = {r["label"]: r for r in rows}
+    assert (by["collider exact_query"]["method"], by["collider exact_query"]["attention_grad"]) == ("collider", "exact_query")
+    assert by["collider kept_only"]["flop_ideal_bwd_reduction"] == by["collider kept_only"]["ideal"] > 0
+    floor = by["floor"]
+    assert (floor["method"], floor["floor_of"], floor["seq_len"]) == ("regular", 32, floor["kept"] + 1)
+    assert len({r["point_id"] for r in rows}) == len(rows)

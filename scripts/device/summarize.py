@@ -331,23 +331,22 @@ def floors(d: Dest, sweep_rows: list[dict]) -> str:
 
 
 def hf_rows(d: Dest) -> str:
-    """python/bench/bench_hf_backward.py's rows (one per point, "source": "bench_hf_backward", each with
-    "methods": {method: figures}), one table line per method. bwd ms runs from the end of the forward
-    to the end of the backward, so Collider's includes its filter_backward call."""
+    """python/bench/bench_hf_backward.py's result rows (experiment "bench_hf_backward", one per method and
+    point, keyed as the sweeps' rows), one table line each. bwd ms runs from the end of the forward to
+    the end of the backward, so Collider's includes its filter_backward call."""
     rows = d.jsonl("hf_llama.jsonl")
-    points = [p for p in rows if p.get("source") == "bench_hf_backward"]
-    if not points:
+    ours = [r for r in rows if r.get("experiment") == "bench_hf_backward" and r.get("status") == "ok"]
+    if not ours:
         why = (f"{len(rows)} rows, none from python/bench/bench_hf_backward.py" if rows else
                "no hf_llama.jsonl; the Python package is not in the tree")
         return f"## transformers LlamaForCausalLM\n\nnot run ({why})."
     body = []
-    for p in points:
-        for method, r in p["methods"].items():
-            vs = "" if method == "regular" or r.get("reduction") is None else pct(-r["reduction"])
-            body.append([p["model"], p["attn_implementation"], p["seq_len"], p["batch_size"], method, ms(r["fwd_ms"]),
-                         ms(r["filter_call_ms"]) if "filter_call_ms" in r else "", ms(r["bwd_ms"]), vs,
-                         frac(r.get("of_ideal")) if "ideal" in r else "", p["dtype"], p["device_name"],
-                         p["transformers_version"]])
+    for r in ours:
+        vs = "" if r["label"] == "regular" or r.get("reduction") is None else pct(-r["reduction"])
+        body.append([r["shapes"], r["attn_implementation"], r.get("floor_of") or r["seq_len"], r["batch_size"],
+                     r["label"], ms(r["fwd_ms"]), ms(r["filter_call_ms"]) if "filter_call_ms" in r else "",
+                     ms(r["bwd_ms"]), vs, frac(r.get("of_ideal")) if r.get("ideal") else "", r["dtype"],
+                     r["device_name"], r["transformers_version"]])
     return "\n".join(["## transformers LlamaForCausalLM (python/bench/bench_hf_backward.py)", "",
                       table(["model", "attn", "T", "B", "method", "fwd ms", "filter_backward call ms",
                              "bwd ms (call included)", "vs regular", "of FLOP ideal", "dtype", "device",
