@@ -49,8 +49,9 @@ std::string group_table(const std::vector<nlohmann::json>& rows) {
       regular_ms = number(row, "bwd_ms");
     }
   }
-  std::string out = fmt::format("  {:<34} {:>9} {:>6} {:>10} {:>10} {:>7} {:>9} {:>9} {:>9}\n", "method", "bwd_ms",
-                                "+-IQR", "rewrite_ms", "reduction", "ideal", "of ideal", "vs floor", "peak_MiB");
+  std::string out = fmt::format("  {:<34} {:>9} {:>6} {:>10} {:>8} {:>8} {:>10} {:>7} {:>9} {:>9} {:>9}\n", "method",
+                                "bwd_ms", "+-IQR", "rewrite_ms", "rewrite%", "rw/reg%", "reduction", "ideal",
+                                "of ideal", "vs floor", "peak_MiB");
   std::string cuts;  // below the table: run.copy_probe's lines
   for (const auto& row : rows) {
     if (!ok(row)) {
@@ -74,10 +75,13 @@ std::string group_table(const std::vector<nlohmann::json>& rows) {
     if (t_prime < 0 && !std::isnan(number(row, "kept_per_row_mean")))
       t_prime = std::llround(number(row, "kept_per_row_mean"));
     if (filters && floor_ms.count(t_prime)) over_floor = cost / floor_ms.at(t_prime);
-    out += fmt::format("  {:<34} {:>9.2f} {:>5.1f}% {:>10.2f} {:>9.1f}% {:>7} {:>9} {:>9} {:>9.1f}\n", label(row), bwd,
-                       100 * number(row, "bwd_ms_rel_iqr"), std::isnan(rewrite) ? 0.0 : rewrite, 100 * reduction,
-                       cell(100 * ideal, "{:.1f}%"), cell(ideal > 0 ? reduction / ideal : std::nan(""), "{:.3f}"),
-                       cell(over_floor, "{:.2f}x"), number(row, "peak_mem_bytes") / 1048576.0);
+    // The rewrite against this point's backward (rewrite%) and regular's (rw/reg%).
+    const double rw = std::isnan(rewrite) ? 0.0 : rewrite;
+    out += fmt::format(
+        "  {:<34} {:>9.2f} {:>5.1f}% {:>10.2f} {:>7.2f}% {:>7.2f}% {:>9.1f}% {:>7} {:>9} {:>9} {:>9.1f}\n", label(row),
+        bwd, 100 * number(row, "bwd_ms_rel_iqr"), rw, 100 * rw / bwd, 100 * rw / regular_ms, 100 * reduction,
+        cell(100 * ideal, "{:.1f}%"), cell(ideal > 0 ? reduction / ideal : std::nan(""), "{:.3f}"),
+        cell(over_floor, "{:.2f}x"), number(row, "peak_mem_bytes") / 1048576.0);
     // run.copy_probe: the rewrite's cut bytes against a plain cold copy of them.
     if (row.contains("copy_floor_ms") && row.contains("filter_stats")) {
       const auto& fs = row["filter_stats"];

@@ -1,6 +1,7 @@
 // The console table of one measured group (what `collider run` prints after each group, and what
-// bench_backward.toml is read by): per point its backward median and spread, the rewrite, the
-// reduction against the group's regular point, the FLOP ideal and the share of it reached, the
+// bench_backward.toml is read by): per point its backward median and spread, the rewrite (in ms,
+// and as a share of the point's backward and of regular's), the reduction against the group's
+// regular point, the FLOP ideal and the share of it reached, the
 // time over the T' floor (run.floor) and the peak memory. Collider's reduction and "vs floor"
 // count bwd_ms + rewrite_ms (the rewrite is part of its backward's cost). Read from the rows
 // alone (DESIGN.md section 6), so the same table can be printed for any results.jsonl.
