@@ -64,13 +64,12 @@ std::string cuda_device_name(int ordinal) {
 
 Provenance collect_provenance(const torch::Device& device, const std::string& source_dir) {
   Provenance p;
-  const std::string& src = source_dir;
   bool ok = false;
-  p.git_sha = run_command("git -C '" + src + "' rev-parse HEAD 2>/dev/null", &ok);
+  p.git_sha = run_command("git -C '" + source_dir + "' rev-parse HEAD 2>/dev/null", &ok);
   if (!ok || p.git_sha.empty()) p.git_sha = "unknown";
   bool ok2 = false;
   const std::string dirty =
-      run_command("git -C '" + src + "' status --porcelain --untracked-files=no 2>/dev/null", &ok2);
+      run_command("git -C '" + source_dir + "' status --porcelain --untracked-files=no 2>/dev/null", &ok2);
   p.git_dirty = ok2 && !dirty.empty();
   p.torch_version = TORCH_VERSION;
   if (torch::cuda::is_available()) {

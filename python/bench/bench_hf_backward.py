@@ -354,11 +354,12 @@ def bench_point(p: Point, args, dev: torch.device, methods: tuple) -> dict:
 
 
 # ---- rows ---------------------------------------------------------------------------------------
-# Each method's (method, attention_grad) in the result rows of DESIGN.md section 6; the floor is
-# regular at S = T' + 1 tokens with floor_of = T, as the C++ sweeps' floor points.
-ROW_METHOD = {"regular": ("regular", "none"), "loss_only": ("loss_only", "none"),
-              "collider kept_only": ("collider", "kept_only"), "collider exact_query": ("collider", "exact_query"),
-              "floor": ("regular", "none")}
+def row_method(label: str) -> tuple:
+    """A method's (method, attention_grad) in the result rows of DESIGN.md section 6; the floor is
+    regular at S = T' + 1 tokens with floor_of = T, as the C++ sweeps' floor points."""
+    if label in ATTENTION:
+        return "collider", ATTENTION[label]
+    return ("regular" if label == "floor" else label), "none"
 
 
 def result_rows(point: dict) -> list:
@@ -368,7 +369,7 @@ def result_rows(point: dict) -> list:
     with the point's other keys and the method's figures beside them (label: the table's method name)."""
     rows = []
     for label, fig in point["methods"].items():
-        method, grad = ROW_METHOD[label]
+        method, grad = row_method(label)
         floor = label == "floor"
         seq_len = point["kept"] + 1 if floor else point["seq_len"]
         ratio = 0.0 if floor else point["filter_ratio"]
