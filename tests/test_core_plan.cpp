@@ -86,8 +86,9 @@ TEST(Plan, BadInputsGiveClearErrors) {
   EXPECT_NE(error_of([&] { filter_backward(fresh_loss(keep), none, plan); }).find("keeps no token"), std::string::npos);
   // A mask whose T does not fit the graph: the mask is named, not the plan.
   auto wrong_T = random_keep(2, 40, 0.5, 3);
-  EXPECT_NE(error_of([&] { filter_backward(fresh_loss(keep), wrong_T, plan); })
-                .find("the keep mask is [2, 40] but the loss was computed on [2, 32] positions"),
+  EXPECT_NE(error_of([&] {
+              filter_backward(fresh_loss(keep), wrong_T, plan);
+            }).find("the keep mask is [2, 40] but the loss was computed on [2, 32] positions"),
             std::string::npos);
   // Not a bool mask.
   EXPECT_NE(error_of([&] { filter_backward(fresh_loss(keep), keep.to(torch::kFloat), plan); }).find("bool [B, T]"),
@@ -169,7 +170,8 @@ TEST(Plan, FusedAttentionWithBiasOrMaskIsFiltered) {
       mask_backward(loss, keep, plan, {a});
       loss.backward();
       EXPECT_TRUE(torch::allclose(filtered, w.grad(), 1e-6, 1e-9))
-          << (kind == 0 ? "bias " : "window ") << to_string(a) << ": " << (filtered - w.grad()).abs().max().item<double>();
+          << (kind == 0 ? "bias " : "window ") << to_string(a) << ": "
+          << (filtered - w.grad()).abs().max().item<double>();
     }
   }
 }
@@ -259,8 +261,8 @@ struct SkippingMoe {
   }
 
   torch::Tensor grads() const {
-    return torch::cat({emb_VD.grad().flatten(), gate_DX.grad().flatten(), up_XDF.grad().flatten(),
-                       down_XFD.grad().flatten()});
+    return torch::cat(
+        {emb_VD.grad().flatten(), gate_DX.grad().flatten(), up_XDF.grad().flatten(), down_XFD.grad().flatten()});
   }
   void zero() const {
     for (auto p : {emb_VD, gate_DX, up_XDF, down_XFD}) p.mutable_grad() = torch::Tensor();

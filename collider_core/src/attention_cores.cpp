@@ -24,12 +24,13 @@ bool is_key_operand(const std::string& type, const std::string& field) {
   return field.rfind(type == "BaddbmmBackward0" ? "batch2" : "mat2", 0) == 0;
 }
 bool is_shape_or_scale(const std::string& t) {
-  static const std::set<std::string> k = {
-      "ToCopyBackward0",       "ExpandBackward0", "ViewBackward0",       "UnsafeViewBackward0",
-      "ReshapeAliasBackward0", "CloneBackward0",  "MaskedFillBackward0", "AddBackward0",
-      "AddBackward1",          "MulBackward0",    "MulBackward1",        "DivBackward0",
-      "DivBackward1",          "WhereBackward0",  "SubBackward0",        "SubBackward1",
-      "TanhBackward0"};  // Gemma2's logit soft-capping, cap * tanh(s / cap): elementwise, so row-local
+  static const std::
+      set<std::string>
+          k = {"ToCopyBackward0",       "ExpandBackward0", "ViewBackward0",       "UnsafeViewBackward0",
+               "ReshapeAliasBackward0", "CloneBackward0",  "MaskedFillBackward0", "AddBackward0",
+               "AddBackward1",          "MulBackward0",    "MulBackward1",        "DivBackward0",
+               "DivBackward1",          "WhereBackward0",  "SubBackward0",        "SubBackward1",
+               "TanhBackward0"};  // Gemma2's logit soft-capping, cap * tanh(s / cap): elementwise, so row-local
   return k.count(t) > 0;
 }
 

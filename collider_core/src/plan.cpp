@@ -104,7 +104,10 @@ std::string variant_text(const detail::PlanData& d) {
     const auto& n = d.nodes[i];
     std::string edges = "-";
     if (i < d.children.size() && !d.children[i].empty()) edges = fmt::format("{}", fmt::join(d.children[i], ","));
-    out += fmt::format("node {} {} {}{}\n", i, n.type, n.fused_attention ? 2 : n.attention_core ? 1 : 0,
+    out += fmt::format("node {} {} {}{}\n", i, n.type,
+                       n.fused_attention  ? 2
+                       : n.attention_core ? 1
+                                          : 0,
                        d.children.size() == d.nodes.size() ? " " + edges : "");
     for (const auto& f : n.fields) {
       out += fmt::format("field {} {} {} {}\n", f.name, static_cast<int>(f.kind), f.item, shape_text(f.shape));
@@ -226,8 +229,8 @@ Plan Plan::from_string(const std::string& text) {
     for (const auto& n : v.nodes)
       for (const auto& f : n.fields)
         for (const auto& dim : f.shape.dims)
-          if (dim.routed() && (dim.route >= static_cast<int32_t>(v.nodes.size()) ||
-                               v.nodes[dim.route].type != "IndexAddBackward0")) {
+          if (dim.routed() &&
+              (dim.route >= static_cast<int32_t>(v.nodes.size()) || v.nodes[dim.route].type != "IndexAddBackward0")) {
             throw Error(fmt::format("Plan::from_string: node {} field {}: route {} is not an IndexAddBackward0 node",
                                     n.type, f.name, dim.route));
           }

@@ -33,7 +33,7 @@ struct DimSpec {
   int32_t dim = 0;
   DimKind kind = DimKind::kToken;
   Role role = Role::kQuery;
-  int64_t mult = 1;  // kBatch: size / B; kFlatToken, kFlatSeqFirst: size / (B*T)
+  int64_t mult = 1;    // kBatch: size / B; kFlatToken, kFlatSeqFirst: size / (B*T)
   int32_t route = -1;  // kRouted*: the plan index of the IndexAddBackward0 that scatters the route back
 
   bool flat() const { return kind == DimKind::kFlatToken || kind == DimKind::kFlatSeqFirst; }

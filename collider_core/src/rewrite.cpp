@@ -218,8 +218,8 @@ struct CacheKey {
 
 CacheKey key_of(const torch::Tensor& t, bool with_strides, bool padding_keys_zeroed, int64_t cut_numel,
                 bool route_positions = false) {
-  CacheKey key{t.data_ptr(),      t.numel(), static_cast<int>(t.scalar_type()), {}, {}, padding_keys_zeroed,
-               cut_numel,         route_positions};
+  CacheKey key{t.data_ptr(), t.numel(),      static_cast<int>(t.scalar_type()), {}, {}, padding_keys_zeroed,
+               cut_numel,    route_positions};
   if (with_strides) {
     key.strides = t.strides().vec();
     key.sizes = t.sizes().vec();
@@ -245,7 +245,11 @@ class Rewriter {
   // keep_sources: tensors behind saved-tensor hooks stay packed after their cut (validate).
   Rewriter(const PlanData& plan, std::shared_ptr<TokenIndex> index, bool cut_keys, bool masked, bool keep_sources,
            FilterStats& stats)
-      : plan_(plan), ix_(std::move(index)), cut_keys_(cut_keys), masked_(masked), keep_sources_(keep_sources),
+      : plan_(plan),
+        ix_(std::move(index)),
+        cut_keys_(cut_keys),
+        masked_(masked),
+        keep_sources_(keep_sources),
         stats_(stats) {}
   Rewriter(const Rewriter&) = delete;
   Rewriter& operator=(const Rewriter&) = delete;
@@ -275,7 +279,8 @@ class Rewriter {
     std::vector<char> replaced(nodes.size(), 0);
     if (ix_->ragged() && !masked_) {
       for (size_t i = 0; i < nodes.size(); ++i)
-        if (nodes[i].attention_core && nodes[i].type == "SoftmaxBackward0") row_attention(g, static_cast<int>(i), replaced);
+        if (nodes[i].attention_core && nodes[i].type == "SoftmaxBackward0")
+          row_attention(g, static_cast<int>(i), replaced);
     }
     for (size_t i = 0; i < nodes.size(); ++i) {
       if (replaced[i]) continue;
@@ -385,9 +390,10 @@ class Rewriter {
     const auto full = to_ints(g.nodes[i]->input_metadata(0).shape_as_dim_vector());
     const std::string bad = in ? ix_->mismatch(full, in->shape) : "no token rows";
     if (!bad.empty()) {
-      throw Error(fmt::format("filter_backward: the graph does not match the plan at node #{} {}: {}. Re-trace the "
-                              "plan for this model (collider::trace_plan).",
-                              i, plan_.nodes[i].type, bad));
+      throw Error(
+          fmt::format("filter_backward: the graph does not match the plan at node #{} {}: {}. Re-trace the "
+                      "plan for this model (collider::trace_plan).",
+                      i, plan_.nodes[i].type, bad));
     }
     auto node = make_hooked_scatter(g.nodes[i], ix_, ix_->cut_sizes(full, in->shape, cut_keys_));
     replace_node(g, i, node);
@@ -439,7 +445,8 @@ class Rewriter {
     CacheKey key = key_of(t, /*strides=*/true, false, -1);
     if (auto it = cache_.find(key); it != cache_.end()) return {it->second, {}};
     auto ix = ix_;
-    auto cut = std::make_shared<SavedCut>(t, [ix](const torch::Tensor& x) { return timed_gather(x, [&] { return ix->cut_packed(x); }); });
+    auto cut = std::make_shared<SavedCut>(
+        t, [ix](const torch::Tensor& x) { return timed_gather(x, [&] { return ix->cut_packed(x); }); });
     count_gather(t, ix_->kept_total() * (t.numel() / std::max<int64_t>(t.size(0), 1)));
     cache_[key] = cut;
     return {cut, {}};
@@ -458,7 +465,8 @@ class Rewriter {
     // its view of the contiguous cut); any other is shared only by its own sizes and strides.
     // Broadcast fields (pad_rank > 0) are cut apart.
     std::optional<CacheKey> key;
-    if (spec.pad_rank == 0) key = key_of(t, !t.is_contiguous(), zero_padding_keys, want_numel, spec.has_route_positions());
+    if (spec.pad_rank == 0)
+      key = key_of(t, !t.is_contiguous(), zero_padding_keys, want_numel, spec.has_route_positions());
     if (key) {
       if (auto it = cache_.find(*key); it != cache_.end()) {
         return CutRef{it->second, t.is_contiguous() ? want : std::vector<int64_t>{}};
@@ -479,8 +487,9 @@ class Rewriter {
     return [ix, spec, zero_padding_keys, cut_keys, check](const torch::Tensor& t) {
       if (check) {
         auto bad = ix->mismatch(t.sizes(), spec);
-        TORCH_CHECK(bad.empty(), "collider: a saved tensor unpacked through saved-tensor hooks does not match the plan (",
-                    bad, "); re-trace the plan with the same checkpointing or offloading set-up");
+        TORCH_CHECK(bad.empty(),
+                    "collider: a saved tensor unpacked through saved-tensor hooks does not match the plan (", bad,
+                    "); re-trace the plan with the same checkpointing or offloading set-up");
       }
       auto want = ix->cut_sizes(t.sizes(), spec, cut_keys);
       if (spec.pad_rank == 0 && c10::IntArrayRef(want) == t.sizes() && !spec.has_route_positions()) {
@@ -530,12 +539,12 @@ class Rewriter {
   bool committed_ = false;
   FilterStats& stats_;
   std::map<CacheKey, std::shared_ptr<SavedCut>> cache_;  // cut_saved, cut_saved_packed
-  std::vector<std::function<void()>> writes_;  // swaps (defer)
-  std::vector<std::function<void()>> finals_;  // one-way, once the rewrite stays (finish)
+  std::vector<std::function<void()>> writes_;            // swaps (defer)
+  std::vector<std::function<void()>> finals_;            // one-way, once the rewrite stays (finish)
   std::vector<std::shared_ptr<SavedVariable>> hooked_slots_;
   std::unordered_map<const Node*, std::shared_ptr<PackedRowsNode>> packed_;  // original node -> its stand-in
-  std::vector<std::shared_ptr<RowAttentionNode>> row_attention_;  // eager cores run row by row
-  std::vector<std::shared_ptr<HookedScatterNode>> hooked_scatters_;  // hooked routes' scatters (routes.h)
+  std::vector<std::shared_ptr<RowAttentionNode>> row_attention_;             // eager cores run row by row
+  std::vector<std::shared_ptr<HookedScatterNode>> hooked_scatters_;          // hooked routes' scatters (routes.h)
 };
 
 // Applies one node's FieldSpecs through the generated field handlers.
@@ -683,8 +692,9 @@ class Rewriter::Apply final : public FieldVisitor {
         auto shape = f->shape;
         fn = [ix, shape](const torch::Tensor& t) {
           auto bad = ix->mismatch(t.sizes(), shape);
-          TORCH_CHECK(bad.empty(), "collider: a saved tensor unpacked through saved-tensor hooks does not match the plan (",
-                      bad, "); re-trace the plan with the same checkpointing or offloading set-up");
+          TORCH_CHECK(bad.empty(),
+                      "collider: a saved tensor unpacked through saved-tensor hooks does not match the plan (", bad,
+                      "); re-trace the plan with the same checkpointing or offloading set-up");
           return ix->cut_packed(t);
         };
       } else {
@@ -722,9 +732,10 @@ class Rewriter::Apply final : public FieldVisitor {
     try {
       return v.unpack(node_);
     } catch (const std::exception& e) {
-      throw Error(fmt::format("filter_backward: cannot read saved tensor {} of node #{} {} ({}). Call "
-                              "filter_backward once per loss, before loss.backward().",
-                              name, index_, spec_.type, first_line(e.what())));
+      throw Error(
+          fmt::format("filter_backward: cannot read saved tensor {} of node #{} {} ({}). Call "
+                      "filter_backward once per loss, before loss.backward().",
+                      name, index_, spec_.type, first_line(e.what())));
     }
   }
   // A saved tensor behind saved-tensor hooks: made by `fn` from what the hooks unpack, when the
@@ -810,7 +821,8 @@ std::string type_mismatch(const Graph& g, const std::vector<const std::string*>&
     // The fused attention kernels are interchangeable: which one runs can depend on the mask, the
     // dtype or the device (CUDA's flash takes no mask, the memory-efficient one does).
     if (t != plan.nodes[i].type && !(plan.nodes[i].fused_attention && is_fused_attention_node(t))) {
-      if (is_reentrant_checkpoint(t)) return fmt::format("{}: node #{} is {}: {}", who, i, t, reentrant_checkpoint_advice());
+      if (is_reentrant_checkpoint(t))
+        return fmt::format("{}: node #{} is {}: {}", who, i, t, reentrant_checkpoint_advice());
       if (t == "ToCopyBackward0" || plan.nodes[i].type == "ToCopyBackward0") {  // a dtype cast where the trace had none
         return fmt::format(
             "{}: node #{} is {} but the plan expects {}: the casts differ, as when the forward runs under "
@@ -818,15 +830,17 @@ std::string type_mismatch(const Graph& g, const std::vector<const std::string*>&
             "both).",
             who, i, t, plan.nodes[i].type);
       }
-      return fmt::format("{}: node #{} is {} but the plan expects {}: the graph does not match the plan "
-                         "(another model, or a changed forward). Re-trace with collider::trace_plan.",
-                         who, i, t, plan.nodes[i].type);
+      return fmt::format(
+          "{}: node #{} is {} but the plan expects {}: the graph does not match the plan "
+          "(another model, or a changed forward). Re-trace with collider::trace_plan.",
+          who, i, t, plan.nodes[i].type);
     }
   }
   if (g.nodes.size() != plan.nodes.size()) {
-    return fmt::format("{}: the loss graph has {} nodes but the plan has {}: it was traced for another model "
-                       "or loss. Re-trace with collider::trace_plan.",
-                       who, g.nodes.size(), plan.nodes.size());
+    return fmt::format(
+        "{}: the loss graph has {} nodes but the plan has {}: it was traced for another model "
+        "or loss. Re-trace with collider::trace_plan.",
+        who, g.nodes.size(), plan.nodes.size());
   }
   return {};
 }
@@ -922,10 +936,10 @@ void check_passthrough_nodes(const Graph& g, const PlanData& plan, const TokenIn
       if (!raw || !raw->defined()) continue;
       for (int64_t size : raw->sizes()) {
         if (size != ix.T() && size != ix.B() * ix.T()) continue;
-        throw Error(fmt::format(
-            "{}: node #{} {} saves a token-shaped tensor ([{}]) the plan does not cut, which its backward "
-            "would read at full length; re-trace the plan, or write the op with torch operations",
-            who, i, plan.nodes[i].type, fmt::join(raw->sizes(), ", ")));
+        throw Error(
+            fmt::format("{}: node #{} {} saves a token-shaped tensor ([{}]) the plan does not cut, which its backward "
+                        "would read at full length; re-trace the plan, or write the op with torch operations",
+                        who, i, plan.nodes[i].type, fmt::join(raw->sizes(), ", ")));
       }
     }
   }
@@ -1014,7 +1028,8 @@ void validate_against_masked(const torch::Tensor& loss, const Graph& g, const Pl
                              const std::shared_ptr<TokenIndex>& ix, bool exact, Rewriter& rw, const char* who) {
   torch::autograd::edge_list leaves;
   for (const auto& n : g.nodes)
-    if (n->num_inputs() == 1 && n->next_edges().empty() && n->name() == "torch::autograd::AccumulateGrad") leaves.emplace_back(n, 0);
+    if (n->num_inputs() == 1 && n->next_edges().empty() && n->name() == "torch::autograd::AccumulateGrad")
+      leaves.emplace_back(n, 0);
   FilterStats ref_stats;
   auto ref = prepare_rewrite(g, data, ix, exact, /*masked=*/true, /*keep_sources=*/true, ref_stats, who);
   torch::autograd::variable_list want, got;
@@ -1083,10 +1098,10 @@ FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT,
   }
   const auto [loss_B, loss_T] = loss_tokens(g, data);
   if (loss_B > 0 && (loss_B != keep_BT.size(0) || loss_T != keep_BT.size(1))) {
-    throw Error(fmt::format(
-        "{}: the keep mask is [{}, {}] but the loss was computed on [{}, {}] positions; give the mask the "
-        "hidden states' [B, T] (collider.hf.keep_mask_from_labels derives it from labels)",
-        who, keep_BT.size(0), keep_BT.size(1), loss_B, loss_T));
+    throw Error(
+        fmt::format("{}: the keep mask is [{}, {}] but the loss was computed on [{}, {}] positions; give the mask the "
+                    "hidden states' [B, T] (collider.hf.keep_mask_from_labels derives it from labels)",
+                    who, keep_BT.size(0), keep_BT.size(1), loss_B, loss_T));
   }
   const auto t_graph = std::chrono::steady_clock::now();
   auto ix = std::make_shared<TokenIndex>(keep_BT.to(loss.device()));
@@ -1142,10 +1157,10 @@ static FilterStats rewrite_or_refuse(const torch::Tensor& loss, const torch::Ten
   } catch (const Error&) { throw; } catch (const std::exception& e) {
     const std::string what = detail::first_line(e.what());
     if (what.find("backward through the graph a second time") != std::string::npos) {
-      throw Error(fmt::format(
-          "{}: loss.backward() already ran on this loss (its saved tensors are freed); call {} before "
-          "loss.backward(), once per loss",
-          who, who));
+      throw Error(
+          fmt::format("{}: loss.backward() already ran on this loss (its saved tensors are freed); call {} before "
+                      "loss.backward(), once per loss",
+                      who, who));
     }
     throw Error(fmt::format("{}: refused, the graph is unchanged (a plain backward gives the loss_only gradient): {}",
                             who, what));

@@ -58,7 +58,8 @@ void claim(NodeSpec& ns, int i, int32_t r) {
   for (auto& f : ns.fields) {
     for (auto& d : f.shape.dims) {
       if (!d.routed()) continue;
-      if (d.route >= 0 && d.route != r) refuse(ns, i, fmt::format("it is in two mixture-of-experts routes (#{}, #{})", d.route, r));
+      if (d.route >= 0 && d.route != r)
+        refuse(ns, i, fmt::format("it is in two mixture-of-experts routes (#{}, #{})", d.route, r));
       d.route = r;
     }
   }
@@ -73,8 +74,8 @@ bool is_index_op(const std::string& type) {
 // two traces (rows_a, rows_b), adding the fields that classify() left without one: a route that
 // received no token in either trace has 0 rows in both, which classify() reads as a constant
 // (no field of a route is empty otherwise). Returns whether the node has routed fields now.
-bool mark_routed_fields(const std::vector<ObservedNode>& oa, const std::vector<ObservedNode>& ob, PlanData& plan,
-                        int x, int64_t rows_a, int64_t rows_b) {
+bool mark_routed_fields(const std::vector<ObservedNode>& oa, const std::vector<ObservedNode>& ob, PlanData& plan, int x,
+                        int64_t rows_a, int64_t rows_b) {
   NodeSpec& xs = plan.nodes[x];
   bool any = false;
   for (size_t k = 0; k < oa[x].fields.size() && k < ob[x].fields.size(); ++k) {
@@ -95,7 +96,8 @@ bool mark_routed_fields(const std::vector<ObservedNode>& oa, const std::vector<O
       spec.dims.push_back(DimSpec{dims[0], DimKind::kRouted, Role::kQuery, 1});
       xs.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
     } else if (f->shape.dims.size() != 1 || f->shape.dims[0].dim != dims[0] || !f->shape.dims[0].routed()) {
-      refuse(xs, x, fmt::format("field {} mixes a mixture-of-experts route's rows with other dimensions that scale", a.name));
+      refuse(xs, x,
+             fmt::format("field {} mixes a mixture-of-experts route's rows with other dimensions that scale", a.name));
     }
     any = true;
   }
@@ -120,8 +122,9 @@ void walk_route(const Graph& g, const std::vector<ObservedNode>& oa, const std::
       // index of routed rows picks along another dimension (the top-k slot of a routing weight).
       const FieldSpec* self = field(xs, FieldKind::kSizes, "self_sym_sizes");
       if (!self || !token_rows_at(self->shape, 0, plan.batch_a == 1)) {
-        refuse(xs, x, "it indexes a mixture-of-experts route's rows; collider follows a route only when it is "
-                      "gathered from the [B*T] token rows (hidden_states[index])");
+        refuse(xs, x,
+               "it indexes a mixture-of-experts route's rows; collider follows a route only when it is "
+               "gathered from the [B*T] token rows (hidden_states[index])");
       }
       for (auto& f : xs.fields) {
         if (f.kind != FieldKind::kSaved || f.name != "indices_") continue;
@@ -133,7 +136,8 @@ void walk_route(const Graph& g, const std::vector<ObservedNode>& oa, const std::
       claim(xs, x, s);
       continue;  // below it: the token rows
     }
-    if (is_index_op(xs.type)) refuse(xs, x, "an index op inside a mixture-of-experts route, which collider does not follow");
+    if (is_index_op(xs.type))
+      refuse(xs, x, "an index op inside a mixture-of-experts route, which collider does not follow");
     for (const auto& f : xs.fields) {
       for (const auto& d : f.shape.dims) {
         if (!d.routed() && d.kind != DimKind::kBatch) {
@@ -149,8 +153,8 @@ void walk_route(const Graph& g, const std::vector<ObservedNode>& oa, const std::
 
 }  // namespace
 
-void assign_routes(const Graph& g, const std::vector<ObservedNode>& oa, const std::vector<ObservedNode>& ob,
-                   Sizes sa, Sizes sb, PlanData& plan, const std::vector<RoutedCandidate>& candidates) {
+void assign_routes(const Graph& g, const std::vector<ObservedNode>& oa, const std::vector<ObservedNode>& ob, Sizes sa,
+                   Sizes sb, PlanData& plan, const std::vector<RoutedCandidate>& candidates) {
   const auto& observed = oa;
   const int n = static_cast<int>(plan.nodes.size());
   for (int s = 0; s < n; ++s) {
@@ -181,10 +185,12 @@ void assign_routes(const Graph& g, const std::vector<ObservedNode>& oa, const st
     if (rows_a >= 0) mark_routed_fields(oa, ob, plan, s, rows_a, rows_b);
     FieldSpec* index = field(ns, FieldKind::kSaved, "index_");
     if (!index || !index->shape.has_routed()) {
-      refuse(ns, s, "it adds rows into token rows by an index whose length does not follow the batch; collider "
-                    "cannot cut that index");
+      refuse(ns, s,
+             "it adds rows into token rows by an index whose length does not follow the batch; collider "
+             "cannot cut that index");
     }
-    if (observed[s].dim.value_or(-1) != 0 || !token_rows_at(in->shape, 0, plan.batch_a == 1) || index->shape.rank != 1) {
+    if (observed[s].dim.value_or(-1) != 0 || !token_rows_at(in->shape, 0, plan.batch_a == 1) ||
+        index->shape.rank != 1) {
       refuse(ns, s, "it adds routed rows into a tensor other than the [B*T, ..] token rows (along dimension 0)");
     }
     index->shape.dims[0].kind = DimKind::kRoutedPositions;
@@ -199,7 +205,8 @@ void assign_routes(const Graph& g, const std::vector<ObservedNode>& oa, const st
         if (!d.routed() || d.route >= 0) continue;
         const bool moe = ns.type == "IndexAddBackward0" || ns.type == "IndexBackward0" || ns.type == "TopkBackward0" ||
                          ns.type == "SortBackward0";
-        throw Error(fmt::format("collider cannot rewrite node {} (#{}): field {} {}.{}", ns.type, c.node, c.field, c.why,
+        throw Error(fmt::format("collider cannot rewrite node {} (#{}): field {} {}.{}", ns.type, c.node, c.field,
+                                c.why,
                                 moe ? " Tokens routed by data (grouped or sorted experts) are not filtered yet; use "
                                       "experts_implementation=\"eager\" or method loss_only"
                                     : ""));
@@ -217,9 +224,10 @@ void assign_routes(const Graph& g, const std::vector<ObservedNode>& oa, const st
       if (o.kind != FieldKind::kSaved || o.name != "indices_" || !o.defined) continue;
       for (const auto& d : self->shape.dims) {
         if (d.dim == o.item && d.kind != DimKind::kBatch) {
-          refuse(ns, i, "it gathers token rows by an index that does not follow a route (sorted tokens of "
-                        "grouped experts, or fixed positions), which a cut would leave pointing at the full rows. "
-                        "For transformers' mixture-of-experts models set experts_implementation=\"eager\"");
+          refuse(ns, i,
+                 "it gathers token rows by an index that does not follow a route (sorted tokens of "
+                 "grouped experts, or fixed positions), which a cut would leave pointing at the full rows. "
+                 "For transformers' mixture-of-experts models set experts_implementation=\"eager\"");
         }
       }
     }
@@ -258,9 +266,10 @@ void register_routes(const Graph& g, const PlanData& plan, TokenIndex& ix, const
     try {
       index = reader.index->unpack(node);
     } catch (const std::exception& e) {
-      throw Error(fmt::format("{}: cannot read the index of node #{} IndexAddBackward0. Call filter_backward once per "
-                              "loss, before loss.backward()",
-                              who, r));
+      throw Error(
+          fmt::format("{}: cannot read the index of node #{} IndexAddBackward0. Call filter_backward once per "
+                      "loss, before loss.backward()",
+                      who, r));
     }
     ix.add_route(r, index);
   }

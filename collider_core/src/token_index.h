@@ -109,12 +109,12 @@ class TokenIndex {
 
   int64_t B_, T_, N_;
   torch::Tensor keep_BT_;
-  torch::Tensor sel_BT_;         // the cut positions: keep_BT_, plus the padding of ragged rows
-  torch::Tensor idx_BN_;         // int64 [B, N], ascending per row
-  torch::Tensor pad_BN_;         // bool [B, N], ragged only
+  torch::Tensor sel_BT_;             // the cut positions: keep_BT_, plus the padding of ragged rows
+  torch::Tensor idx_BN_;             // int64 [B, N], ascending per row
+  torch::Tensor pad_BN_;             // bool [B, N], ragged only
   torch::Tensor live_S_, packed_S_;  // int64 [S], ragged only (live_rows, packed_rows)
   torch::Tensor pad_rows_;           // int64 [B*N - S], ragged only (padding_rows)
-  std::vector<int64_t> counts_;  // kept per row
+  std::vector<int64_t> counts_;      // kept per row
   bool ragged_ = false;
   std::map<int64_t, torch::Tensor> flat_cache_, seq_first_cache_, rows_cache_, square_cache_;
   ChunkTables chunks_;

@@ -69,7 +69,8 @@ void refuse_token_gradients_born_opaque(const Graph& g, const PlanData& plan) {
     const NodeSpec& ns = plan.nodes[i];
     if (find_node_fields(*g.nodes[i]) || ns.type == "torch::autograd::AccumulateGrad") continue;
     bool token_input = false;
-    for (const auto& f : ns.fields) token_input = token_input || (f.kind == FieldKind::kInputMeta && f.shape.has_token());
+    for (const auto& f : ns.fields)
+      token_input = token_input || (f.kind == FieldKind::kInputMeta && f.shape.has_token());
     if (token_input) continue;
     for (const auto& e : g.nodes[i]->next_edges()) {
       if (!e.function) continue;
@@ -106,8 +107,8 @@ void check_python_functions(const Graph& g, const PlanData& plan, const std::vec
         why = fmt::format("field {} has more than one token dimension", f.name);
     std::vector<const FieldSpec*> outputs;
     for (const auto& e : g.nodes[i]->next_edges()) {
-      outputs.push_back(e.function ? plan.nodes[g.index.at(e.function.get())].find(
-                                         FieldKind::kInputMeta, static_cast<int32_t>(e.input_nr))
+      outputs.push_back(e.function ? plan.nodes[g.index.at(e.function.get())].find(FieldKind::kInputMeta,
+                                                                                   static_cast<int32_t>(e.input_nr))
                                    : nullptr);
     }
     if (why.empty()) why = row_mismatch(g.nodes[i], ns, observed[i].custom_saved, outputs, s.B, s.T);
@@ -169,8 +170,8 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
       plan.children[i].push_back(e.function ? ga.index.at(e.function.get()) : -1);
   // Raw classification.
   std::vector<std::vector<std::vector<int64_t>>> values(n);  // trace-a values per kept field
-  std::vector<RoutedCandidate> candidates;                    // fields taken as routed (routes.h)
-  std::set<int> python_functions;                             // Python custom Functions with token fields
+  std::vector<RoutedCandidate> candidates;                   // fields taken as routed (routes.h)
+  std::set<int> python_functions;                            // Python custom Functions with token fields
   for (size_t i = 0; i < n; ++i) {
     NodeSpec& ns = plan.nodes[i];
     ns.type = oa[i].type;
@@ -179,8 +180,8 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
       continue;
     }
     if (is_reentrant_checkpoint(ns.type)) {
-      throw Error(fmt::format("collider cannot filter through node {} (#{}): {}", ns.type, i,
-                              reentrant_checkpoint_advice()));
+      throw Error(
+          fmt::format("collider cannot filter through node {} (#{}): {}", ns.type, i, reentrant_checkpoint_advice()));
     }
     for (size_t k = 0; k < oa[i].fields.size(); ++k) {
       const Observed& a = oa[i].fields[k];
@@ -233,11 +234,10 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
       }
       if (a.scalar) {
         if (a.name.find("numel") != std::string::npos) continue;  // a divisor fixed by the forward (mean)
-        throw Error(
-            fmt::format("collider cannot rewrite node {} (#{}): scalar field {} equals the sequence length; "
-                        "the op indexes along the token dimension{}",
-                        ns.type, i, a.name,
-                        debug_plan() ? fmt::format(". Saved fields: {}", oa[i].described) : std::string()));
+        throw Error(fmt::format(
+            "collider cannot rewrite node {} (#{}): scalar field {} equals the sequence length; "
+            "the op indexes along the token dimension{}",
+            ns.type, i, a.name, debug_plan() ? fmt::format(". Saved fields: {}", oa[i].described) : std::string()));
       }
       if (a.name.rfind("geometry:", 0) == 0) {
         throw Error(
@@ -345,7 +345,8 @@ static Plan trace_plan_impl(const LossOnBatchFn& loss_on_random_batch, const Tra
         return detail::build_plan(ga, gb, {Ba, opts.seq_a}, {Bb, opts.seq_b});
       } catch (const detail::AmbiguousRoute& e) {
         if (attempt == 8) {
-          throw Error(fmt::format("{} (8 attempts; does the loss function draw new random tokens each call?)", e.what()));
+          throw Error(
+              fmt::format("{} (8 attempts; does the loss function draw new random tokens each call?)", e.what()));
         }
       }
     }
