@@ -63,6 +63,22 @@ TEST(Plan, TextRoundTrip) {
   EXPECT_NE(error_of([&] { Plan::from_string("not a plan"); }).find("not a collider plan"), std::string::npos);
 }
 
+// A `detach` line (an attention core's row maximum, plan_impl.h DetachedEdge) must name a
+// subtraction of the plan; a route (grouped experts) an IndexBackward0 or IndexAddBackward0 node.
+TEST(Plan, DetachAndRouteLinesAreChecked) {
+  Gpt2 m = make_model(1);
+  const std::string text = plan_for(m).to_string();
+  auto msg = error_of([&] { Plan::from_string(text + "detach 0 1\n"); });
+  EXPECT_NE(msg.find("not a SubBackward0 node"), std::string::npos) << msg;
+  msg = error_of([&] { Plan::from_string(text + "detach -1 0\n"); });
+  EXPECT_NE(msg.find("malformed detach"), std::string::npos) << msg;
+  // A grouped route's token slots (kind 8) pointing at node 0, which sends no route back.
+  msg = error_of([&] { Plan::from_string(text + "field indices_ 0 0 1 0 -1 1 0:8:0:2:0\n"); });
+  EXPECT_NE(msg.find("is not an IndexAddBackward0 or IndexBackward0 node"), std::string::npos) << msg;
+  msg = error_of([&] { Plan::from_string(text + "field indices_ 0 0 1 0 -1 1 0:10:0:2\n"); });
+  EXPECT_NE(msg.find("malformed dimension"), std::string::npos) << msg;
+}
+
 TEST(Plan, AnotherModelsGraphIsRejected) {
   Gpt2 small = make_model(1), big = make_model(2);
   Plan plan = plan_for(small);

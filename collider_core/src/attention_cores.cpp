@@ -36,6 +36,32 @@ bool is_shape_or_scale(const std::string& t) {
 
 bool is_sdpa(const std::string& t) { return t.rfind("ScaledDotProduct", 0) == 0 || t.rfind("Efficient", 0) == 0; }
 
+// Attention sinks (GPT-OSS): the scores get c fixed columns appended (CatBackward0) before the
+// softmax, which the probabilities lose again (SliceBackward0, [..., :T]); both have a field of
+// T + c key positions (kTokenPlus; trace.cpp's check_sinks checks how they cat and slice).
+bool has_token_plus(const NodeSpec& ns) {
+  for (const auto& f : ns.fields)
+    for (const auto& d : f.shape.dims)
+      if (d.kind == DimKind::kTokenPlus) return true;
+  return false;
+}
+bool is_sink_op(const NodeSpec& ns) {
+  return (ns.type == "CatBackward0" || ns.type == "SliceBackward0") && has_token_plus(ns);
+}
+
+// The row maximum subtracted from the scores before the softmax (scores - scores.max(-1,
+// keepdim=True).values, which GPT-OSS writes): node `sub` is SubBackward0 whose edge 1 is a
+// MaxBackward0 of the tensor its edge 0 is. Returns that maximum's node, or -1.
+int stabilising_max(const Graph& g, const PlanData& plan, int sub) {
+  if (plan.nodes[sub].type != "SubBackward0") return -1;
+  const auto& edges = g.nodes[sub]->next_edges();
+  if (edges.size() != 2 || !edges[0].function || !edges[1].function) return -1;
+  const int m = g.index.at(edges[1].function.get());
+  if (plan.nodes[m].type != "MaxBackward0") return -1;
+  const auto& below = g.nodes[m]->next_edges();
+  return below.size() == 1 && below[0].function == edges[0].function ? m : -1;
+}
+
 }  // namespace
 
 AttentionCoreNodes locate_attention_core(const Graph& g, const PlanData& plan, int s) {
@@ -57,7 +83,7 @@ AttentionCoreNodes locate_attention_core(const Graph& g, const PlanData& plan, i
       core.qk = next;
       break;
     }
-    if (!is_shape_or_scale(type(next))) break;
+    if (!is_shape_or_scale(type(next)) && !is_sink_op(plan.nodes[next])) break;
     core.down.push_back(next);
     cur = next;
   }
@@ -70,7 +96,7 @@ AttentionCoreNodes locate_attention_core(const Graph& g, const PlanData& plan, i
       if (edge == 0) core.pv = p;
       break;
     }
-    if (!is_shape_or_scale(type(p))) break;
+    if (!is_shape_or_scale(type(p)) && !is_sink_op(plan.nodes[p])) break;
     core.up.push_back(p);
     cur = p;
   }
@@ -99,6 +125,15 @@ void find_attention_cores(const Graph& g, PlanData& plan) {
                       s));
       continue;
     }
+    // A row maximum subtracted before the softmax carries a zero gradient (softmax(x - m) does not
+    // depend on m); after a kept_only cut it would not sum to zero, so the edge to it is removed at
+    // filter time and the maximum, which then never runs, is not rewritten.
+    for (int d : found.down) {
+      const int m = stabilising_max(g, plan, d);
+      if (m < 0) continue;
+      plan.detached.push_back(DetachedEdge{d, 1});
+      plan.nodes[m].fields.clear();
+    }
     std::vector<int> core = {s};
     core.insert(core.end(), found.down.begin(), found.down.end());
     core.insert(core.end(), found.up.begin(), found.up.end());
@@ -114,7 +149,7 @@ void find_attention_cores(const Graph& g, PlanData& plan) {
         const bool mat2 = is_key_operand(type(c), f.name);
         int seen = 0;
         for (auto& d : f.shape.dims) {
-          if (d.kind != DimKind::kToken) continue;
+          if (d.kind != DimKind::kToken && d.kind != DimKind::kTokenPlus) continue;
           if (mat2 && (c == qk || c == pv))
             d.role = Role::kKey;
           else if (toks.size() >= 2 && seen == 1)

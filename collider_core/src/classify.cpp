@@ -34,6 +34,9 @@ bool classify(const Observed& a, const Observed& b, Sizes sa, Sizes sb, ShapeSpe
     } else if (x % (sa.B * sa.T) == 0 && y % (sb.B * sb.T) == 0 && x / (sa.B * sa.T) == y / (sb.B * sb.T)) {
       ds.kind = DimKind::kFlatToken;  // [B, mult, T] flattened
       ds.mult = x / (sa.B * sa.T);
+    } else if (x > sa.T && x - sa.T == y - sb.T && x - sa.T <= kMaxTokenPlus) {
+      ds.kind = DimKind::kTokenPlus;  // T positions and a few fixed ones (attention sinks); checked by trace_plan
+      ds.mult = x - sa.T;
     } else if (x == y) {
       continue;  // constant
     } else if (x % sa.B == 0 && y % sb.B == 0 && x / sa.B == y / sb.B) {
@@ -56,7 +59,7 @@ bool classify(const Observed& a, const Observed& b, Sizes sa, Sizes sb, ShapeSpe
 std::vector<int32_t> token_dims(const ShapeSpec& s) {
   std::vector<int32_t> out;
   for (const auto& d : s.dims)
-    if (d.kind == DimKind::kToken) out.push_back(d.dim);
+    if (d.kind == DimKind::kToken || d.kind == DimKind::kTokenPlus) out.push_back(d.dim);
   return out;
 }
 const DimSpec* batch_dim(const ShapeSpec& s) {

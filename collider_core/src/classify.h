@@ -21,6 +21,9 @@ struct Sizes {
   int64_t B, T;
 };
 
+// The most fixed positions a kTokenPlus dimension (T + mult) may have after its T token positions.
+inline constexpr int64_t kMaxTokenPlus = 16;
+
 // Classifies one field from its two observations into `spec`. Returns false (and `why`) for
 // dimensions that scale with B or T in a way the rewriter cannot cut; with allow_routed, such a
 // dimension is taken as kRouted (a mixture-of-experts route, routes.h, which must then claim it).

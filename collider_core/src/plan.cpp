@@ -64,7 +64,7 @@ std::string shape_text(const detail::ShapeSpec& s) {
   for (const auto& d : s.dims) {
     if (!dims.empty()) dims += ",";
     dims += fmt::format("{}:{}:{}:{}", d.dim, static_cast<int>(d.kind), static_cast<int>(d.role), d.mult);
-    if (d.routed()) dims += fmt::format(":{}", d.route);
+    if (d.has_route()) dims += fmt::format(":{}", d.route);
   }
   return fmt::format("{} {} {} {} {}", s.rank, s.pad_rank, s.bcast_batch_dim, s.bcast_mult, dims.empty() ? "-" : dims);
 }
@@ -82,12 +82,14 @@ detail::ShapeSpec parse_shape(std::istringstream& in, int line_no) {
     detail::DimSpec d;
     int kind = 0, role = 0;
     const int got = std::sscanf(item.c_str(), "%d:%d:%d:%ld:%d", &d.dim, &kind, &role, &d.mult, &d.route);
-    const bool routed = kind == static_cast<int>(detail::DimKind::kRouted) ||
-                        kind == static_cast<int>(detail::DimKind::kRoutedPositions);
-    if (got != (routed ? 5 : 4) || kind < 0 || kind > 5 || role < 0 || role > 1 || (routed && d.route < 0)) {
+    if (kind < 0 || kind > static_cast<int>(detail::DimKind::kTokenPlus)) {
       throw Error(fmt::format("Plan::from_string: line {}: malformed dimension '{}'", line_no, item));
     }
     d.kind = static_cast<detail::DimKind>(kind);
+    const bool routed = d.has_route();
+    if (got != (routed ? 5 : 4) || role < 0 || role > 1 || (routed && d.route < 0)) {
+      throw Error(fmt::format("Plan::from_string: line {}: malformed dimension '{}'", line_no, item));
+    }
     d.role = static_cast<detail::Role>(role);
     s.dims.push_back(d);
   }
@@ -114,6 +116,7 @@ std::string variant_text(const detail::PlanData& d) {
     }
   }
   for (const auto& ins : d.inserts) out += fmt::format("insert {} {} {}\n", ins.node, ins.edge, shape_text(ins.shape));
+  for (const auto& e : d.detached) out += fmt::format("detach {} {}\n", e.node, e.edge);
   if (!d.exact_query_blocker.empty()) out += "blocker " + d.exact_query_blocker + "\n";
   return out;
 }
@@ -209,6 +212,11 @@ Plan Plan::from_string(const std::string& text) {
         throw Error(fmt::format("Plan::from_string: line {}: malformed insert", line_no));
       ins.shape = parse_shape(in, line_no);
       d.inserts.push_back(std::move(ins));
+    } else if (tag == "detach") {
+      detail::DetachedEdge e;
+      if (!(in >> e.node >> e.edge) || e.node < 0 || e.edge < 0)
+        throw Error(fmt::format("Plan::from_string: line {}: malformed detach", line_no));
+      d.detached.push_back(e);
     } else if (tag == "blocker") {
       std::string why;
       std::getline(in >> std::ws, why);  // the rest of the line (a bare "blocker" has none)
@@ -229,11 +237,17 @@ Plan Plan::from_string(const std::string& text) {
     for (const auto& n : v.nodes)
       for (const auto& f : n.fields)
         for (const auto& dim : f.shape.dims)
-          if (dim.routed() &&
-              (dim.route >= static_cast<int32_t>(v.nodes.size()) || v.nodes[dim.route].type != "IndexAddBackward0")) {
-            throw Error(fmt::format("Plan::from_string: node {} field {}: route {} is not an IndexAddBackward0 node",
-                                    n.type, f.name, dim.route));
+          if (dim.has_route() &&
+              (dim.route >= static_cast<int32_t>(v.nodes.size()) ||
+               (v.nodes[dim.route].type != "IndexAddBackward0" && v.nodes[dim.route].type != "IndexBackward0"))) {
+            throw Error(fmt::format(
+                "Plan::from_string: node {} field {}: route {} is not an IndexAddBackward0 or IndexBackward0 node",
+                n.type, f.name, dim.route));
           }
+    for (const auto& e : v.detached)
+      if (e.node >= static_cast<int32_t>(v.nodes.size()) || v.nodes[e.node].type != "SubBackward0") {
+        throw Error(fmt::format("Plan::from_string: detach of node {}, which is not a SubBackward0 node", e.node));
+      }
   }
   if (!batched || !one_row) {
     throw Error("Plan::from_string: incomplete plan (expected variants for B > 1 and for B = 1)");

@@ -22,6 +22,16 @@ enum class DimKind : uint8_t {
   // depends on the data. A route's rows are those of the [B*T] token rows listed in its index.
   kRouted,           // size R: one row per routed token, in the route's order
   kRoutedPositions,  // the same rows, and the tensor's values are rows of [B*T] (the route's index)
+  // Grouped experts (routes.h: one route per layer, its rows the [B*T*k] token-expert pairs sorted
+  // by expert, k = mult experts per token):
+  kRoutedSlots,    // the route's rows, and the values are rows of the [B*T*mult] token slots (t*mult + j)
+  kRoutedOffsets,  // a fixed size (the experts); the values are the route's cumulative rows per expert
+  kTokenSlots,     // size B*T*mult, a [B*T, mult] flattened (row = (b*T + t)*mult + j); the values are
+                   // rows of the route (the sort's inverse permutation)
+  // Attention sinks (GPT-OSS: cat(scores, sinks) along the keys): size T + mult, the T token
+  // positions followed by mult fixed ones, which a cut keeps. Only inside a recognised attention
+  // core (attention_cores.h).
+  kTokenPlus,
 };
 
 enum class Role : uint8_t {
@@ -34,10 +44,18 @@ struct DimSpec {
   DimKind kind = DimKind::kToken;
   Role role = Role::kQuery;
   int64_t mult = 1;    // kBatch: size / B; kFlatToken, kFlatSeqFirst: size / (B*T)
-  int32_t route = -1;  // kRouted*: the plan index of the IndexAddBackward0 that scatters the route back
+  int32_t route = -1;  // has_route(): the plan index of the node that sends the route's rows back to
+                       // the token rows (IndexAddBackward0; grouped experts: IndexBackward0)
 
   bool flat() const { return kind == DimKind::kFlatToken || kind == DimKind::kFlatSeqFirst; }
-  bool routed() const { return kind == DimKind::kRouted || kind == DimKind::kRoutedPositions; }
+  // A dimension of a route's rows (its size R).
+  bool routed() const {
+    return kind == DimKind::kRouted || kind == DimKind::kRoutedPositions || kind == DimKind::kRoutedSlots;
+  }
+  // Tied to a route: its rows, or values that a cut of the route changes.
+  bool has_route() const { return routed() || kind == DimKind::kRoutedOffsets || kind == DimKind::kTokenSlots; }
+  // The tensor's values change under a cut (an index or offsets into cut rows), even where its sizes do not.
+  bool remaps_values() const { return has_route() && kind != DimKind::kRouted; }
 };
 
 // How a tensor-shaped field maps to tokens. A tensor with token dimensions but no batch
@@ -60,9 +78,14 @@ struct ShapeSpec {
       if (d.routed()) return true;
     return false;
   }
-  bool has_route_positions() const {
+  bool remaps_values() const {
     for (const auto& d : dims)
-      if (d.kind == DimKind::kRoutedPositions) return true;
+      if (d.remaps_values()) return true;
+    return false;
+  }
+  bool has_route() const {
+    for (const auto& d : dims)
+      if (d.has_route()) return true;
     return false;
   }
   bool has_key() const {
@@ -109,6 +132,14 @@ struct EdgeInsert {
   ShapeSpec shape;   // of the gradient on that edge (full key rows)
 };
 
+// An edge whose gradient is zero by construction: the row maximum an attention core's scores are
+// shifted by before the softmax (softmax(x - max x) does not depend on it). filter_backward removes
+// it: after a kept_only cut of the key columns that gradient would no longer sum to zero.
+struct DetachedEdge {
+  int32_t node = 0;  // the subtraction (SubBackward0)
+  int32_t edge = 0;  // its edge to the maximum
+};
+
 struct PlanData {
   int64_t batch_a = 0, seq_a = 0, batch_b = 0, seq_b = 0;  // the trace sizes
   std::vector<NodeSpec> nodes;
@@ -117,6 +148,7 @@ struct PlanData {
   // form had none.
   std::vector<std::vector<int32_t>> children;
   std::vector<EdgeInsert> inserts;
+  std::vector<DetachedEdge> detached;
   int64_t num_attention_cores = 0;
   // Nodes that could not be rewritten for exact_query (reason), e.g. an unrecognised softmax
   // over two token dimensions. Empty when exact_query is available.

@@ -303,6 +303,7 @@ class Rewriter {
       }
       rewrite_node(g.nodes[i], nodes[i], static_cast<int>(i));
     }
+    for (const auto& e : plan_.detached) detach(g, e);
   }
   // Second pass: the recorded writes (swaps with values computed in prepare()).
   void commit() {
@@ -333,6 +334,16 @@ class Rewriter {
   // A write of the commit pass: it swaps a field with the value it holds, so running it again
   // restores the field (revert()).
   void defer(std::function<void()> swap) { writes_.push_back(std::move(swap)); }
+  // An edge whose gradient is zero by construction (plan_impl.h, DetachedEdge), removed.
+  void detach(const Graph& g, const DetachedEdge& e) {
+    const auto& node = g.nodes.at(e.node);
+    if (plan_.nodes[e.node].type != node->name() || static_cast<size_t>(e.edge) >= node->num_outputs()) {
+      throw Error(fmt::format("filter_backward: node #{} {} has no edge {} to detach (plan bug)", e.node, node->name(),
+                              e.edge));
+    }
+    auto* edges = &const_cast<torch::autograd::edge_list&>(node->next_edges());  // as defer_edge (below)
+    defer([edges, edge = e.edge, other = Edge()]() mutable { std::swap((*edges)[edge], other); });
+  }
   // The two ways the rewrite splices the graph, each written in the commit pass (Node::set_next_edge
   // refuses nodes that already have parents, for topological_nr bookkeeping used only to prune
   // torch::autograd::grad with explicit inputs; the edge list itself is plain data, swapped).
@@ -458,15 +469,14 @@ class Rewriter {
   std::optional<CutRef> cut_saved(const torch::Tensor& t, const ShapeSpec& spec, bool zero_padding_keys = false) {
     auto want = ix_->cut_sizes(t.sizes(), spec, cut_keys_);
     // (A route's index changes its values even where it keeps every row.)
-    if (spec.pad_rank == 0 && !zero_padding_keys && c10::IntArrayRef(want) == t.sizes() && !spec.has_route_positions())
+    if (spec.pad_rank == 0 && !zero_padding_keys && c10::IntArrayRef(want) == t.sizes() && !spec.remaps_values())
       return std::nullopt;
     const int64_t want_numel = c10::multiply_integers(want);
     // One gather per distinct tensor: contiguous views of the same memory share it (each takes
     // its view of the contiguous cut); any other is shared only by its own sizes and strides.
     // Broadcast fields (pad_rank > 0) are cut apart.
     std::optional<CacheKey> key;
-    if (spec.pad_rank == 0)
-      key = key_of(t, !t.is_contiguous(), zero_padding_keys, want_numel, spec.has_route_positions());
+    if (spec.pad_rank == 0) key = key_of(t, !t.is_contiguous(), zero_padding_keys, want_numel, spec.remaps_values());
     if (key) {
       if (auto it = cache_.find(*key); it != cache_.end()) {
         return CutRef{it->second, t.is_contiguous() ? want : std::vector<int64_t>{}};
@@ -492,7 +502,7 @@ class Rewriter {
                     "); re-trace the plan with the same checkpointing or offloading set-up");
       }
       auto want = ix->cut_sizes(t.sizes(), spec, cut_keys);
-      if (spec.pad_rank == 0 && c10::IntArrayRef(want) == t.sizes() && !spec.has_route_positions()) {
+      if (spec.pad_rank == 0 && c10::IntArrayRef(want) == t.sizes() && !spec.remaps_values()) {
         return zero_padding_keys ? ix->zero_padding(t, spec, /*keys_only=*/true) : t;
       }
       return timed_gather(t, [&] {
@@ -581,7 +591,14 @@ class Rewriter::Apply final : public FieldVisitor {
         assign(v[i], to_syms(apply_sizes(*f, to_ints(v[i]))));
   }
   void symint(const char*, c10::SymInt&) override {}
-  void opt_symint(const char*, std::optional<c10::SymInt>&) override {}
+  // A slice's end along T + c key positions (attention sinks sliced off, [..., :T]): T -> N where
+  // the keys are cut.
+  void opt_symint(const char* name, std::optional<c10::SymInt>& v) override {
+    const FieldSpec* f = v ? find(name, 0, FieldKind::kSizes) : nullptr;
+    if (!f) return;
+    auto out = apply_sizes(*f, {v->expect_int()});
+    assign(v, std::optional<c10::SymInt>(c10::SymInt(out.at(0))));
+  }
   void opt_sizes(const char* name, c10::OptionalArray<c10::SymInt>& v) override {
     if (!v.list) return;
     if (auto* f = find(name, 0, FieldKind::kSizes)) assign(*v.list, to_syms(apply_sizes(*f, to_ints(*v.list))));
@@ -662,9 +679,10 @@ class Rewriter::Apply final : public FieldVisitor {
     if (in_hooked_route(*f)) {
       // The route keeps its rows; a gather's index turns into rows of the cut token rows, a dropped
       // token's into row 0, where its zero gradient adds nothing.
-      if (rw_.masked_ || !f->shape.has_route_positions()) return;
+      if (rw_.masked_ || !f->shape.remaps_values()) return;
       auto ix = rw_.ix_;
-      replace_saved(name, v, [ix](const torch::Tensor& index) { return ix->cut_rows_of(index).clamp_min(0); });
+      auto shape = f->shape;
+      replace_saved(name, v, [ix, shape](const torch::Tensor& index) { return ix->hooked_route_values(index, shape); });
       return;
     }
     // The kept_only oracle of the masked method touches only the attention probabilities.
@@ -707,7 +725,7 @@ class Rewriter::Apply final : public FieldVisitor {
     if (!t.defined()) return;
     auto bad = rw_.ix_->mismatch(t.sizes(), f->shape);
     if (!bad.empty()) mismatch(*f, bad);
-    if (f->shape.has_route_positions() && !rw_.ix_->is_route_index(t, f->shape)) {
+    if (f->shape.remaps_values() && !rw_.ix_->is_route_index(t, f->shape)) {
       mismatch(*f, "it gathers by another index than the one its mixture-of-experts route scatters back by");
     }
     t = t.detach();

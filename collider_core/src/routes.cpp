@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -151,12 +152,117 @@ void walk_route(const Graph& g, const std::vector<ObservedNode>& oa, const std::
   }
 }
 
+// A field with one scaling dimension, dimension 0 of B*T*mult flattened rows: its DimSpec.
+const DimSpec* flat_rows(const FieldSpec* f) {
+  if (!f || f->shape.dims.size() != 1) return nullptr;
+  const DimSpec& d = f->shape.dims[0];
+  return d.dim == 0 && d.kind == DimKind::kFlatToken ? &d : nullptr;
+}
+
+// Grouped experts (transformers' grouped_mm experts), one route per layer, named after node x:
+//   pairs_S = top_k_index.reshape(-1); perm_S = sort(pairs_S)     (S = B*T*k token-expert pairs)
+//   rows_SD = hidden_MD[perm_S // k]            (IndexBackward0, the gather: kRoutedPositions)
+//   w_S     = top_k_weights.reshape(-1)[perm_S] (IndexBackward0, the weights: kRoutedSlots)
+//   out_SD  = grouped_mm(rows_SD, W, offs) ... * w_S  (GroupedMmBackward0: offs is kRoutedOffsets)
+//   back_SD = out_SD[inverse_S]                 (IndexBackward0 x: kTokenSlots, names the route)
+//   final_MD = back_SD.view(M, k, D).sum(1)
+// Every [S] dimension between x and the gathers becomes the route's rows (classify() took them as
+// B*T*k flattened rows, which they are in number but not in order). Returns whether x is such a
+// route; plan nodes change only then. Refuses what it cannot follow inside one.
+bool assign_sorted_route(const Graph& g, const std::vector<ObservedNode>& observed, PlanData& plan, int x) {
+  NodeSpec& xs = plan.nodes[x];
+  const DimSpec* out = flat_rows(field(xs, FieldKind::kSizes, "self_sym_sizes"));
+  const FieldSpec* inverse = field(xs, FieldKind::kSaved, "indices_", 0);
+  const DimSpec* slots = flat_rows(inverse);
+  if (!out || !slots || out->mult != slots->mult || slots->mult < 2 || inverse->shape.rank != 1 ||
+      field(xs, FieldKind::kSaved, "indices_", 1)) {
+    return false;
+  }
+  const int64_t k = slots->mult;
+  auto pairs = [k](const DimSpec& d) { return d.kind == DimKind::kFlatToken && d.mult == k; };
+  std::map<int, NodeSpec> changed;  // written to the plan once the route is complete
+  int gathers = 0;
+  std::vector<int> stack{g.index.at(g.nodes[x]->next_edges().at(0).function.get())};
+  std::set<int> seen;
+  while (!stack.empty()) {
+    const int y = stack.back();
+    stack.pop_back();
+    if (y == x || !seen.insert(y).second) continue;
+    NodeSpec ys = plan.nodes[y];
+    bool on_route = false;
+    for (const auto& f : ys.fields)
+      for (const auto& d : f.shape.dims) on_route = on_route || pairs(d);
+    if (!on_route) continue;  // an expert's weight
+    bool descend = true;
+    if (ys.type == "IndexBackward0") {
+      FieldSpec* self = field(ys, FieldKind::kSizes, "self_sym_sizes");
+      FieldSpec* index = field(ys, FieldKind::kSaved, "indices_", 0);
+      const DimSpec* by = flat_rows(index);
+      if (!by || !pairs(*by) || index->shape.rank != 1 || field(ys, FieldKind::kSaved, "indices_", 1)) {
+        refuse(ys, y, "it indexes grouped experts' rows by more than one index per row");
+      }
+      DimSpec& d = index->shape.dims[0];
+      if (self && token_rows_at(self->shape, 0, plan.batch_a == 1)) {  // the gather from the token rows
+        d.kind = DimKind::kRoutedPositions;
+        ++gathers;
+      } else if (self && flat_rows(self) && pairs(*flat_rows(self)) && self->shape.rank == 1) {  // the weights
+        d.kind = DimKind::kRoutedSlots;
+      } else if (!self || !self->shape.has_token()) {  // a parameter by expert (biases)
+        d.kind = DimKind::kRouted;
+      } else {
+        refuse(ys, y,
+               "it gathers grouped experts' rows from a tensor other than the [B*T] token rows or top-k weights");
+      }
+      d.route = x;
+      if (d.kind != DimKind::kRoutedSlots) d.mult = 1;
+      descend = false;  // below it: token rows, weights or parameters
+    } else if (is_index_op(ys.type)) {
+      refuse(ys, y, "an index op inside grouped experts, which collider does not follow");
+    }
+    for (auto& f : ys.fields) {
+      // An index op's index is done above; the tensor it gathers from (token rows, weights) is cut as such.
+      if (ys.type == "IndexBackward0" && (f.kind == FieldKind::kSaved || f.name == "self_sym_sizes")) continue;
+      for (auto& d : f.shape.dims) {
+        if (!pairs(d)) { refuse(ys, y, fmt::format("field {} mixes grouped experts' rows with token rows", f.name)); }
+        d = DimSpec{d.dim, DimKind::kRouted, Role::kQuery, 1, x};
+      }
+    }
+    if (ys.type == "GroupedMmBackward0") {
+      bool offsets = false;
+      for (const auto& o : observed[y].fields) offsets = offsets || (o.name == "offs_" && o.defined);
+      if (!offsets) refuse(ys, y, "a grouped matmul without offsets, which collider does not follow");
+      ShapeSpec offs;
+      offs.rank = 1;
+      offs.dims.push_back(DimSpec{0, DimKind::kRoutedOffsets, Role::kQuery, 1, x});
+      ys.fields.push_back(FieldSpec{"offs_", FieldKind::kSaved, 0, offs});
+    }
+    changed[y] = std::move(ys);
+    if (!descend) continue;
+    for (const auto& e : g.nodes[y]->next_edges())
+      if (e.function) stack.push_back(g.index.at(e.function.get()));
+  }
+  if (gathers == 0) return false;  // no gather from the token rows: not experts (refused below)
+  for (auto& [y, ns] : changed) plan.nodes[y] = std::move(ns);
+  for (auto& f : xs.fields) {
+    if (f.kind == FieldKind::kSizes && f.name == "self_sym_sizes")
+      f.shape.dims[0] = DimSpec{0, DimKind::kRouted, Role::kQuery, 1, x};
+    if (f.kind == FieldKind::kSaved && f.name == "indices_" && f.item == 0) {
+      f.shape.dims[0] = DimSpec{0, DimKind::kTokenSlots, Role::kQuery, k, x};
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 void assign_routes(const Graph& g, const std::vector<ObservedNode>& oa, const std::vector<ObservedNode>& ob, Sizes sa,
                    Sizes sb, PlanData& plan, const std::vector<RoutedCandidate>& candidates) {
   const auto& observed = oa;
   const int n = static_cast<int>(plan.nodes.size());
+  // Grouped experts first (in graph order, the route's own IndexBackward0 before its weights').
+  for (int x = 0; x < n; ++x) {
+    if (plan.nodes[x].type == "IndexBackward0" && !any_routed(plan.nodes[x])) assign_sorted_route(g, observed, plan, x);
+  }
   for (int s = 0; s < n; ++s) {
     NodeSpec& ns = plan.nodes[s];
     if (ns.type != "IndexAddBackward0") continue;
@@ -207,7 +313,7 @@ void assign_routes(const Graph& g, const std::vector<ObservedNode>& oa, const st
                          ns.type == "SortBackward0";
         throw Error(fmt::format("collider cannot rewrite node {} (#{}): field {} {}.{}", ns.type, c.node, c.field,
                                 c.why,
-                                moe ? " Tokens routed by data (grouped or sorted experts) are not filtered yet; use "
+                                moe ? " Collider does not follow this routing of tokens; use "
                                       "experts_implementation=\"eager\" or method loss_only"
                                     : ""));
       }
@@ -225,9 +331,9 @@ void assign_routes(const Graph& g, const std::vector<ObservedNode>& oa, const st
       for (const auto& d : self->shape.dims) {
         if (d.dim == o.item && d.kind != DimKind::kBatch) {
           refuse(ns, i,
-                 "it gathers token rows by an index that does not follow a route (sorted tokens of "
-                 "grouped experts, or fixed positions), which a cut would leave pointing at the full rows. "
-                 "For transformers' mixture-of-experts models set experts_implementation=\"eager\"");
+                 "it gathers token rows by an index that follows no route (top-1 grouped experts, or "
+                 "fixed positions), which a cut would leave pointing at the full rows. For transformers' "
+                 "mixture-of-experts models set experts_implementation=\"eager\"");
         }
       }
     }
@@ -236,13 +342,24 @@ void assign_routes(const Graph& g, const std::vector<ObservedNode>& oa, const st
 
 namespace {
 
-// Finds a node's saved `index_`.
+// Finds a node's saved `index_` (IndexAddBackward0), or the first of its `indices_` (IndexBackward0).
 struct IndexField final : IgnoringFieldVisitor {
   SavedVariable* index = nullptr;
   void saved(const char* name, SavedVariable& v) override {
     if (std::string(name) == "index_") index = &v;
   }
+  void saved_list(const char* name, std::vector<SavedVariable>& v) override {
+    if (std::string(name) == "indices_" && !v.empty()) index = &v[0];
+  }
 };
+
+// A grouped route's token slots per token: the mult of its node's kTokenSlots index; 0 for a scatter.
+int64_t slots_of(const NodeSpec& ns) {
+  for (const auto& f : ns.fields)
+    for (const auto& d : f.shape.dims)
+      if (d.kind == DimKind::kTokenSlots) return d.mult;
+  return 0;
+}
 
 }  // namespace
 
@@ -257,6 +374,7 @@ void register_routes(const Graph& g, const PlanData& plan, TokenIndex& ix, const
     const NodeFields* nf = find_node_fields(*node);
     IndexField reader;
     if (nf) nf->visit(node.get(), reader);
+    const int64_t slots = slots_of(plan.nodes.at(r));
     if (!reader.index) throw Error(fmt::format("{}: node #{} is not a mixture-of-experts scatter (plan bug)", who, r));
     if (reader.index->has_hooks()) {  // read when the backward reaches it (make_hooked_scatter)
       ix.add_hooked_route(r, node->input_metadata(0).device());
@@ -267,11 +385,15 @@ void register_routes(const Graph& g, const PlanData& plan, TokenIndex& ix, const
       index = reader.index->unpack(node);
     } catch (const std::exception& e) {
       throw Error(
-          fmt::format("{}: cannot read the index of node #{} IndexAddBackward0. Call filter_backward once per "
+          fmt::format("{}: cannot read the index of node #{} {}. Call filter_backward once per "
                       "loss, before loss.backward()",
-                      who, r));
+                      who, r, node->name()));
     }
-    ix.add_route(r, index);
+    if (slots > 0) {
+      ix.add_sorted_route(r, index, slots);
+    } else {
+      ix.add_route(r, index);
+    }
   }
 }
 
@@ -378,6 +500,11 @@ std::optional<PlanData> plan_without_absent_routes(const Graph& g, const std::ve
   for (auto& ins : out.inserts) {
     if (g_of[ins.node] < 0) return std::nullopt;  // an attention core in a route the graph lacks
     ins.node = g_of[ins.node];
+  }
+  out.detached = plan.detached;
+  for (auto& e : out.detached) {
+    if (g_of[e.node] < 0) return std::nullopt;
+    e.node = g_of[e.node];
   }
   return out;
 }

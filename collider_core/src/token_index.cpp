@@ -175,7 +175,7 @@ torch::Tensor TokenIndex::zero_padding_impl(torch::Tensor x, bool in_place, cons
   auto live = (~pad_BN_).to(x.scalar_type());  // [B, N]: 0 at padding
   for (const auto& d : spec.dims) {
     // A route holds only kept tokens' rows (add_route): no padding there.
-    if (d.kind == DimKind::kBatch || d.routed() || (keys_only && d.role != Role::kKey)) continue;
+    if (d.kind == DimKind::kBatch || d.has_route() || (keys_only && d.role != Role::kKey)) continue;
     std::vector<int64_t> shape(x.dim(), 1);
     torch::Tensor f;
     const int64_t dim = d.dim + off;
@@ -187,9 +187,10 @@ torch::Tensor TokenIndex::zero_padding_impl(torch::Tensor x, bool in_place, cons
       f = live.t().repeat_interleave(d.mult, 1).reshape(shape);
     } else {
       f = live.repeat_interleave(mult, 0);  // [B*m, N]
+      if (d.kind == DimKind::kTokenPlus) f = torch::cat({f, torch::ones({f.size(0), d.mult}, f.options())}, 1);
       if (bdim > dim) f = f.t();
       if (bdim >= 0) shape[bdim] = B_ * mult;
-      shape[dim] = N_;
+      shape[dim] = d.kind == DimKind::kTokenPlus ? N_ + d.mult : N_;
       f = f.reshape(shape);
     }
     out = in_place ? out.mul_(f) : out * f;
@@ -319,7 +320,21 @@ static bool cut_this(const DimSpec& d, bool cut_keys) {
 }
 
 torch::Tensor TokenIndex::cut(const torch::Tensor& x_in, const ShapeSpec& spec, bool cut_keys) {
-  if (spec.has_routed()) return cut_routed(x_in, spec);
+  if (spec.has_route()) return cut_route(x_in, spec);
+  // T token positions and a few fixed ones (kTokenPlus): the token positions cut, the fixed ones kept.
+  for (size_t k = 0; k < spec.dims.size(); ++k) {
+    const DimSpec& d = spec.dims[k];
+    if (d.kind != DimKind::kTokenPlus) continue;
+    TORCH_CHECK(spec.pad_rank == 0, "collider: a broadcast tensor with fixed positions after its tokens (plan bug)");
+    ShapeSpec rest = spec;
+    rest.dims.erase(rest.dims.begin() + static_cast<std::ptrdiff_t>(k));
+    if (!cut_this(d, cut_keys)) return cut(x_in, rest, cut_keys);
+    ShapeSpec tokens = spec;
+    tokens.dims[k].kind = DimKind::kToken;
+    tokens.dims[k].mult = 1;
+    return torch::cat(
+        {cut(x_in.narrow(d.dim, 0, T_), tokens, cut_keys), cut(x_in.narrow(d.dim, T_, d.mult), rest, cut_keys)}, d.dim);
+  }
   torch::Tensor x = x_in;
   int64_t bdim = -1;
   int32_t off = 0;
@@ -434,7 +449,7 @@ torch::Tensor TokenIndex::zero_dropped(const torch::Tensor& x, const ShapeSpec& 
   torch::Tensor out = x;
   auto keep = keep_BT_.to(x.scalar_type());
   for (const auto& d : spec.dims) {
-    if (!cut_this(d, keys_too) || d.routed()) continue;  // a route's rows are zero when their tokens' are
+    if (!cut_this(d, keys_too) || d.has_route()) continue;  // a route's rows are zero when their tokens' are
     std::vector<int64_t> shape(x.dim(), 1);
     torch::Tensor f;
     if (d.kind == DimKind::kFlatToken) {
@@ -446,9 +461,10 @@ torch::Tensor TokenIndex::zero_dropped(const torch::Tensor& x, const ShapeSpec& 
     } else {
       TORCH_CHECK(bdim >= 0 || B_ == 1, "collider: masking needs a batch dimension (plan bug)");
       f = keep.repeat_interleave(mult, 0);  // [B*m, T]
-      if (bdim > d.dim) f = f.t();          // sequence-first: [T, B*m]
+      if (d.kind == DimKind::kTokenPlus) f = torch::cat({f, torch::ones({f.size(0), d.mult}, f.options())}, 1);
+      if (bdim > d.dim) f = f.t();  // sequence-first: [T, B*m]
       if (bdim >= 0) shape[bdim] = B_ * mult;
-      shape[d.dim] = T_;
+      shape[d.dim] = d.kind == DimKind::kTokenPlus ? T_ + d.mult : T_;
       f = f.reshape(shape);
     }
     out = out * f;
@@ -466,8 +482,11 @@ std::vector<int64_t> TokenIndex::cut_sizes(c10::IntArrayRef sizes, const ShapeSp
   out.insert(out.end(), sizes.begin(), sizes.end());
   if (spec.pad_rank > 0) out[spec.bcast_batch_dim] = B_ * spec.bcast_mult;
   for (const auto& d : spec.dims) {
-    if (!cut_this(d, cut_keys)) continue;
-    out[d.dim + off] = d.routed() ? route(d.route).kept_K.size(0) : d.flat() ? B_ * d.mult * N_ : N_;
+    if (!cut_this(d, cut_keys) || d.kind == DimKind::kRoutedOffsets) continue;
+    out[d.dim + off] = d.routed()                                   ? route(d.route).kept_K.size(0)
+                       : d.flat() || d.kind == DimKind::kTokenSlots ? B_ * d.mult * N_
+                       : d.kind == DimKind::kTokenPlus              ? N_ + d.mult
+                                                                    : N_;
   }
   return out;
 }
@@ -477,11 +496,13 @@ std::string TokenIndex::mismatch(c10::IntArrayRef sizes, const ShapeSpec& spec) 
     return fmt::format("rank {} where the plan has {}", sizes.size(), spec.rank);
   }
   for (const auto& d : spec.dims) {
+    if (d.kind == DimKind::kRoutedOffsets) continue;  // one per expert
     if (d.routed() && !routes_.count(d.route)) return fmt::format("route #{} was not read (plan bug)", d.route);
-    const int64_t want = d.routed()                  ? route(d.route).rows
-                         : d.kind == DimKind::kToken ? T_
-                         : d.flat()                  ? B_ * d.mult * T_
-                                                     : B_ * d.mult;
+    const int64_t want = d.routed()                                   ? route(d.route).rows
+                         : d.kind == DimKind::kToken                  ? T_
+                         : d.kind == DimKind::kTokenPlus              ? T_ + d.mult
+                         : d.flat() || d.kind == DimKind::kTokenSlots ? B_ * d.mult * T_
+                                                                      : B_ * d.mult;
     if (sizes[d.dim] != want) {
       return fmt::format("size {} at dimension {} where the plan expects {} (B={}, T={})", sizes[d.dim], d.dim, want,
                          B_, T_);
@@ -513,6 +534,24 @@ void TokenIndex::add_route(int32_t id, const torch::Tensor& positions_R) {
   routes_[id] = std::move(r);
 }
 
+void TokenIndex::add_sorted_route(int32_t id, const torch::Tensor& inverse_S, int64_t slots) {
+  const int64_t S = B_ * T_ * slots;
+  if (inverse_S.dim() != 1 || inverse_S.scalar_type() != torch::kLong || inverse_S.size(0) != S || slots < 1) {
+    throw Error(
+        fmt::format("filter_backward: the sorted order of grouped experts #{} is not int64 [B*T*k] = [{}]", id, S));
+  }
+  // The inverse of a permutation of [S]: every route row exactly once.
+  if (!torch::bincount(inverse_S, {}, S).eq(1).all().item<bool>()) {
+    throw Error(fmt::format("filter_backward: the sorted order of grouped experts #{} is not a permutation", id));
+  }
+  auto perm_S = torch::empty_like(inverse_S);
+  perm_S.index_put_({inverse_S}, torch::arange(S, inverse_S.options()));
+  add_route(id, perm_S.div(slots, "floor"));
+  Route& r = routes_.at(id);
+  r.kept_before_R1 = torch::cat(
+      {torch::zeros({1}, inverse_S.options()), keep_M_.index_select(0, r.positions_R).to(torch::kLong).cumsum(0)});
+}
+
 // Row of [B*T] -> row of the cut [B*N] (-1 where cut away), built once for every route.
 void TokenIndex::build_cut_rows(torch::Device device) {
   if (cut_row_M_.defined()) return;
@@ -521,6 +560,7 @@ void TokenIndex::build_cut_rows(torch::Device device) {
   cut_row_M_.index_put_({rows_BN.reshape(-1)}, torch::arange(B_ * N_, torch::kLong));
   cut_row_M_ = cut_row_M_.to(device);
   keep_M_ = keep_BT_.reshape(-1).to(device);
+  rows_BN_ = rows_BN.reshape(-1).to(device);
 }
 
 void TokenIndex::add_hooked_route(int32_t id, torch::Device device) {
@@ -543,24 +583,61 @@ const TokenIndex::Route& TokenIndex::route(int32_t id) const {
 
 bool TokenIndex::is_route_index(const torch::Tensor& x, const ShapeSpec& spec) const {
   for (const auto& d : spec.dims) {
-    if (d.kind != DimKind::kRoutedPositions) continue;
+    if (d.kind != DimKind::kRoutedPositions && d.kind != DimKind::kRoutedSlots) continue;
     const Route& r = route(d.route);
-    if (x.dim() != 1 || x.scalar_type() != torch::kLong || !torch::equal(x, r.positions_R)) return false;
+    if (x.dim() != 1 || x.scalar_type() != torch::kLong || x.size(0) != r.rows) return false;
+    const torch::Tensor rows = d.kind == DimKind::kRoutedSlots ? x.div(d.mult, "floor") : x;
+    if (!torch::equal(rows, r.positions_R)) return false;
   }
   return true;
 }
 
-// A routed field (routes.h): the route's kept rows; its index becomes the kept rows' places in
-// the cut [B*N] token rows. trace_plan gives a routed field no other token dimension.
-torch::Tensor TokenIndex::cut_routed(const torch::Tensor& x, const ShapeSpec& spec) const {
-  torch::Tensor out = x;
+// Token slots t*mult + j -> the same slots of the cut [B*N] rows (-1 rows where the token was cut away).
+torch::Tensor TokenIndex::cut_rows_of_slots(const torch::Tensor& slots, int64_t mult) const {
+  return cut_rows_of(slots.div(mult, "floor")) * mult + slots.remainder(mult);
+}
+
+torch::Tensor TokenIndex::hooked_route_values(const torch::Tensor& x, const ShapeSpec& spec) const {
   for (const auto& d : spec.dims) {
-    if (!d.routed()) continue;
-    const Route& r = route(d.route);
-    if (d.kind == DimKind::kRoutedPositions) return r.cut_positions_K;
-    out = out.index_select(d.dim, r.kept_K.to(out.device()));
+    if (d.kind == DimKind::kRoutedPositions) return cut_rows_of(x).clamp_min(0);
+    if (d.kind == DimKind::kRoutedSlots) {
+      return cut_rows_of(x.div(d.mult, "floor")).clamp_min(0) * d.mult + x.remainder(d.mult);
+    }
   }
-  return out;
+  return x;
+}
+
+// A field of a route (routes.h): the route's kept rows; an index of token rows becomes the kept
+// rows' places in the cut [B*N] token rows, offsets count kept rows, token slots point at the kept
+// rows. trace_plan gives such a field no other token dimension. A hooked route (not cut) reaches
+// here only for its offsets (kept) and its token slots (cut to the cut token rows).
+torch::Tensor TokenIndex::cut_route(const torch::Tensor& x, const ShapeSpec& spec) const {
+  for (const auto& d : spec.dims) {
+    if (!d.has_route()) continue;
+    const bool hooked = hooked_route(d.route);
+    switch (d.kind) {
+      case DimKind::kRouted:
+        return x.index_select(d.dim, route(d.route).kept_K.to(x.device()));
+      case DimKind::kRoutedPositions:
+        return route(d.route).cut_positions_K;
+      case DimKind::kRoutedSlots:
+        return cut_rows_of_slots(x.index_select(0, route(d.route).kept_K.to(x.device())), d.mult);
+      case DimKind::kRoutedOffsets:
+        if (hooked) return x;
+        return route(d.route).kept_before_R1.index_select(0, x.to(torch::kLong)).to(x.scalar_type());
+      case DimKind::kTokenSlots: {
+        const auto slots = x.reshape({B_ * T_, d.mult}).index_select(0, rows_BN_.to(x.device())).reshape(-1);
+        if (hooked) return slots;
+        // A kept row's place: the kept rows before it. A padding row's slots are a dropped token's:
+        // any kept row will do, its gradient is zero (the last).
+        const Route& r = route(d.route);
+        return r.kept_before_R1.index_select(0, slots).clamp_max(r.kept_K.size(0) - 1);
+      }
+      default:
+        break;
+    }
+  }
+  return x;
 }
 
 }  // namespace collider::detail

@@ -71,13 +71,25 @@ class TokenIndex {
   // route), which sit at cut_positions_K in the cut [B*N] rows. cut() keeps a routed dimension's
   // kept_K rows and turns the route's index into cut_positions_K. Throws collider::Error where an
   // entry is not a row of [B*T].
+  // Grouped experts (routes.h) send one route per layer: the [B*T*k] token-expert pairs sorted by
+  // expert; their sort's inverse (inverse_S, int64 [B*T*k]: the route row of token slot t*k + j)
+  // gives the route's positions. Its cut also remaps offsets (kRoutedOffsets: cumulative rows per
+  // expert, counted again over kept rows) and the inverse itself (kTokenSlots: the cut token rows'
+  // slots, each to its route row's place among the kept rows).
   struct Route {
     int64_t rows = 0;
     torch::Tensor positions_R, kept_K, cut_positions_K;
+    torch::Tensor kept_before_R1;  // grouped: int64 [R+1], kept rows before each row (and in all)
   };
   void add_route(int32_t id, const torch::Tensor& positions_R);
-  // Whether x, a field whose values the plan marks as its route's positions, is that index.
+  void add_sorted_route(int32_t id, const torch::Tensor& inverse_S, int64_t slots);
+  // Whether x, a field whose values the plan marks as its route's positions (or token slots), is
+  // that index.
   bool is_route_index(const torch::Tensor& x, const ShapeSpec& spec) const;
+  // A field of a hooked route (below) that keeps its rows but whose values are rows of the token
+  // rows (a gather's index) or of their slots: those rows of the cut [B*N] token rows, a dropped
+  // token's row 0, where its zero gradient adds nothing.
+  torch::Tensor hooked_route_values(const torch::Tensor& x, const ShapeSpec& spec) const;
   // A route behind saved-tensor hooks (routes.h), whose index exists only when the backward unpacks
   // it: not cut, it runs on all its rows. cut_rows_of maps such an index (rows of [B*T]) to rows of
   // the cut [B*N] token rows, -1 where the token was dropped.
@@ -88,7 +100,8 @@ class TokenIndex {
  private:
   torch::Tensor zero_padding_impl(torch::Tensor x, bool in_place, const ShapeSpec& spec, bool keys_only) const;
   const Route& route(int32_t id) const;
-  torch::Tensor cut_routed(const torch::Tensor& x, const ShapeSpec& spec) const;
+  torch::Tensor cut_route(const torch::Tensor& x, const ShapeSpec& spec) const;
+  torch::Tensor cut_rows_of_slots(const torch::Tensor& slots, int64_t mult) const;
   void build_cut_rows(torch::Device device);  // cut_row_M_ and keep_M_, once
   torch::Tensor cut_dim(const torch::Tensor& x, int64_t batch_dim, int64_t token_dim);
   torch::Tensor cut_in_memory_order(const torch::Tensor& x, const ShapeSpec& spec, bool cut_keys);
@@ -123,6 +136,7 @@ class TokenIndex {
   std::map<int32_t, Route> routes_;                // add_route
   std::set<int32_t> hooked_routes_;                // add_hooked_route
   torch::Tensor cut_row_M_, keep_M_;               // add_route: [B*T] row -> cut row (-1: cut away); the mask flat
+  torch::Tensor rows_BN_;                          // add_route: int64 [B*N], the [B*T] row of each cut row
 };
 
 }  // namespace collider::detail

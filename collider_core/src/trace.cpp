@@ -91,6 +91,77 @@ void refuse_token_gradients_born_opaque(const Graph& g, const PlanData& plan) {
   }
 }
 
+// Whether node a (b: the same node in the other trace) is a cat, slice or maximum along a dimension
+// of T + c positions (c <= kMaxTokenPlus): what attention sinks look like (GPT-OSS: scores [.., T]
+// and sinks [.., 1] concatenated, the row maximum subtracted, the sinks sliced off after the
+// softmax). Such a node is taken provisionally; check_sinks keeps it only inside an attention core.
+bool along_token_plus_dim(const ObservedNode& a, const ObservedNode& b, Sizes sa, Sizes sb) {
+  if (a.type != "CatBackward0" && a.type != "SliceBackward0" && a.type != "MaxBackward0") return false;
+  if (!a.dim || !b.dim || a.fields.size() != b.fields.size()) return false;
+  for (size_t k = 0; k < a.fields.size(); ++k) {
+    const Observed& x = a.fields[k];
+    const Observed& y = b.fields[k];
+    if (x.kind == FieldKind::kSaved || x.scalar || x.values.size() != y.values.size() || x.values.empty()) continue;
+    const int64_t rank = static_cast<int64_t>(x.values.size());
+    const int64_t d = *a.dim < 0 ? *a.dim + rank : *a.dim;
+    if (d < 0 || d >= rank) continue;
+    const int64_t c = x.values[d] - sa.T;
+    if (c >= 1 && c <= kMaxTokenPlus && y.values[d] - sb.T == c) return true;
+  }
+  return false;
+}
+
+// Attention sinks (kTokenPlus): every field with T + c positions must lie in a recognised attention
+// core, its cat must append the c fixed columns after the T scores and its slice keep [..., :T].
+void check_sinks(const PlanData& plan, const std::vector<ObservedNode>& oa, const std::set<int>& sink_ops, Sizes sa) {
+  auto refuse = [&](int i, const std::string& why) {
+    throw Error(
+        fmt::format("collider cannot rewrite node {} (#{}): {}; collider follows T + c positions only as "
+                    "attention sinks (cat(scores, sinks) -> softmax -> [..., :T])",
+                    plan.nodes[i].type, i, why));
+  };
+  for (size_t i = 0; i < plan.nodes.size(); ++i) {
+    const NodeSpec& ns = plan.nodes[i];
+    bool plus = false;
+    for (const auto& f : ns.fields)
+      for (const auto& d : f.shape.dims) plus = plus || d.kind == DimKind::kTokenPlus;
+    const int node = static_cast<int>(i);
+    if (!plus && !sink_ops.count(node)) continue;
+    if (ns.type == "MaxBackward0" && ns.fields.empty()) continue;  // a detached row maximum (attention_cores.cpp)
+    if (!ns.attention_core) refuse(node, "T + c positions outside an attention core");
+    if (!sink_ops.count(node)) continue;
+    const ObservedNode& o = oa[i];
+    if (ns.type == "SliceBackward0") {
+      int64_t start = 0, end = -1, step = 1;
+      for (const auto& f : o.fields) {
+        if (f.name == "start" && f.scalar) start = f.values[0];
+        if (f.name == "end" && f.scalar) end = f.values[0];
+        if (f.name == "step" && f.scalar) step = f.values[0];
+      }
+      int64_t fixed = 0;  // c
+      if (const FieldSpec* self = ns.find(FieldKind::kSizes, 0, "self_sym_sizes"))
+        for (const auto& d : self->shape.dims)
+          if (d.kind == DimKind::kTokenPlus) fixed = d.mult;
+      if (start != 0 || step != 1 || (end != sa.T && end != -fixed) || fixed == 0) {
+        refuse(node, "a slice other than [..., :T] of T + c positions");
+      }
+    } else if (ns.type == "CatBackward0") {
+      const FieldSpec* scores = ns.find(FieldKind::kSizes, 0, "tensors_args_sizes_symint");
+      const FieldSpec* sinks = ns.find(FieldKind::kSizes, 1, "tensors_args_sizes_symint");
+      const int64_t rank = scores ? scores->shape.rank : 0;
+      const int64_t d = *o.dim < 0 ? *o.dim + rank : *o.dim;
+      bool scores_first = false,
+           fixed_after = sinks != nullptr && !ns.find(FieldKind::kSizes, 2, "tensors_args_sizes_symint");
+      if (scores)
+        for (const auto& dim : scores->shape.dims)
+          scores_first = scores_first || (dim.dim == d && dim.kind == DimKind::kToken);
+      if (sinks)
+        for (const auto& dim : sinks->shape.dims) fixed_after = fixed_after && dim.dim != d;
+      if (!scores_first || !fixed_after) refuse(node, "a concatenation other than cat(scores [.., T], sinks [.., c])");
+    }
+  }
+}
+
 }  // namespace
 
 // Python custom Functions with token-shaped inputs or saved tensors (BLOOM's GELU) are cut like an
@@ -172,9 +243,11 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
   std::vector<std::vector<std::vector<int64_t>>> values(n);  // trace-a values per kept field
   std::vector<RoutedCandidate> candidates;                   // fields taken as routed (routes.h)
   std::set<int> python_functions;                            // Python custom Functions with token fields
+  std::set<int> sink_ops;  // cat, slice or max along T + c positions: attention sinks, if check_sinks agrees
   for (size_t i = 0; i < n; ++i) {
     NodeSpec& ns = plan.nodes[i];
     ns.type = oa[i].type;
+    if (along_token_plus_dim(oa[i], ob[i], sa, sb)) sink_ops.insert(static_cast<int>(i));
     if (is_fused_attention_node(ns.type)) {
       ns.fused_attention = true;  // replaced whole at filter time
       continue;
@@ -234,6 +307,12 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
       }
       if (a.scalar) {
         if (a.name.find("numel") != std::string::npos) continue;  // a divisor fixed by the forward (mean)
+        if (sink_ops.count(static_cast<int>(i)) && ns.type == "SliceBackward0" && a.name == "end") {
+          spec.dims[0].role = Role::kKey;  // the sinks sliced off the key columns: [..., :T] (check_sinks)
+          ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
+          values[i].push_back(a.values);
+          continue;
+        }
         throw Error(fmt::format(
             "collider cannot rewrite node {} (#{}): scalar field {} equals the sequence length; "
             "the op indexes along the token dimension{}",
@@ -267,7 +346,7 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
             ns.type, i, ns.type));
       }
       if (token_mixing_nodes().count(ns.type) && along_token_dim(oa[i], a, spec) &&
-          !is_cat_onto_empty(oa[i], ob[i], sa, sb)) {
+          !is_cat_onto_empty(oa[i], ob[i], sa, sb) && !sink_ops.count(static_cast<int>(i))) {
         throw Error(
             fmt::format("collider cannot rewrite node {} (#{}): it mixes or indexes positions along a "
                         "token dimension (field {}); filtering rows would change its result{}",
@@ -296,7 +375,8 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
     }
     for (size_t k = 0; k < ns.fields.size(); ++k) {
       FieldSpec& f = ns.fields[k];
-      if (batch_dim(f.shape) || has_flat(f.shape) || f.shape.has_routed()) continue;
+      if (batch_dim(f.shape) || has_flat(f.shape) || f.shape.has_route()) continue;
+      if (ns.type == "SliceBackward0" && f.name == "end") continue;  // a scalar: T key positions, not a tensor
       if (!ref || !align_broadcast(f.shape, values[i][k], *ref)) {
         throw Error(
             fmt::format("collider cannot rewrite node {} (#{}): field {} has token dimensions but no "
@@ -313,6 +393,7 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
   }
   check_python_functions(ga, plan, oa, python_functions, sa);
   find_attention_cores(ga, plan);
+  check_sinks(plan, oa, sink_ops, sa);
   return plan;
 }
 

@@ -219,7 +219,8 @@ def trace_plan(model: torch.nn.Module, loss: str = "labels", router_aux: bool = 
     change the graph. Works through DistributedDataParallel and PEFT wrappers; refuses a
     torch.compile'd model. router_aux: the loss adds a mixture-of-experts model's load-balancing
     loss over the kept tokens (training_loss(router_aux=True)); trace with the steps' setting.
-    Mixture-of-experts models need experts_implementation="eager" (one route per expert)."""
+    Mixture-of-experts models are filtered with transformers' default grouped experts and with its
+    eager ones; grouped experts with one expert per token need experts_implementation="eager"."""
     base = _unwrap(model, "collider.hf.trace_plan")
     if loss not in LOSS_FORMS:
         raise Error(f"collider.hf.trace_plan: loss must be one of {', '.join(LOSS_FORMS)}; got {loss!r}")

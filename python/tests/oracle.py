@@ -8,6 +8,8 @@ by `oracle_keep`, (DESIGN.md section 3)
                dP_ij = dO_i . V_j only for kept j, the softmax backward sums over kept columns only,
                and dS_ij = 0 for dropped j: dQ, dK, dV use P restricted to kept rows and columns.
 Dropped query rows get no gradient because the masked loss and the detached K/V leave them none.
+Attention sinks (GPT-OSS, passed as s_aux) are one more score column per head, never dropped, that
+the softmax normalises over and the output leaves out.
 It shares no code with collider_core. Used by test_hf_gradients.py, test_hf_trainer.py, test_peft_ddp.py.
 """
 from __future__ import annotations
@@ -63,11 +65,17 @@ def oracle_attention(module, query, key, value, attention_mask, dropout: float =
     closed = (s <= torch.finfo(s.dtype).min / 2).all(-1, keepdim=True)
     s = s.masked_fill(closed, 0.0)
     m_col = keep.to(s.device)[:, None, None, :]  # [B, 1, 1, T]: kept key columns
+    sinks = kwargs.get("s_aux")  # GPT-OSS's attention sinks: one more logit per head, a column never dropped
+    if sinks is not None:
+        s = torch.cat([s, sinks.reshape(1, -1, 1, 1).expand(B, H, T, 1).to(s.dtype)], dim=-1)
+        m_col = torch.cat([m_col, torch.ones_like(m_col[..., :1])], dim=-1)
     if _state["attention"] == "kept_only":
         s = torch.where(m_col, s, s.detach())
     p = torch.softmax(s.float(), dim=-1).to(query.dtype).masked_fill(closed, 0.0)
     if _state["attention"] == "kept_only":
         p = torch.where(m_col, p, p.detach())
+    if sinks is not None:
+        p = p[..., :-1]
     out = torch.matmul(p, v).transpose(1, 2).contiguous()
     return out, p
 
@@ -167,6 +175,12 @@ def tiny_config(family: str, attn: str, **overrides):
                                 num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=0,
                                 kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
                                 num_key_value_heads=4, rope_scaling=None, **ds, attn_implementation=attn)
+    if family == "gpt_oss":  # attention sinks (one more softmax logit per head), alternating sliding windows, eager only
+        from transformers import GptOssConfig
+        oss = {k: v for k, v in moe.items() if k != "intermediate_size"}
+        return GptOssConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, num_key_value_heads=2,
+                            head_dim=8, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                            router_aux_loss_coef=0.5, **oss, attn_implementation=attn)
     if family == "olmoe":
         from transformers import OlmoeConfig
         return OlmoeConfig(num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5,
@@ -176,7 +190,8 @@ def tiny_config(family: str, attn: str, **overrides):
 
 def moe_blocks(model) -> list:
     """The model's sparse mixture-of-experts blocks (empty for a dense model)."""
-    return [m for m in model.modules() if type(m).__name__.endswith(("SparseMoeBlock", "V3MoE"))]  # DeepseekV3MoE
+    return [m for m in model.modules()
+            if type(m).__name__.endswith(("SparseMoeBlock", "V3MoE")) or type(m).__name__ == "GptOssMLP"]
 
 
 @contextlib.contextmanager

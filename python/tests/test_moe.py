@@ -11,20 +11,26 @@ both loss forms (the per-token loss and transformers' labels loss); B = 3, T = 3
 (oracle.moe_inputs_detached: torch.where(keep, x, x.detach())), so the experts and the router
 give dropped tokens nothing. Max relative difference <= 1e-4 (transformers' eager softmax runs in
 float32); a plain backward of the same loss is far from the oracle. The load-balancing loss over
-the kept tokens (collider.hf.training_loss(router_aux=True)) against the same oracle. What is
-refused, briefly and with the graph untouched: grouped experts, GPT-OSS's attention sinks. A batch
+the kept tokens (collider.hf.training_loss(router_aux=True)) against the same oracle. Grouped
+experts (experts_implementation="grouped_mm", transformers' default: the token-expert pairs sorted
+by expert, torch._grouped_mm over them) in float32, which grouped_mm needs on the CPU, against the
+same oracle, bound 1e-3, with their GEMMs cut to the kept pairs. What is refused, briefly and with
+the graph untouched: grouped experts with one expert per token, attention sinks written other than
+as GPT-OSS writes them. GPT-OSS (attention sinks, eager attention only) with both experts
+implementations, and attention sinks written by hand. A batch
 in which an expert receives no token (its route absent from the graph) is filtered exactly, and so
-are the routes behind checkpointing, offloading and save_on_cpu.
+are the routes behind checkpointing, offloading and save_on_cpu, grouped or not.
   pytest python/tests/test_moe.py
 """
 import contextlib
+import functools
 
 import pytest
 import torch
 
 import collider
 import collider.hf as chf
-from oracle import grads, max_rel_diff, moe_inputs_detached, oracle_keep, tiny_model
+from oracle import grads, max_rel_diff, moe_inputs_detached, oracle_keep, tiny_config, tiny_model
 from test_hf_gradients import (LOSS_FORMS, T, TOL, batch_and_mask, model_for, plain_grads, plan_for, ragged_batch,
                                step_loss)
 
@@ -86,10 +92,20 @@ def test_one_row_batches_use_the_one_row_plan():
         assert max_rel_diff(got, ref) <= TOL
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_router_aux_loss_over_kept_tokens_matches_oracle(family):
-    model = model_for(family, "eager")
+AUX_MODELS = {  # the model and its bound
+    "mixtral": lambda: (model_for("mixtral", "eager"), TOL),
+    "qwen3_moe": lambda: (model_for("qwen3_moe", "eager"), TOL),
+    "mixtral_grouped": lambda: (grouped_model("mixtral", "eager"), GROUPED_TOL),
+    "gpt_oss": lambda: (gpt_oss("eager"), TOL),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("which", AUX_MODELS)
+def test_router_aux_loss_over_kept_tokens_matches_oracle(which):
+    model, tol = AUX_MODELS[which]()
     plan = chf.trace_plan(model, loss="per_token", router_aux=True)
+    plain_plan = chf.trace_plan(model, loss="per_token")
     worst = {}
     for attention in ("kept_only", "exact_query"):
         ids, keep = batch_and_mask(3, 0.5, seed=31)
@@ -100,11 +116,11 @@ def test_router_aux_loss_over_kept_tokens_matches_oracle(family):
         got, ref, _ = collider_and_oracle(model, plan, loss_fn, keep, attention)
         worst[attention] = max_rel_diff(got, ref)
         # The aux loss reaches the routers: their gradients differ from the loss without it.
-        without, _, _ = collider_and_oracle(model, plan_for(family, "eager", "per_token"),
-                                            lambda: step_loss(model, "per_token", ids, keep), keep, attention)
-        routers = [k for k in ref if k.endswith("gate.weight") and "shared" not in k]
+        without, _, _ = collider_and_oracle(model, plain_plan, lambda: step_loss(model, "per_token", ids, keep), keep,
+                                            attention)
+        routers = [k for k in ref if k.endswith(("gate.weight", "router.weight")) and "shared" not in k]
         assert routers and max(float((ref[k] - without[k]).abs().max()) for k in routers) > 1e-6
-    assert all(v <= TOL for v in worst.values()), worst
+    assert all(v <= tol for v in worst.values()), worst
 
 
 def test_router_aux_loss_refuses_a_dense_model():
@@ -123,20 +139,252 @@ def _refused_on_trace(model, needle):
     assert grads(model)
 
 
-def test_grouped_experts_are_refused_with_the_eager_advice():
-    _refused_on_trace(tiny_model("mixtral", "eager", dtype=torch.float32, experts_implementation="grouped_mm"),
-                      'experts_implementation="eager"')
+# Grouped experts: torch._grouped_mm takes float32, bfloat16 or float16 on the CPU, so these run in
+# float32 against the bound the float32 models get (1e-3; measured ~2e-6).
+GROUPED_TOL = 1e-3
 
 
-def test_gpt_oss_attention_sinks_are_refused_briefly():
-    from transformers import AutoModelForCausalLM, GptOssConfig
+@functools.lru_cache(maxsize=None)
+def grouped_model(family: str, attn: str):
+    return tiny_model(family, attn, dtype=torch.float32, experts_implementation="grouped_mm")
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_plan(family: str, attn: str, form: str):
+    return chf.trace_plan(grouped_model(family, attn), loss="per_token" if form == "per_token" else "labels")
+
+
+@pytest.mark.parametrize("form", LOSS_FORMS)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_grouped_experts_match_oracle(family, attn, form):
+    model, plan = grouped_model(family, attn), grouped_plan(family, attn, form)
+    worst, apart = {}, {}
+    for attention in ("kept_only", "exact_query"):
+        points = [(ratio, *batch_and_mask(3, ratio, seed=700 + int(ratio * 100))) for ratio in (0.25, 0.5)]
+        points.append(("batch_topk", *ragged_batch(seed=11)))
+        for name, ids, keep in points:
+            got, ref, stats = collider_and_oracle(model, plan, lambda: step_loss(model, form, ids, keep), keep,
+                                                  attention)
+            assert stats.tensors_gathered > 0
+            worst[(attention, name)] = max_rel_diff(got, ref)
+            apart[(attention, name)] = max_rel_diff(plain_grads(model, form, ids, keep)[0], ref)
+    bad = {k: v for k, v in worst.items() if not v <= GROUPED_TOL}
+    assert not bad, f"{family}/{attn}/{form}: max relative gradient difference above {GROUPED_TOL}: {bad}"
+    assert min(apart.values()) > 1e-2, apart
+
+
+def _nodes(loss, name: str) -> list:
+    seen, stack, out = set(), [loss.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == name:
+            out.append(node)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return out
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_grouped_experts_gemms_run_on_the_kept_pairs(ragged):
+    """Every grouped GEMM's backward runs on the kept tokens' k pairs alone, its offsets counting the
+    kept pairs of each expert."""
+    model, plan = grouped_model("mixtral", "eager"), grouped_plan("mixtral", "eager", "per_token")
+    k = model.config.num_experts_per_tok
+    ids, keep = ragged_batch(seed=11) if ragged else batch_and_mask(3, 0.5, seed=3)
+    loss = step_loss(model, "per_token", ids, keep)
+    before = [(n._saved_self.shape[0], n._saved_offs.clone()) for n in _nodes(loss, "GroupedMmBackward0")]
+    collider.filter_backward(loss, keep, plan, attention="kept_only")
+    after = [(n._saved_self.shape[0], n._saved_offs.clone()) for n in _nodes(loss, "GroupedMmBackward0")]
+    assert len(after) == 2 * model.config.num_hidden_layers
+    for (rows, offs), (cut_rows, cut_offs) in zip(before, after):
+        assert rows == keep.numel() * k and cut_rows == int(keep.sum()) * k
+        assert int(cut_offs[-1]) == cut_rows and bool((cut_offs <= offs).all())
+        assert bool((cut_offs[1:] >= cut_offs[:-1]).all())
+    loss.backward()
+
+
+GROUPED_HOOKS = {
+    "checkpointing": (lambda m: m.gradient_checkpointing_enable(), contextlib.nullcontext),
+    "save_on_cpu": (lambda m: None, torch.autograd.graph.save_on_cpu),
+}
+
+
+@pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
+@pytest.mark.parametrize("setup", GROUPED_HOOKS)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_grouped_experts_behind_saved_tensor_hooks_match_oracle(family, attn, setup):
+    """Behind checkpointing or save_on_cpu a grouped route is not cut (its order exists only when the
+    backward unpacks it): its pairs run whole, a dropped token's with a zero gradient."""
+    model = tiny_model(family, attn, dtype=torch.float32, experts_implementation="grouped_mm")
+    GROUPED_HOOKS[setup][0](model)
+    model.train()
+    plan = chf.trace_plan(model, loss="per_token")
+    reference = grouped_model(family, attn)  # the same weights, no hooks
+    worst = {}
+    for name, (ids, keep) in (("0.5", batch_and_mask(3, 0.5, seed=53)), ("batch_topk", ragged_batch(seed=11))):
+        for attention in ("kept_only", "exact_query"):
+            model.zero_grad(set_to_none=True)
+            with GROUPED_HOOKS[setup][1]():
+                loss = step_loss(model, "per_token", ids, keep)
+            stats = collider.filter_backward(loss, keep, plan, attention=attention)
+            loss.backward()
+            assert stats.tensors_hooked > 0
+            reference.zero_grad(set_to_none=True)
+            with oracle_keep(reference, keep, attention), moe_inputs_detached(reference, keep):
+                step_loss(reference, "per_token", ids, keep).backward()
+            worst[(name, attention)] = max_rel_diff(grads(model), grads(reference))
+    bad = {k: v for k, v in worst.items() if not v <= GROUPED_TOL}
+    assert not bad, f"{family}/{attn}/{setup}: max relative gradient difference above {GROUPED_TOL}: {bad}"
+
+
+def test_grouped_experts_with_one_expert_per_token_are_refused_with_the_eager_advice():
+    """Top-1 grouped experts: the sorted pairs are as many as the token rows, which the plan cannot
+    tell apart from them."""
+    from transformers import AutoModelForCausalLM
+    cfg = tiny_config("mixtral", "eager", experts_implementation="grouped_mm")
+    cfg.num_experts_per_tok = 1
     torch.manual_seed(0)
-    cfg = GptOssConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_local_experts=4,
-                       num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=8, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
-                       max_position_embeddings=128, use_cache=False, attn_implementation="eager",
-                       experts_implementation="eager")
-    _refused_on_trace(AutoModelForCausalLM.from_config(cfg).double().train(), "SliceBackward0")
+    _refused_on_trace(AutoModelForCausalLM.from_config(cfg).float().train(), 'experts_implementation="eager"')
+
+
+# GPT-OSS: attention sinks (one more softmax logit per head: cat(scores, sinks), minus the row
+# maximum, softmax, [..., :-1]), alternating sliding windows, biased experts with a clamped gate.
+# transformers runs it with eager attention only. Its experts both ways: eager in float64, grouped in
+# float32 (GROUPED_TOL).
+GPT_OSS_EXPERTS = {"eager": (torch.float64, TOL), "grouped_mm": (torch.float32, GROUPED_TOL)}
+
+
+@functools.lru_cache(maxsize=None)
+def gpt_oss(experts: str):
+    return tiny_model("gpt_oss", "eager", dtype=GPT_OSS_EXPERTS[experts][0], experts_implementation=experts)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("form", LOSS_FORMS)
+@pytest.mark.parametrize("experts", GPT_OSS_EXPERTS)
+def test_gpt_oss_attention_sinks_match_oracle(experts, form):
+    model, tol = gpt_oss(experts), GPT_OSS_EXPERTS[experts][1]
+    plan = chf.trace_plan(model, loss="per_token" if form == "per_token" else "labels")
+    assert "exact_query available" in repr(plan) and "detach " in plan.to_string()
+    worst, apart = {}, {}
+    for attention in ("kept_only", "exact_query"):
+        points = [(ratio, *batch_and_mask(3, ratio, seed=900 + int(ratio * 100))) for ratio in (0.25, 0.5)]
+        points.append(("batch_topk", *ragged_batch(seed=11)))
+        for name, ids, keep in points:
+            got, ref, stats = collider_and_oracle(model, plan, lambda: step_loss(model, form, ids, keep), keep,
+                                                  attention)
+            assert stats.tensors_gathered > 0
+            worst[(attention, name)] = max_rel_diff(got, ref)
+            apart[(attention, name)] = max_rel_diff(plain_grads(model, form, ids, keep)[0], ref)
+    bad = {k: v for k, v in worst.items() if not v <= tol}
+    assert not bad, f"gpt_oss/{experts}/{form}: max relative gradient difference above {tol}: {bad}"
+    assert min(apart.values()) > 1e-2, apart
+    assert model.model.layers[0].self_attn.sinks.grad is not None
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_gpt_oss_keys_are_cut_with_their_sinks_kept():
+    """kept_only: the probabilities the softmax saved keep the kept key columns and the sink column
+    ([.., N, N + 1]); exact_query keeps every key column and the sink ([.., N, T + 1])."""
+    model = gpt_oss("eager")
+    plan = chf.trace_plan(model, loss="per_token")
+    ids, keep = batch_and_mask(3, 0.5, seed=4)
+    n, t = int(keep.sum(1)[0]), ids.shape[1]
+    for attention, keys in (("kept_only", n + 1), ("exact_query", t + 1)):
+        loss = step_loss(model, "per_token", ids, keep)
+        collider.filter_backward(loss, keep, plan, attention=attention)
+        softmax = _nodes(loss, "SoftmaxBackward0")
+        probabilities = [tuple(s._saved_result.shape) for s in softmax if s._saved_result.dim() == 4]
+        assert probabilities and all(p[-2:] == (n, keys) for p in probabilities), probabilities
+        loss.backward()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("which", ["mixtral_grouped", "gpt_oss_grouped"])
+def test_grouped_and_sink_plans_survive_their_text_form(which):
+    """A plan's text form keeps grouped routes (their offsets, token slots and weights' slots) and
+    the detached row maximum: the plan read back filters to the same gradients."""
+    model = grouped_model("mixtral", "eager") if which == "mixtral_grouped" else gpt_oss("grouped_mm")
+    plan = chf.trace_plan(model, loss="per_token")
+    again = collider.Plan.from_string(plan.to_string())
+    assert again.to_string() == plan.to_string()
+    ids, keep = ragged_batch(seed=11)
+    for attention in ("kept_only", "exact_query"):
+        got = [collider_and_oracle(model, p, lambda: step_loss(model, "per_token", ids, keep), keep, attention)[0]
+               for p in (plan, again)]
+        assert max_rel_diff(got[1], got[0]) == 0.0
+
+
+class _SinkAttention(torch.nn.Module):
+    """One attention layer with a sink logit per head, written three ways: sinks appended and sliced
+    off with [..., :-1] or [..., :T] (followed), or prepended (refused)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        torch.manual_seed(3)
+        self.how, self.emb = how, torch.nn.Embedding(64, 16)
+        self.qkv, self.out = torch.nn.Linear(16, 48), torch.nn.Linear(16, 64)
+        self.sinks = torch.nn.Parameter(torch.randn(2))
+
+    def forward(self, ids, keep=None, attention=None):
+        B, T = ids.shape
+        q, k, v = (t.view(B, T, 2, 8).transpose(1, 2) for t in self.qkv(self.emb(ids)).chunk(3, dim=-1))
+        if keep is not None:  # the oracle (DESIGN.md section 3): dropped keys and values detached ...
+            kv = keep[:, None, :, None]
+            k, v = torch.where(kv, k, k.detach()), torch.where(kv, v, v.detach())
+        s = (q @ k.transpose(2, 3)).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        sink = self.sinks.view(1, 2, 1, 1).expand(B, 2, T, 1)
+        s = torch.cat([sink, s] if self.how == "prepended" else [s, sink], dim=-1)
+        col = torch.cat([keep[:, None, None, :], torch.ones(B, 1, 1, 1, dtype=torch.bool)], -1) if keep is not None else None
+        if keep is not None and attention == "kept_only":  # ... and their score columns too
+            s = torch.where(col, s, s.detach())
+        if keep is None:
+            s = s - s.max(dim=-1, keepdim=True).values
+        p = torch.softmax(s, dim=-1)
+        if keep is not None and attention == "kept_only":
+            p = torch.where(col, p, p.detach())
+        p = p[..., 1:] if self.how == "prepended" else p[..., :-1] if self.how == "appended" else p[..., :T]
+        return self.out((p @ v).transpose(1, 2).reshape(B, T, 16))
+
+
+def _sink_loss(model, ids, keep, oracle=None):
+    logits = model(ids, keep if oracle else None, oracle)
+    losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten(), reduction="none").view(ids.shape)
+    return (losses * keep).sum() / keep.sum()
+
+
+@pytest.mark.parametrize("how", ["appended", "sliced_to_T"])
+def test_attention_sinks_written_by_hand_match_oracle(how):
+    model = _SinkAttention(how).double()
+
+    def loss_on_random_batch(batch, seq_len):
+        ids = torch.randint(0, 64, (batch, seq_len))
+        return _sink_loss(model, ids, torch.rand(batch, seq_len) > 0.5)
+
+    plan = collider.trace_plan(loss_on_random_batch)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 64, (3, 23), generator=gen)
+    keep = collider.select_tokens(torch.rand(3, 23, generator=gen), 0.4)
+    for attention in ("kept_only", "exact_query"):
+        model.zero_grad(set_to_none=True)
+        loss = _sink_loss(model, ids, keep)
+        collider.filter_backward(loss, keep, plan, attention=attention)
+        loss.backward()
+        got = grads(model)
+        model.zero_grad(set_to_none=True)
+        _sink_loss(model, ids, keep, oracle=attention).backward()
+        assert max_rel_diff(got, grads(model)) <= 1e-10, (how, attention)
+
+
+def test_attention_sinks_prepended_are_refused():
+    model = _SinkAttention("prepended").double()
+    with pytest.raises(collider.Error, match="sinks") as refused:
+        collider.trace_plan(lambda b, t: _sink_loss(model, torch.randint(0, 64, (b, t)), torch.rand(b, t) > 0.5))
+    assert len(str(refused.value)) <= 300, str(refused.value)
 
 
 def _scatters(loss) -> int:
