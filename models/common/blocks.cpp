@@ -82,6 +82,12 @@ torch::Tensor MoeMlpImpl::forward(const torch::Tensor& x_BTD) const {
   auto [top_MK, expert_MK] = torch::topk(probs_MX, experts_per_token, -1);
   top_MK = top_MK / top_MK.sum(-1, /*keepdim=*/true);
   auto out_MD = torch::zeros_like(x_MD);
+  // One view per expert, taken once: the experts' weight gradients come back as one stack
+  // (UnbindBackward0). select(0, e) per expert would have its backward write a zero tensor of all
+  // the experts' weights for each expert and the engine sum them: per layer 2 x X copies of the
+  // stacked weights in every backward, a cost that does not shrink with the tokens.
+  const auto gate_up_X = gate_up_proj.unbind(0);
+  const auto down_X = down_proj.unbind(0);
   for (int64_t e = 0; e < X; ++e) {
     torch::Tensor tok_R, slot_R;  // the routed tokens' rows and their top-K slot
     {
@@ -93,9 +99,9 @@ torch::Tensor MoeMlpImpl::forward(const torch::Tensor& x_BTD) const {
       slot_R = where_R2.select(1, 1).contiguous();
     }
     auto rows_RD = x_MD.index({tok_R});
-    auto gate_up = torch::nn::functional::linear(rows_RD, gate_up_proj.select(0, e)).chunk(2, -1);
+    auto gate_up = torch::nn::functional::linear(rows_RD, gate_up_X[e]).chunk(2, -1);
     auto h_RF = torch::silu(gate_up[0]) * gate_up[1];
-    auto o_RD = torch::nn::functional::linear(h_RF, down_proj.select(0, e));
+    auto o_RD = torch::nn::functional::linear(h_RF, down_X[e]);
     o_RD = o_RD * top_MK.index({tok_R, slot_R}).unsqueeze(-1);
     out_MD.index_add_(0, tok_R, o_RD.to(out_MD.scalar_type()));
   }
