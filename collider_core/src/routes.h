@@ -11,6 +11,9 @@
 // Filter time: register_routes reads each route's index from its scatter node (TokenIndex::add_route).
 // An expert that received no token of the step is skipped by transformers' eager experts, so its
 // route is absent from the graph: plan_without_absent_routes derives the plan for that graph.
+// Grouped experts (transformers' default, torch._grouped_mm) send one route per layer: the B*T*k
+// token-expert pairs sorted by expert, named after the IndexBackward0 of the sort's inverse that
+// puts them back in token order (routes.cpp, assign_sorted_route; TokenIndex::add_sorted_route).
 // Tests: python/tests/test_moe.py.
 #pragma once
 
