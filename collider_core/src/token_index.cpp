@@ -616,8 +616,12 @@ torch::Tensor TokenIndex::cut_route(const torch::Tensor& x, const ShapeSpec& spe
     if (!d.has_route()) continue;
     const bool hooked = hooked_route(d.route);
     switch (d.kind) {
-      case DimKind::kRouted:
-        return x.index_select(d.dim, route(d.route).kept_K.to(x.device()));
+      case DimKind::kRouted: {
+        // An expert's token rows ([rows, D] saved inputs and gradients, the common case): one
+        // memcpy per row, as every row cut here; index_select for any other layout.
+        const auto kept = route(d.route).kept_K.to(x.device());
+        return d.dim == 0 && x.dim() == 2 ? gather_rows(x, kept, /*stream=*/false) : x.index_select(d.dim, kept);
+      }
       case DimKind::kRoutedPositions:
         return route(d.route).cut_positions_K;
       case DimKind::kRoutedSlots:
