@@ -143,6 +143,30 @@ def _refused_on_trace(model, needle):
     assert grads(model)
 
 
+def _collapsed_router(model):
+    """Every token to the same experts (all router logits zero: top-k picks the first k), as a new
+    model's router often nearly does."""
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("mlp.gate"):
+                module.weight.zero_()
+    return model
+
+
+def test_a_collapsed_router_is_refused_with_the_grouped_advice_and_grouped_experts_are_exact():
+    """With eager experts, the two experts that get every token have B*T rows in every trace (and
+    the others none), which no retry on other random tokens changes: refused, the advice naming
+    grouped experts, whose graph does not depend on the routing; they filter it exactly."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    eager = _collapsed_router(AutoModelForCausalLM.from_config(tiny_config("mixtral", "eager")).double().train())
+    _refused_on_trace(eager, 'experts_implementation="grouped_mm"')
+    grouped = _collapsed_router(tiny_model("mixtral", "eager", dtype=torch.float32,
+                                           experts_implementation="grouped_mm"))
+    assert_matches_oracle(grouped, chf.trace_plan(grouped, loss="per_token"), "per_token", GROUPED_TOL,
+                          "mixtral/eager/grouped, collapsed router")
+
+
 # Grouped experts: torch._grouped_mm takes float32, bfloat16 or float16 on the CPU, so these run in
 # float32 against the bound the float32 models get (1e-3; measured ~2e-6).
 GROUPED_TOL = 1e-3
