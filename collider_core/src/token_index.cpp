@@ -19,6 +19,17 @@
 
 namespace collider::detail {
 
+namespace {
+
+// x's slices `idx` along `dim`: for dim 0 (token rows, the common case) one memcpy per row
+// (gather_rows, index_select where the layout has no row kernel), index_select for other dims.
+// Not streamed: the backward reads most of these next.
+torch::Tensor select_rows(const torch::Tensor& x, int64_t dim, const torch::Tensor& idx) {
+  return dim == 0 ? gather_rows(x, idx, /*stream=*/false) : x.index_select(dim, idx);
+}
+
+}  // namespace
+
 // Ragged kept counts (RHO-1's batch_topk) use a padded layout: every row is cut to N = max_b N_b
 // positions, its N_b kept ones and N - N_b of its dropped ones (the first, in sequence order), all
 // in ascending order, so every kernel below works unchanged on [B, N]. The padding positions
@@ -387,7 +398,7 @@ torch::Tensor TokenIndex::cut(const torch::Tensor& x_in, const ShapeSpec& spec, 
     if (!cut_this(d, cut_keys)) continue;
     if (d.flat()) {
       const auto& rows = d.kind == DimKind::kFlatToken ? flat_rows(d.mult) : flat_rows_seq_first(d.mult);
-      x = d.dim + off == 0 && x.dim() == 2 ? gather_rows(x, rows, /*stream=*/false) : x.index_select(d.dim + off, rows);
+      x = select_rows(x, d.dim + off, rows);
     } else {
       TORCH_CHECK(bdim >= 0 || B_ == 1, "collider: token dimension without a batch dimension (plan bug)");
       x = cut_dim(x, bdim, d.dim + off);
@@ -617,10 +628,8 @@ torch::Tensor TokenIndex::cut_route(const torch::Tensor& x, const ShapeSpec& spe
     const bool hooked = hooked_route(d.route);
     switch (d.kind) {
       case DimKind::kRouted: {
-        // An expert's token rows ([rows, D] saved inputs and gradients, the common case): one
-        // memcpy per row, as every row cut here; index_select for any other layout.
-        const auto kept = route(d.route).kept_K.to(x.device());
-        return d.dim == 0 && x.dim() == 2 ? gather_rows(x, kept, /*stream=*/false) : x.index_select(d.dim, kept);
+        // An expert's token rows ([rows, D] saved inputs and gradients, the common case).
+        return select_rows(x, d.dim, route(d.route).kept_K.to(x.device()));
       }
       case DimKind::kRoutedPositions:
         return route(d.route).cut_positions_K;
