@@ -426,8 +426,10 @@ static Plan trace_plan_impl(const LossOnBatchFn& loss_on_random_batch, const Tra
         return detail::build_plan(ga, gb, {Ba, opts.seq_a}, {Bb, opts.seq_b});
       } catch (const detail::AmbiguousRoute& e) {
         if (attempt == 8) {
-          throw Error(
-              fmt::format("{} (8 attempts; does the loss function draw new random tokens each call?)", e.what()));
+          throw UntraceableRoutes(fmt::format(
+              "{} (8 tries; does the loss function draw new random tokens each call? A router that sends every "
+              "token to a few experts, as a new model's may, cannot be traced)",
+              e.what()));
         }
       }
     }

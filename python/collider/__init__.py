@@ -29,6 +29,7 @@ except ImportError as e:  # the extension is tied to the exact torch it was comp
 
 __all__ = [
     "Error",
+    "UntraceableRoutes",
     "Plan",
     "FilterStats",
     "trace_plan",
@@ -45,6 +46,10 @@ __version__ = "0.1.0"
 #: bad argument). A subclass of RuntimeError.
 Error = _C.Error
 Error.__module__ = "collider"
+#: trace_plan's refusal of a mixture-of-experts model whose routes no try on new random tokens
+#: could trace (some expert received none of them, or exactly a batch's worth). A collider.Error.
+UntraceableRoutes = _C.UntraceableRoutes
+UntraceableRoutes.__module__ = "collider"
 #: A traced plan: per autograd node, which dimensions are token dimensions. `to_string()`,
 #: `Plan.from_string(text)`, `summary()`, `num_nodes`, `num_token_nodes`; picklable.
 Plan = _C.Plan

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import collider as _collider
-from collider import Error, Plan
+from collider import Error, Plan, UntraceableRoutes
 
 __all__ = [
     "IGNORE_INDEX",
@@ -247,21 +247,14 @@ def trace_plan(model: torch.nn.Module, loss: str = "labels", router_aux: bool = 
     try:
         plan = _collider.trace_plan(loss_on_random_batch, shapes)
         plan.merge(_collider.trace_plan(lambda b, t: loss_on_random_batch(b, t, padded=True), shapes))
-    except Error as e:
-        # The core's advice (more, or other, random tokens) does not help a router that sends every
-        # token to the same few experts, as new models' routers often do; grouped experts run one
-        # graph whatever the routing.
-        if _ROUTES_UNTRACEABLE not in str(e):
-            raise
-        raise Error("collider.hf.trace_plan: in every try an expert got none or all of the random tokens (a new "
-                    "model's router often sends them all to a few experts); load the model with "
-                    "experts_implementation=\"grouped_mm\" (transformers' default) or trace a trained router") from None
+    except UntraceableRoutes:
+        # Other random tokens do not help a router that sends every token to the same few experts,
+        # as new models' routers often do; grouped experts run one graph whatever the routing.
+        raise UntraceableRoutes(
+            "collider.hf.trace_plan: in every try an expert got none or all of the random tokens (a new model's "
+            "router often sends them all to a few experts); load the model with "
+            "experts_implementation=\"grouped_mm\" (transformers' default) or trace a trained router") from None
     return plan
-
-
-# How trace_plan's refusal ends when no retry on new random tokens gave every expert a traceable
-# share (some expert none of them, or exactly a batch's worth).
-_ROUTES_UNTRACEABLE = "attempts; does the loss function draw new random tokens each call?"
 
 
 def _trace_shapes(config) -> tuple:

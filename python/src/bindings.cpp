@@ -80,7 +80,10 @@ PYBIND11_MODULE(_C, m) {
 
   // collider.Error: every refusal of the library. A RuntimeError, so code that catches those keeps working.
   // Module-local, so it is tried before torch's global translators.
-  py::register_local_exception<collider::Error>(m, "Error", PyExc_RuntimeError);
+  auto error = py::register_local_exception<collider::Error>(m, "Error", PyExc_RuntimeError);
+  // collider.UntraceableRoutes, a collider.Error: trace_plan could not trace a mixture-of-experts
+  // model's routes (collider/error.h). Registered after Error, so it is tried first.
+  py::register_local_exception<collider::UntraceableRoutes>(m, "UntraceableRoutes", error);
 
   // What ctx.save_for_backward kept in a Python custom Function's node, so that trace_plan can
   // refuse one that saves token-shaped tensors (collider_core/src/passthrough.h).

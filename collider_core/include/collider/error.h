@@ -1,5 +1,5 @@
 // collider::Error: the one exception type that leaves Collider's public API (collider.h,
-// select.h). Every refusal (a node the rewriter cannot cut, a graph that does not match its
+// select.h), with one subtype, UntraceableRoutes, for a refusal that needs different advice. Every refusal (a node the rewriter cannot cut, a graph that does not match its
 // plan, a bad mask or ratio) is one, with a message that says what to do; the graph it was
 // given is unchanged. Python sees it as collider.Error.
 #pragma once
@@ -12,6 +12,14 @@ namespace collider {
 class Error : public std::runtime_error {
  public:
   explicit Error(const std::string& what) : std::runtime_error(what) {}
+};
+
+// trace_plan's refusal of a mixture-of-experts model when no try on new random tokens gave every
+// expert a share of them that its sizes can be read from (none, or exactly a batch's worth): a
+// new model's router often sends every token to a few experts. Python: collider.UntraceableRoutes.
+class UntraceableRoutes : public Error {
+ public:
+  using Error::Error;
 };
 
 }  // namespace collider
