@@ -17,11 +17,14 @@ namespace collider::memory {
 // Installs the tracking CPU allocator (idempotent; tensors allocated before keep their deleter).
 // It also caches freed blocks of >= 64 KiB for reuse, like CUDA's caching allocator, so that a
 // step does not page-fault fresh memory in for every large tensor (on 2 cores that costs ~5 ms
-// per 20 MB); COLLIDER_CPU_CACHING=0 turns the caching off, COLLIDER_CPU_CACHE_MIB bounds it.
+// per 20 MB); COLLIDER_CPU_CACHING=0 turns the caching off, COLLIDER_CPU_CACHE_MIB bounds it
+// (default: half the machine's memory).
 void install_cpu_memory_tracking();
 bool cpu_memory_tracking_installed();
 // "caching", "tracking" (caching off) or "system" (not installed): recorded in env.json.
 const char* cpu_allocator_mode();
+// The bytes the cache may hold (0 when it is not installed or caching is off): env.json.
+int64_t cpu_cache_limit_bytes();
 
 struct MemoryProbe {
   explicit MemoryProbe(const torch::Device& device);
