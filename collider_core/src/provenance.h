@@ -25,4 +25,18 @@ struct Provenance {
 // source_dir: the checkout whose commit the numbers come from (git rev-parse there).
 Provenance collect_provenance(const torch::Device& device, const std::string& source_dir);
 
+// The record's keys and values, in the rows' order: f(key, value) for each field, where value is a
+// std::string, a bool, an int64_t or, for cuda_version, a const std::string* (null: no CUDA). The
+// harness's rows and the Python binding both write it through this, so the keys are named once.
+template <class F>
+void for_each_field(const Provenance& p, F&& f) {
+  f("git_sha", p.git_sha);
+  f("git_dirty", p.git_dirty);
+  f("torch_version", p.torch_version);
+  f("cuda_version", p.cuda_version.empty() ? nullptr : &p.cuda_version);
+  f("device_name", p.device_name);
+  f("num_threads", p.num_threads);
+  f("hostname", p.hostname);
+}
+
 }  // namespace collider

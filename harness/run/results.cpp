@@ -24,6 +24,7 @@
 #include <ctime>
 #include <fstream>
 #include <sstream>
+#include <type_traits>
 #include <stdexcept>
 
 #ifndef COLLIDER_SOURCE_DIR
@@ -295,13 +296,15 @@ Provenance collect_provenance(const torch::Device& device) {
 }
 
 nlohmann::json to_json(const Provenance& p) {
-  return {{"git_sha", p.git_sha},
-          {"git_dirty", p.git_dirty},
-          {"torch_version", p.torch_version},
-          {"cuda_version", p.cuda_version.empty() ? nlohmann::json(nullptr) : nlohmann::json(p.cuda_version)},
-          {"device_name", p.device_name},
-          {"num_threads", p.num_threads},
-          {"hostname", p.hostname}};
+  nlohmann::json j = nlohmann::json::object();
+  for_each_field(p, [&](const char* key, const auto& value) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(value)>, const std::string*>) {
+      j[key] = value ? nlohmann::json(*value) : nlohmann::json(nullptr);
+    } else {
+      j[key] = value;
+    }
+  });
+  return j;
 }
 
 nlohmann::json identity_row(const RowIdentity& id, const Provenance& prov) {

@@ -34,6 +34,7 @@
 #include <typeinfo>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace py = pybind11;
@@ -212,12 +213,15 @@ PYBIND11_MODULE(_C, m) {
       "_provenance",
       [](const std::string& device, const std::string& source_dir) {
         const collider::Provenance p = collider::collect_provenance(torch::Device(device), source_dir);
-        return py::dict(
-            py::arg("git_sha") = p.git_sha, py::arg("git_dirty") = p.git_dirty,
-            py::arg("torch_version") = p.torch_version,
-            py::arg("cuda_version") = p.cuda_version.empty() ? py::object(py::none()) : py::str(p.cuda_version),
-            py::arg("device_name") = p.device_name, py::arg("num_threads") = p.num_threads,
-            py::arg("hostname") = p.hostname);
+        py::dict d;
+        collider::for_each_field(p, [&](const char* key, const auto& value) {
+          if constexpr (std::is_same_v<std::decay_t<decltype(value)>, const std::string*>) {
+            d[key] = value ? py::object(py::str(*value)) : py::object(py::none());
+          } else {
+            d[key] = value;
+          }
+        });
+        return d;
       },
       py::arg("device"), py::arg("source_dir"));
 
