@@ -283,8 +283,7 @@ void assign_routes(const Graph& g, const std::vector<ObservedNode>& oa, const st
       if (!(rows_a == 0 && rows_b == 0) && classify(a, b, sa, sb, ordinary, why)) {
         throw AmbiguousRoute(fmt::format(
             "trace_plan: an expert of the mixture-of-experts layer at node {} (#{}) received {} and {} tokens in the "
-            "two traces (B={}, T={} and B={}, T={}), sizes that cannot be told from the batch's own; trace again "
-            "on other random tokens",
+            "two traces (B={}, T={} and B={}, T={}), sizes that cannot be told from the batch's own",
             ns.type, s, a.values[0], b.values[0], sa.B, sa.T, sb.B, sb.T));
       }
     }

@@ -209,7 +209,7 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
     if (scatters(ga) || scatters(gb)) {
       throw AmbiguousRoute(fmt::format(
           "trace_plan: the loss graph has {} nodes for (B={}, T={}) but {} for (B={}, T={}): an expert of a "
-          "mixture-of-experts layer received no token in one trace; trace with more tokens (TraceOptions)",
+          "mixture-of-experts layer received no token in one trace",
           n, sa.B, sa.T, gb.nodes.size(), sb.B, sb.T));
     }
     throw Error(
@@ -225,7 +225,7 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
       if (scatters(ga)) {
         throw AmbiguousRoute(fmt::format(
             "trace_plan: node #{} is {} in one trace and {} in the other: an expert of a mixture-of-experts layer "
-            "received no token in one trace; trace with more tokens (TraceOptions)",
+            "received no token in one trace",
             i, oa[i].type, ob[i].type));
       }
       throw Error(
@@ -427,8 +427,8 @@ static Plan trace_plan_impl(const LossOnBatchFn& loss_on_random_batch, const Tra
       } catch (const detail::AmbiguousRoute& e) {
         if (attempt == 8) {
           throw UntraceableRoutes(fmt::format(
-              "{} (8 tries; does the loss function draw new random tokens each call? A router that sends every "
-              "token to a few experts, as a new model's may, cannot be traced)",
+              "{} (8 tries on new random tokens); trace more tokens (TraceOptions), or a trained router if this "
+              "one sends every token to a few experts",
               e.what()));
         }
       }

@@ -24,8 +24,8 @@
 #include <ctime>
 #include <fstream>
 #include <sstream>
-#include <type_traits>
 #include <stdexcept>
+#include <type_traits>
 
 #ifndef COLLIDER_SOURCE_DIR
 #define COLLIDER_SOURCE_DIR "."

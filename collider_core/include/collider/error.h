@@ -1,7 +1,8 @@
 // collider::Error: the one exception type that leaves Collider's public API (collider.h,
-// select.h), with one subtype, UntraceableRoutes, for a refusal that needs different advice. Every refusal (a node the rewriter cannot cut, a graph that does not match its
+// select.h). Every refusal (a node the rewriter cannot cut, a graph that does not match its
 // plan, a bad mask or ratio) is one, with a message that says what to do; the graph it was
-// given is unchanged. Python sees it as collider.Error.
+// given is unchanged. Python sees it as collider.Error. One subtype, UntraceableRoutes, marks a
+// refusal whose advice depends on the model (below).
 #pragma once
 
 #include <stdexcept>
