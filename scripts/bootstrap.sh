@@ -83,9 +83,10 @@ fi
 # The Python package's dependencies and test tools, exact versions (transformers' Trainer needs
 # accelerate; setuptools >= 70.1 builds wheels without the separate `wheel` package, which
 # `pip install --no-build-isolation ./python` below needs; trl and its datasets, pandas and pyarrow
-# for the tests of TRL's SFTTrainer). torch is repeated so pip never moves it.
+# for the tests of TRL's SFTTrainer; expecttest, which torch's own OpInfo sample inputs import, for the
+# row-rule property test). torch is repeated so pip never moves it.
 PY_PINS=(transformers==5.23.0 peft==0.21.2 accelerate==1.15.0 trl==1.16.0 datasets==5.2.0 pandas==3.1.1
-         pyarrow==26.0.1 pytest==9.2.0 setuptools==80.9.0 "$NUMPY_PIN" "$MATPLOTLIB_PIN")
+         pyarrow==26.0.1 pytest==9.2.0 setuptools==80.9.0 expecttest==0.3.0 "$NUMPY_PIN" "$MATPLOTLIB_PIN")
 if ! (cd /tmp && "$PY" - "${PY_PINS[@]}" <<'PYEOF'
 import sys
 from importlib.metadata import version, PackageNotFoundError

@@ -176,7 +176,7 @@ void find_attention_cores(const Graph& g, PlanData& plan) {
   for (int i = 0; i < n; ++i) {
     if (plan.nodes[i].attention_core) continue;
     if (plan.nodes[i].fused_attention) continue;
-    if (is_sdpa(type(i))) {
+    if (is_sdpa(type(i)) && !plan.nodes[i].fields.empty()) {  // (one over positions of its own has none)
       problems.push_back(fmt::format("node #{} {}: no filtered replacement for this fused attention", i, type(i)));
       continue;
     }

@@ -76,4 +76,25 @@ std::shared_ptr<torch::autograd::Node> loss_root(const std::shared_ptr<torch::au
   return node;
 }
 
+std::vector<int> topological_order(const Graph& g) {
+  const int n = static_cast<int>(g.nodes.size());
+  std::vector<int> indeg(n, 0);
+  for (int i = 0; i < n; ++i) indeg[i] = static_cast<int>(g.parents[i].size());
+  std::deque<int> q;
+  for (int i = 0; i < n; ++i)
+    if (indeg[i] == 0) q.push_back(i);
+  std::vector<int> order;
+  while (!q.empty()) {
+    int i = q.front();
+    q.pop_front();
+    order.push_back(i);
+    for (const auto& e : g.nodes[i]->next_edges()) {
+      if (!e.function) continue;
+      int c = g.index.at(e.function.get());
+      if (--indeg[c] == 0) q.push_back(c);
+    }
+  }
+  return order;
+}
+
 }  // namespace collider::detail

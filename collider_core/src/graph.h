@@ -28,6 +28,9 @@ Graph collect_graph(const std::shared_ptr<torch::autograd::Node>& root, size_t e
 using NodeNames = std::unordered_map<std::type_index, std::string>;
 std::vector<const std::string*> node_types(const Graph& g, NodeNames& names);
 
+// The node indices of g, every node after all the nodes with an edge into it (backward order).
+std::vector<int> topological_order(const Graph& g);
+
 // The node a plan starts at: loss.grad_fn() below any scaling of the scalar loss by a constant
 // (loss / n for gradient accumulation or a token count, loss * w, a loss scaler's multiply, -loss,
 // a cast): one operand needs no gradient and the input and output are one number. A plan traced on

@@ -78,5 +78,7 @@ inline bool is_strides_field(std::string_view name) {
 // nullptr for node types not declared in Functions.h (AccumulateGrad, custom Functions, ...).
 const NodeFields* find_node_fields(const torch::autograd::Node& node);
 int num_generated_node_types();
+// Their names (Node::name()), in Functions.h order.
+const std::vector<const char*>& generated_node_types();
 
 }  // namespace collider::detail

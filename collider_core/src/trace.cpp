@@ -16,6 +16,7 @@
 #include "passthrough.h"
 #include "plan_impl.h"
 #include "routes.h"
+#include "row_rules.h"
 #include "slices.h"
 #include "sdpa.h"
 
@@ -37,27 +38,6 @@ namespace {
 bool debug_plan() {
   const char* v = std::getenv("COLLIDER_DEBUG_PLAN");
   return v && std::string(v) == "1";
-}
-
-std::vector<int> topological_order(const Graph& g) {
-  const int n = static_cast<int>(g.nodes.size());
-  std::vector<int> indeg(n, 0);
-  for (int i = 0; i < n; ++i) indeg[i] = static_cast<int>(g.parents[i].size());
-  std::deque<int> q;
-  for (int i = 0; i < n; ++i)
-    if (indeg[i] == 0) q.push_back(i);
-  std::vector<int> order;
-  while (!q.empty()) {
-    int i = q.front();
-    q.pop_front();
-    order.push_back(i);
-    for (const auto& e : g.nodes[i]->next_edges()) {
-      if (!e.function) continue;
-      int c = g.index.at(e.function.get());
-      if (--indeg[c] == 0) q.push_back(c);
-    }
-  }
-  return order;
 }
 
 // A node without a field handler (a custom Function, a torch.compile graph) whose gradients go into
@@ -162,6 +142,26 @@ void check_sinks(const PlanData& plan, const std::vector<ObservedNode>& oa, cons
   }
 }
 
+enum class FusedSequence { kTokens, kOther, kMixed };
+
+// Whether a fused attention node (a, b: its two observations) attends over the tokens: its query
+// ([B, H, L, E]) has L = T in both traces. kOther: no field of it has token positions.
+FusedSequence fused_attention_sequence(const ObservedNode& a, const ObservedNode& b, Sizes sa, Sizes sb) {
+  bool tokens = false;
+  for (size_t k = 0; k < a.fields.size(); ++k) {
+    const Observed& x = a.fields[k];
+    const Observed& y = b.fields[k];
+    if (!x.defined || !y.defined || x.kind == FieldKind::kStrides || x.scalar) continue;
+    if (x.name == "query_" && x.values.size() >= 2 && y.values.size() == x.values.size() &&
+        x.values[x.values.size() - 2] == sa.T && y.values[y.values.size() - 2] == sb.T)
+      return FusedSequence::kTokens;
+    ShapeSpec spec;
+    std::string why;
+    tokens = tokens || !classify(x, y, sa, sb, spec, why) || spec.has_token();
+  }
+  return tokens ? FusedSequence::kMixed : FusedSequence::kOther;
+}
+
 }  // namespace
 
 // Python custom Functions with token-shaped inputs or saved tensors (BLOOM's GELU) are cut like an
@@ -249,8 +249,20 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
     ns.type = oa[i].type;
     if (along_token_plus_dim(oa[i], ob[i], sa, sb)) sink_ops.insert(static_cast<int>(i));
     if (is_fused_attention_node(ns.type)) {
-      ns.fused_attention = true;  // replaced whole at filter time
-      continue;
+      // Replaced whole at filter time (sdpa.h), which cuts its query rows and key columns as token
+      // positions: only where its query positions are the tokens. One over positions of their own
+      // (a vision tower's image patches, a fixed memory) is an ordinary node with nothing
+      // token-shaped, left as it is.
+      switch (fused_attention_sequence(oa[i], ob[i], sa, sb)) {
+        case FusedSequence::kTokens: ns.fused_attention = true; continue;
+        case FusedSequence::kOther: continue;
+        case FusedSequence::kMixed:
+          throw Error(fmt::format(
+              "collider cannot rewrite node {} (#{}): a fused attention whose query positions are not the tokens "
+              "while another of its inputs has token positions (cross-attention onto the tokens); use "
+              "attn_implementation=\"eager\" for that module, or train it without token filtering",
+              ns.type, i));
+      }
     }
     if (is_reentrant_checkpoint(ns.type)) {
       throw Error(
@@ -394,6 +406,7 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
   check_python_functions(ga, plan, oa, python_functions, sa);
   find_attention_cores(ga, plan);
   check_sinks(plan, oa, sink_ops, sa);
+  check_row_rules(ga, plan, oa);
   return plan;
 }
 

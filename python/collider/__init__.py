@@ -39,6 +39,7 @@ __all__ = [
     "kept_count",
     "kept_total",
     "register_passthrough_node",
+    "row_rules",
 ]
 __version__ = "0.1.0"
 
@@ -272,6 +273,15 @@ def kept_total(valid: torch.Tensor, filter_ratio: float, policy: str = "per_sequ
         n = sum(counts)
         return kept_count(n, filter_ratio, 1) if n else 0
     return sum(kept_count(n, filter_ratio, align) if n else 0 for n in counts)
+
+
+def row_rules() -> list:
+    """The rule by which collider cuts each autograd node type of this torch along a token
+    dimension, as (node type, rule, reason) in Functions.h order: "pointwise", "layout",
+    "along dim", "reduction", "norm", "matmul", "repeat", "lookup", "attention", or "refused" (a
+    node of that type with a token dimension makes trace_plan refuse the model). docs/ROW_RULES.md
+    lists them."""
+    return _C.row_rules()
 
 
 def register_passthrough_node(name: str) -> None:

@@ -34,6 +34,7 @@
 #include <typeinfo>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -196,6 +197,12 @@ PYBIND11_MODULE(_C, m) {
         guarded("register_passthrough_node", [&] { collider::register_passthrough_node(name); });
       },
       py::arg("name"));
+
+  m.def("row_rules", [] {
+    std::vector<std::tuple<std::string, std::string, std::string>> out;
+    for (const auto& r : collider::row_rules()) out.emplace_back(r.node_type, r.rule, r.reason);
+    return out;
+  });
 
   // For benchmarks: the C++ harness's CPU allocator (caches freed blocks >= 64 KiB as CUDA's caching
   // allocator does; COLLIDER_CPU_CACHING=0 turns caching off). Returns its mode.

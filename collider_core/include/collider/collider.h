@@ -124,6 +124,17 @@ FilterStats filter_backward(const torch::Tensor& loss, const torch::Tensor& keep
 FilterStats mask_backward(const torch::Tensor& loss, const torch::Tensor& keep_mask_BT, const Plan& plan,
                           const FilterOptions& opts = {});
 
+// The rule by which collider cuts each autograd node type of this libtorch along a token
+// dimension (docs/ROW_RULES.md): "pointwise", "layout", "along dim", "reduction", "norm", "matmul",
+// "repeat", "lookup", "attention", or "refused" (a node of that type with a token dimension makes
+// trace_plan refuse the model). Types no rule names are refused.
+struct RowRuleInfo {
+  std::string node_type;  // Node::name(), as declared in libtorch's Functions.h
+  std::string rule;
+  std::string reason;
+};
+std::vector<RowRuleInfo> row_rules();
+
 // Custom autograd nodes (torch::autograd::Function) that carry no token-shaped saved state and
 // map gradients row-for-row can be declared safe by their node name (e.g. timing markers). A
 // Python custom Function needs no declaration: trace_plan runs its backward on cut rows and takes
