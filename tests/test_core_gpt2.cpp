@@ -80,11 +80,12 @@ TEST_P(Gpt2Grad, MatchesOracle) {
   const int64_t N = keep.sum(1)[0].item<int64_t>();
 
   // Collider: hooks see hidden-state gradients of [B, N, D] after every block.
+  // (Recorded from the backward itself: the check on first use runs its own backwards inside filter_backward.)
   g_grad_shapes.clear();
-  g_record = true;
   zero_grads(*m);
   auto loss = masked_ce(m->forward(idx), labels, keep);
   FilterStats st = filter_backward(loss, keep, plan, {c.attention});
+  g_record = true;
   loss.backward();
   auto g_collider = grads_of(*m);
   g_record = false;

@@ -7,7 +7,11 @@
 #include <collider/collider.h>
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
+#include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace collider::detail {
@@ -164,4 +168,13 @@ struct PlanData {
 // uses the first variant of the batch's kind whose node sequence is the graph's.
 struct collider::Plan::Impl {
   std::vector<detail::PlanData> variants;
+  // The check on first use (FilterOptions::check_every): the kinds of step already checked, as
+  // (variant, its node count, exact_query, ragged), and the steps filtered with this plan. Copies of a
+  // plan share it; a plan read from text starts a new one.
+  struct CheckLog {
+    std::mutex mutex;
+    std::set<std::tuple<int64_t, int64_t, bool, bool>> checked;
+    int64_t steps = 0;
+  };
+  std::shared_ptr<CheckLog> checks = std::make_shared<CheckLog>();
 };

@@ -868,7 +868,7 @@ std::string type_mismatch(const Graph& g, const std::vector<const std::string*>&
 // which the graph differs only by experts that received no token (derived for it, routes.h); else
 // Error with the first variant's mismatch.
 std::pair<Graph, std::shared_ptr<const PlanData>> checked_graph(const torch::Tensor& loss, const Plan& plan,
-                                                                int64_t batch, const char* who) {
+                                                                int64_t batch, const char* who, int64_t& variant) {
   if (!loss.defined() || !loss.grad_fn()) {
     throw Error(fmt::format("{}: the loss has no grad_fn; build it from the model outputs with grad enabled", who));
   }
@@ -881,13 +881,16 @@ std::pair<Graph, std::shared_ptr<const PlanData>> checked_graph(const torch::Ten
   NodeNames names;
   const std::vector<const std::string*> types = node_types(g, names);
   std::string first_why;
+  const auto& variants = plan.impl().variants;
   for (const PlanData* c : candidates) {
     std::string why = type_mismatch(g, types, *c, who);
+    variant = c - variants.data();
     if (why.empty()) return {std::move(g), std::shared_ptr<const PlanData>(std::shared_ptr<void>(), c)};
     if (first_why.empty()) first_why = std::move(why);
   }
   for (const PlanData* c : candidates) {
     if (!has_routes(*c)) continue;
+    variant = c - variants.data();
     if (auto derived = plan_without_absent_routes(g, types, *c)) {
       return {std::move(g), std::make_shared<const PlanData>(std::move(*derived))};
     }
@@ -1039,9 +1042,84 @@ torch::autograd::variable_list leaf_gradients(const torch::Tensor& loss, const t
       /*create_graph=*/false, /*accumulate_grad=*/false, leaves);
 }
 
+// The largest difference of `got` from `want`, relative to want's largest entry (NaN counts as infinite).
+double relative_difference(const torch::Tensor& want, const torch::Tensor& got) {
+  torch::Tensor w = want.defined() ? want.to(torch::kDouble) : torch::zeros_like(got, torch::kDouble);
+  torch::Tensor h = got.defined() ? got.to(torch::kDouble) : torch::zeros_like(w);
+  const double scale = w.abs().max().item<double>();
+  const double diff = (h - w).abs().max().item<double>();
+  const double rel = scale > 0 ? diff / scale : diff;
+  return std::isnan(rel) ? INFINITY : rel;
+}
+
+// After a check found a leaf's gradient different, with the filtered rewrite `rw` still written: the
+// first node, in backward order, whose incoming gradient differs between the filtered rewrite and a
+// masked one prepared anew (the masked gradient cut to the kept rows as the filtered one is), and the
+// node that made that gradient. Both backwards run again; rw is reverted (discarded) on return, and so
+// is the masked rewrite. "" where none is found.
+std::string first_differing_node(const torch::Tensor& loss, const Graph& g, const PlanData& data,
+                                 const std::shared_ptr<TokenIndex>& ix, bool exact, Rewriter& rw, double tol,
+                                 const char* who) {
+  torch::autograd::edge_list edges;
+  std::vector<std::pair<int, uint32_t>> at;  // (node, input) of each edge
+  for (size_t i = 1; i < g.nodes.size(); ++i) {
+    for (uint32_t k = 0; k < g.nodes[i]->num_inputs(); ++k) {
+      edges.emplace_back(g.nodes[i], k);
+      at.emplace_back(static_cast<int>(i), k);
+    }
+  }
+  torch::autograd::variable_list got, want;
+  try {
+    got = leaf_gradients(loss, edges);
+  } catch (...) {
+    rw.revert();
+    throw;
+  }
+  rw.revert();
+  FilterStats masked_stats;
+  auto ref = prepare_rewrite(g, data, ix, exact, /*masked=*/true, /*keep_sources=*/true, masked_stats, who);
+  ref->commit();
+  try {
+    want = leaf_gradients(loss, edges);
+  } catch (...) {
+    ref->revert();
+    throw;
+  }
+  ref->revert();
+  std::vector<int> rank(g.nodes.size());
+  const std::vector<int> order = topological_order(g);
+  for (size_t r = 0; r < order.size(); ++r) rank[order[r]] = static_cast<int>(r);
+  int first = -1;
+  double first_rel = 0;
+  torch::NoGradGuard no_grad;
+  for (size_t e = 0; e < edges.size(); ++e) {
+    const auto [i, k] = at[e];
+    if (first >= 0 && rank[i] >= rank[first]) continue;
+    if (!want[e].defined() && !got[e].defined()) continue;
+    torch::Tensor w = want[e];
+    torch::Tensor h = got[e];
+    const FieldSpec* spec = data.nodes[i].find(FieldKind::kInputMeta, static_cast<int32_t>(k));
+    try {
+      if (spec && spec->shape.has_token() && w.defined()) {
+        w = ix->zero_padding(ix->cut(w, spec->shape, !exact), spec->shape, false);
+        if (h.defined()) h = ix->zero_padding(h, spec->shape, false);
+      }
+      const double rel = w.defined() && h.defined() && w.sizes() != h.sizes() ? INFINITY : relative_difference(w, h);
+      if (rel > tol) first = i, first_rel = rel;
+    } catch (const std::exception&) {
+      continue;  // a gradient this comparison cannot cut: pass over it
+    }
+  }
+  if (first < 0 || g.parents[first].empty()) return "";
+  const int from = g.parents[first].front().first;  // the node that made the gradient
+  return fmt::format("{} (#{}), in the gradient it passes to {} (#{}) (relative difference {:.3g})",
+                     data.nodes[from].type, from, data.nodes[first].type, first, first_rel);
+}
+
 // validate: the filtered backward's gradient of every leaf against the masked method's on the same
 // graph (each rewrite written, run, and the masked one swapped back). On a difference above the
-// dtype's tolerance, or any failure, the graph is left as it was and Error says so.
+// dtype's tolerance the graph is left as it was and GradientMismatch names the first node whose
+// gradient differs; on any other failure, Error.
 void validate_against_masked(const torch::Tensor& loss, const Graph& g, const PlanData& data,
                              const std::shared_ptr<TokenIndex>& ix, bool exact, Rewriter& rw, const char* who) {
   torch::autograd::edge_list leaves;
@@ -1066,31 +1144,60 @@ void validate_against_masked(const torch::Tensor& loss, const Graph& g, const Pl
     rw.revert();
     throw;
   }
-  torch::NoGradGuard no_grad;
   double worst = 0;
   size_t worst_leaf = 0;
-  for (size_t k = 0; k < leaves.size(); ++k) {
-    if (!want[k].defined() && !got[k].defined()) continue;
-    torch::Tensor w = want[k].defined() ? want[k].to(torch::kDouble) : torch::zeros_like(got[k], torch::kDouble);
-    torch::Tensor h = got[k].defined() ? got[k].to(torch::kDouble) : torch::zeros_like(w);
-    const double scale = w.abs().max().item<double>();
-    const double diff = (h - w).abs().max().item<double>();
-    const double rel = scale > 0 ? diff / scale : diff;
-    if (!(rel <= worst)) {  // NaN counts as worst
-      worst = std::isnan(rel) ? INFINITY : rel;
-      worst_leaf = k;
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t k = 0; k < leaves.size(); ++k) {
+      if (!want[k].defined() && !got[k].defined()) continue;
+      const double rel = relative_difference(want[k], got[k]);
+      if (rel > worst) worst = rel, worst_leaf = k;
     }
   }
   const auto dtype = loss.scalar_type();
   const double tol = dtype == torch::kDouble ? 1e-4 : dtype == torch::kFloat ? 1e-3 : 5e-2;
   if (worst <= tol) return;
-  rw.revert();
+  std::string node;
+  try {
+    node = first_differing_node(loss, g, data, ix, exact, rw, tol, who);  // reverts rw
+  } catch (const std::exception&) {
+    node.clear();  // the diagnosis is a courtesy: the refusal stands without it (rw is reverted)
+  }
   const auto& meta = leaves[worst_leaf].function->input_metadata(0);
-  throw Error(fmt::format(
-      "{}(validate): the filtered gradient differs from mask_backward's by {:.3g} (relative, a parameter of shape "
-      "[{}]; tolerance {:.0e}); the graph is unchanged. Does the loss count dropped positions in a way the "
-      "cheap checks cannot see? Otherwise please report it with the model",
-      who, worst, fmt::join(to_ints(meta.shape_as_dim_vector()), ", "), tol));
+  throw GradientMismatch(fmt::format(
+      "{}(check): the filtered gradient differs from mask_backward's{} by {:.3g} (relative, a parameter of shape "
+      "[{}]; tolerance {:.0e}); the graph is unchanged, so a plain loss.backward() gives the loss_only gradient. "
+      "Please report it with the model",
+      who, node.empty() ? "" : ", first at node " + node + ",", worst,
+      fmt::join(to_ints(meta.shape_as_dim_vector()), ", "), tol));
+}
+
+// The check on first use (FilterOptions::check_every): counts the step, and says whether to check it:
+// the first step of its kind (variant, exact_query, ragged) and every check_every-th step. Not where
+// the graph holds a declared passthrough node, whose work (FSDP2's reduce-scatter) must run once, nor
+// saved tensors behind saved-tensor hooks (below).
+bool due_for_check(const Plan& plan, const Graph& g, int64_t variant, bool exact, bool ragged,
+                   const FilterOptions& opts) {
+  if (opts.check_every <= 0) return false;
+  // Saved tensors behind hooks: selective activation checkpointing lets each recomputed region be
+  // unpacked once, and the check's two backwards would use that up.
+  struct Hooked : IgnoringFieldVisitor {
+    bool any = false;
+    void saved(const char*, SavedVariable& v) override { any = any || v.has_hooks(); }
+    void saved_list(const char*, std::vector<SavedVariable>& v) override {
+      for (auto& x : v) any = any || x.has_hooks();
+    }
+  } hooked;
+  for (const auto& n : g.nodes) {
+    if (is_passthrough(n->name())) return false;
+    if (const NodeFields* f = find_node_fields(*n)) f->visit(n.get(), hooked);
+    if (hooked.any) return false;
+  }
+  auto& log = *plan.impl().checks;
+  std::lock_guard<std::mutex> lock(log.mutex);
+  ++log.steps;
+  return log.steps % opts.check_every == 0 ||
+         !log.checked.count({variant, static_cast<int64_t>(g.nodes.size()), exact, ragged});
 }
 
 FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT, const Plan& plan,
@@ -1108,7 +1215,8 @@ FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT,
         "per loss, right before loss.backward()",
         who));
   }
-  auto [g, matched] = checked_graph(loss, plan, keep_BT.size(0), who);
+  int64_t variant = -1;
+  auto [g, matched] = checked_graph(loss, plan, keep_BT.size(0), who, variant);
   const PlanData& data = *matched;
   if (exact && !data.exact_query_blocker.empty()) {
     throw Error(
@@ -1135,13 +1243,20 @@ FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT,
   stats.kept_min = *std::min_element(ix->kept_counts().begin(), ix->kept_counts().end());
   stats.kept_max = *std::max_element(ix->kept_counts().begin(), ix->kept_counts().end());
 
-  auto rw = prepare_rewrite(g, data, ix, exact, masked, opts.validate && !masked, stats, who);
-  if (opts.validate && !masked) {
+  const bool check = !masked && (opts.validate || due_for_check(plan, g, variant, exact, ix->ragged(), opts));
+  auto rw = prepare_rewrite(g, data, ix, exact, masked, check, stats, who);
+  if (check) {
     validate_against_masked(loss, g, data, ix, exact, *rw, who);
   } else {
     rw->commit();  // from here on nothing can fail
   }
   rw->finish();
+  if (check) {
+    stats.checked = 1;
+    auto& log = *plan.impl().checks;
+    std::lock_guard<std::mutex> lock(log.mutex);
+    log.checked.emplace(variant, static_cast<int64_t>(g.nodes.size()), exact, ix->ragged());
+  }
   rewritten_graphs().add(g.nodes.front());
   stats.rewrite_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   if (debug_gather()) {

@@ -142,23 +142,44 @@ void check_sinks(const PlanData& plan, const std::vector<ObservedNode>& oa, cons
   }
 }
 
+// What differs between the two traces' observations of one node: its type, else its fields (a cat of
+// 3 tensors in one trace and 4 in the other), each as "count name" in order of first appearance.
+std::string trace_difference(const ObservedNode& a, const ObservedNode& b, Sizes sa, Sizes sb) {
+  if (a.type != b.type) return fmt::format("is {} in one trace and {} in the other", a.type, b.type);
+  auto fields = [](const ObservedNode& o) {
+    std::vector<std::pair<std::string, int>> counts;
+    for (const auto& f : o.fields) {
+      if (counts.empty() || counts.back().first != f.name) counts.emplace_back(f.name, 0);
+      ++counts.back().second;
+    }
+    std::string out;
+    for (const auto& [name, count] : counts) out += fmt::format("{}{} {}", out.empty() ? "" : ", ", count, name);
+    return out;
+  };
+  return fmt::format("({}) has the fields {} for (B={}, T={}) but {} for (B={}, T={})", a.type, fields(a), sa.B, sa.T,
+                     fields(b), sb.B, sb.T);
+}
+
 enum class FusedSequence { kTokens, kOther, kMixed };
 
-// Whether a fused attention node (a, b: its two observations) attends over the tokens: its query
-// ([B, H, L, E]) has L = T in both traces. kOther: no field of it has token positions.
+// Whether a fused attention node (a, b: its two observations) attends over the tokens: its query and
+// key ([B, H, L, E]) both have L = T in both traces. kOther: no field of it has token positions;
+// kMixed: some have, but not as a self-attention over the tokens (cross-attention).
 FusedSequence fused_attention_sequence(const ObservedNode& a, const ObservedNode& b, Sizes sa, Sizes sb) {
-  bool tokens = false;
+  bool tokens = false, query = false, key = false;
   for (size_t k = 0; k < a.fields.size(); ++k) {
     const Observed& x = a.fields[k];
     const Observed& y = b.fields[k];
     if (!x.defined || !y.defined || x.kind == FieldKind::kStrides || x.scalar) continue;
-    if (x.name == "query_" && x.values.size() >= 2 && y.values.size() == x.values.size() &&
-        x.values[x.values.size() - 2] == sa.T && y.values[y.values.size() - 2] == sb.T)
-      return FusedSequence::kTokens;
+    const bool positions = x.values.size() >= 2 && y.values.size() == x.values.size() &&
+                           x.values[x.values.size() - 2] == sa.T && y.values[y.values.size() - 2] == sb.T;
+    query = query || (x.name == "query_" && positions);
+    key = key || (x.name == "key_" && positions);
     ShapeSpec spec;
     std::string why;
     tokens = tokens || !classify(x, y, sa, sb, spec, why) || spec.has_token();
   }
+  if (query && key) return FusedSequence::kTokens;
   return tokens ? FusedSequence::kMixed : FusedSequence::kOther;
 }
 
@@ -222,16 +243,14 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
     oa[i] = observe(ga.nodes[i]);
     ob[i] = observe(gb.nodes[i]);
     if (oa[i].type != ob[i].type || oa[i].fields.size() != ob[i].fields.size()) {
+      const std::string differs = trace_difference(oa[i], ob[i], sa, sb);
       if (scatters(ga)) {
         throw AmbiguousRoute(fmt::format(
-            "trace_plan: node #{} is {} in one trace and {} in the other: an expert of a mixture-of-experts layer "
-            "received no token in one trace",
-            i, oa[i].type, ob[i].type));
+            "trace_plan: node #{} {}: an expert of a mixture-of-experts layer received no token in one trace", i,
+            differs));
       }
-      throw Error(
-          fmt::format("trace_plan: node #{} is {} in one trace and {} in the other; the graph must not "
-                      "depend on the batch or sequence size",
-                      i, oa[i].type, ob[i].type));
+      throw Error(fmt::format(
+          "trace_plan: node #{} {}; the graph must not depend on the batch or sequence size", i, differs));
     }
   }
   plan.nodes.resize(n);
@@ -258,9 +277,9 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
         case FusedSequence::kOther: continue;
         case FusedSequence::kMixed:
           throw Error(fmt::format(
-              "collider cannot rewrite node {} (#{}): a fused attention whose query positions are not the tokens "
-              "while another of its inputs has token positions (cross-attention onto the tokens); use "
-              "attn_implementation=\"eager\" for that module, or train it without token filtering",
+              "collider cannot rewrite node {} (#{}): a fused attention whose query and key positions are not both "
+              "the tokens (a cross-attention); use attn_implementation=\"eager\" for that module, or train it "
+              "without token filtering",
               ns.type, i));
       }
     }

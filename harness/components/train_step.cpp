@@ -240,6 +240,7 @@ StepResult Trainer::step(const Batch& batch_in) {
     ScopedRange rr(ranges_, "filter.rewrite");
     collider::FilterOptions fo;
     fo.attention = cfg_.spec.attention_grad;
+    fo.check_every = cfg_.check_every;
     if (cfg_.spec.method == Method::kCollider) {
       r.filter = collider::filter_backward(loss, keep_BT, *plan_, fo);
     } else if (cfg_.spec.method == Method::kMasked) {

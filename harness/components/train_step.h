@@ -48,6 +48,9 @@ struct StepConfig {
   double grad_clip = 1.0;      // max global grad norm; <= 0 disables clipping
   bool bf16_autocast = false;  // CUDA only: forward under bf16 autocast
   bool layer_timing = false;   // install per-layer markers
+  // collider: the check of a step against mask_backward on first use and every check_every-th
+  // step (collider::FilterOptions::check_every); the timing sweeps set 0, training runs keep it.
+  int64_t check_every = collider::kDefaultCheckEvery;
 };
 
 struct Batch {

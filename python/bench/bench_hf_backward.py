@@ -15,7 +15,9 @@ warm-up steps in turn, then timed rounds, every round running each method once i
   collider exact_query
   floor                 regular's backward on a batch of T' tokens (DESIGN.md section 7: what a
                         backward that never saw the dropped tokens costs here, with no gather)
---methods runs a subset ("collider kept_only" may be written collider_kept_only). Medians with IQR;
+--methods runs a subset ("collider kept_only" may be written collider_kept_only), or adds
+"collider checked": kept_only with filter_backward's check against mask_backward on every step, what
+a checked step costs. Medians with IQR;
 per-round medians: the median over rounds of each round's reduction against the same round's
 regular (reduction_per_round, of_ideal_per_round). bwd_ms runs from the end of the forward to the
 end of loss.backward(), so Collider's includes the Python call of filter_backward. FLOP ideal = 1 -
@@ -84,7 +86,12 @@ SHAPES = {
                             num_key_value_heads=1, vocab_size=256),
 }
 METHODS = ("regular", "loss_only", "collider kept_only", "collider exact_query", "floor")
-ATTENTION = {"collider kept_only": "kept_only", "collider exact_query": "exact_query"}  # filter_backward's
+# Only when --methods names it: kept_only with filter_backward's check against mask_backward on every
+# step (check_every=1), what a checked step costs (the default checks the first step of each kind and
+# every 1000th).
+OPTIONAL_METHODS = ("collider checked",)
+ATTENTION = {"collider kept_only": "kept_only", "collider exact_query": "exact_query",
+             "collider checked": "kept_only"}  # filter_backward's
 
 
 # ---- FLOPs: the C++ FLOP model (models/flops.h) through the bindings -----------------------------
@@ -270,7 +277,9 @@ def run_once(model, plan, batch: Batch, method: str, clock: Clock, bf16: bool) -
     t1 = clock.now()
     sample = {}
     if method in ATTENTION:
-        stats = collider.filter_backward(loss, batch.keep_BT, plan, attention=ATTENTION[method])
+        # Timed alone (the tests check the gradients), but for the method that measures the check.
+        stats = collider.filter_backward(loss, batch.keep_BT, plan, attention=ATTENTION[method],
+                                         check_every=1 if method == "collider checked" else 0)
         sample["rewrite_ms"] = stats.rewrite_ms
         sample["call_ms"] = (clock.now() - t1) * 1e3
     loss.backward()
@@ -409,13 +418,15 @@ def print_point(p: dict) -> None:
 
 
 def parse_methods(text: str) -> tuple:
-    """--methods' comma list, in METHODS' order; collider_kept_only is collider kept_only."""
+    """--methods' comma list, in METHODS' order (then OPTIONAL_METHODS'); collider_kept_only is collider
+    kept_only."""
+    known = METHODS + OPTIONAL_METHODS
     asked = {m.strip().replace("collider_", "collider ", 1) for m in text.split(",") if m.strip()}
-    unknown = sorted(asked - set(METHODS))
+    unknown = sorted(asked - set(known))
     if unknown or not asked:
         raise SystemExit(f"error: --methods {text!r}: unknown {unknown}; give a comma list of "
-                         f"{', '.join(m.replace(' ', '_') for m in METHODS)}")
-    return tuple(m for m in METHODS if m in asked)
+                         f"{', '.join(m.replace(' ', '_') for m in known)}")
+    return tuple(m for m in known if m in asked)
 
 
 def parse_args():

@@ -30,6 +30,8 @@ except ImportError as e:  # the extension is tied to the exact torch it was comp
 __all__ = [
     "Error",
     "UntraceableRoutes",
+    "GradientMismatch",
+    "DEFAULT_CHECK_EVERY",
     "Plan",
     "FilterStats",
     "trace_plan",
@@ -51,6 +53,8 @@ Error.__module__ = "collider"
 #: could trace (some expert received none of them, or exactly a batch's worth). A collider.Error.
 UntraceableRoutes = _C.UntraceableRoutes
 UntraceableRoutes.__module__ = "collider"
+GradientMismatch = _C.GradientMismatch
+GradientMismatch.__module__ = "collider"
 #: A traced plan: per autograd node, which dimensions are token dimensions. `to_string()`,
 #: `Plan.from_string(text)`, `summary()`, `num_nodes`, `num_token_nodes`; picklable.
 Plan = _C.Plan
@@ -196,8 +200,12 @@ def _refuse_compiled_autograd(who: str) -> None:
                     "uncompiled)")
 
 
+DEFAULT_CHECK_EVERY = _C.DEFAULT_CHECK_EVERY
+
+
 def filter_backward(loss: torch.Tensor, keep_mask: torch.Tensor, plan: Plan,
-                    attention: str = "kept_only", validate: bool = False) -> FilterStats:
+                    attention: str = "kept_only", validate: bool = False,
+                    check_every: int = DEFAULT_CHECK_EVERY) -> FilterStats:
     """The one added line: rewrites the autograd graph of `loss` in place so that the next
     loss.backward() runs on the kept positions only.
 
@@ -209,18 +217,27 @@ def filter_backward(loss: torch.Tensor, keep_mask: torch.Tensor, plan: Plan,
     loss.backward() still gives the loss_only gradient.
 
     Every call checks, cheaply, that the loss gives dropped positions no gradient (a cross-entropy's
-    targets there must be ignore_index, a per-position loss must be masked there). validate=True also
-    runs this step's backward through the rewrite and through mask_backward inside the call (two extra
-    backwards, on the same graph) and raises collider.Error, graph unchanged, unless every parameter's
-    gradient agrees: use it on a first step. Works under activation checkpointing (use_reentrant=False)
+    targets there must be ignore_index, a per-position loss must be masked there).
+
+    The check: validate=True runs this step's backward through the rewrite and through mask_backward
+    inside the call (two extra backwards, on the same graph) and raises collider.GradientMismatch (a
+    collider.Error naming the first node whose gradient differs), graph unchanged, unless every
+    parameter's gradient agrees. By default the first step of each kind the plan serves (traced
+    variant, semantics, equal or ragged kept counts) is checked so, and then every check_every-th step
+    filtered with the plan (DEFAULT_CHECK_EVERY = 1000); check_every=0 leaves it to validate
+    (benchmarks). Skipped where the graph holds a declared passthrough node (FSDP2's: its work must
+    run once). stats.checked says whether this step was checked. Works under activation checkpointing (use_reentrant=False)
     and saved-tensor hooks (offloading): such tensors are cut when the backward unpacks them. The loss
     may be scaled by a constant after filter_backward or before it (loss / accumulation_steps).
     """
     _check_keep_mask(loss, keep_mask, plan, attention, "filter_backward")
     if not isinstance(validate, bool):
         raise Error(f"filter_backward: validate must be True or False, got {validate!r}")
+    if not isinstance(check_every, int) or isinstance(check_every, bool) or check_every < 0:
+        raise Error(f"filter_backward: check_every must be an int >= 0 (0: no check unless validate), "
+                    f"got {check_every!r}")
     _refuse_compiled_autograd("filter_backward")
-    return _C.filter_backward(loss, keep_mask, plan, attention, validate)
+    return _C.filter_backward(loss, keep_mask, plan, attention, validate, check_every)
 
 
 def mask_backward(loss: torch.Tensor, keep_mask: torch.Tensor, plan: Plan,

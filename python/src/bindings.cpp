@@ -86,6 +86,9 @@ PYBIND11_MODULE(_C, m) {
   // collider.UntraceableRoutes, a collider.Error: trace_plan could not trace a mixture-of-experts
   // model's routes (collider/error.h). Registered after Error, so it is tried first.
   py::register_local_exception<collider::UntraceableRoutes>(m, "UntraceableRoutes", error);
+  // collider.GradientMismatch, a collider.Error: a step the check against mask_backward refused.
+  py::register_local_exception<collider::GradientMismatch>(m, "GradientMismatch", error);
+  m.attr("DEFAULT_CHECK_EVERY") = collider::kDefaultCheckEvery;
 
   // What ctx.save_for_backward kept in a Python custom Function's node, so that trace_plan can
   // refuse one that saves token-shaped tensors (collider_core/src/passthrough.h).
@@ -152,13 +155,15 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "filter_backward",
       [](const torch::Tensor& loss, const torch::Tensor& keep_mask, const collider::Plan& plan,
-         const std::string& attention, bool validate) {
+         const std::string& attention, bool validate, int64_t check_every) {
         auto opts = options_for(attention);
         opts.validate = validate;
+        opts.check_every = check_every;
         py::gil_scoped_release no_gil;
         return guarded("filter_backward", [&] { return collider::filter_backward(loss, keep_mask, plan, opts); });
       },
-      py::arg("loss"), py::arg("keep_mask"), py::arg("plan"), py::arg("attention"), py::arg("validate"));
+      py::arg("loss"), py::arg("keep_mask"), py::arg("plan"), py::arg("attention"), py::arg("validate"),
+      py::arg("check_every"));
 
   m.def(
       "mask_backward",

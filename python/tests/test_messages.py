@@ -217,9 +217,12 @@ def squares_loss(model, ids):
 def test_validate_refuses_what_the_cheap_checks_miss(model):
     plan = collider.trace_plan(lambda b, t: squares_loss(model, torch.randint(0, 128, (b, t))))
     ids, keep = batch(5)
-    collider.filter_backward(squares_loss(model, ids), keep, plan)  # the cheap checks pass it
+    collider.filter_backward(squares_loss(model, ids), keep, plan, check_every=0)  # the cheap checks pass it
     text = message(lambda: collider.filter_backward(squares_loss(model, ids), keep, plan, validate=True))
     assert "differs from mask_backward's" in text and "graph is unchanged" in text, text
+    # The check on first use, by default, refuses it too, naming where the gradients part.
+    text = message(lambda: collider.filter_backward(squares_loss(model, ids), keep, plan))
+    assert "differs from mask_backward's, first at node MmBackward0" in text, text  # the LM head's
 
 
 # Every refusal of filter_backward, each on a fresh loss: (name, plan fixture, make the loss, the call).

@@ -35,15 +35,24 @@ enum class AttentionGrad {
 const char* to_string(AttentionGrad a);
 AttentionGrad attention_grad_from_string(const std::string& s);  // "kept_only" | "exact_query"
 
+// How often filter_backward checks a step against mask_backward by default (FilterOptions::check_every).
+inline constexpr int64_t kDefaultCheckEvery = 1000;
+
 struct FilterOptions {
   AttentionGrad attention = AttentionGrad::kKeptOnly;
   // Check this step against mask_backward (the same semantics on full-size tensors): both
   // backwards run inside the call, on the same graph, and every parameter's gradient must agree
   // (relative to its largest entry: 1e-4 in double, 1e-3 in float, 5e-2 in half precision), else
-  // Error with the graph unchanged. It costs two extra backwards: for a first step, not every step.
+  // GradientMismatch naming the first node whose gradient differs, with the graph unchanged. It
+  // costs two extra backwards.
   // Always on, and cheap: the loss must give dropped positions no gradient (a cross-entropy's
   // targets there are ignore_index, a per-position loss is masked there).
   bool validate = false;
+  // The check on first use: the first filtered step of each kind the plan serves (its traced variant,
+  // the semantics, equal or ragged kept counts) is checked as validate checks, and then every
+  // check_every-th step filtered with the plan. 0: never by default (benchmarks). Skipped where the
+  // graph holds a declared passthrough node (FSDP2's, which queue work for the end of the backward).
+  int64_t check_every = kDefaultCheckEvery;
 };
 
 struct FilterStats {
@@ -56,6 +65,8 @@ struct FilterStats {
                                        // offloading), cut when the backward unpacks them; their
                                        // bytes are not known before then (not in the two above)
   int64_t gather_nodes_inserted = 0;   // exact_query: nodes that cut dK/dV to kept rows
+  int64_t checked = 0;                 // 1: this step was checked against mask_backward (validate, or
+                                       // the check on first use)
   int64_t gemms_packed = 0;            // ragged rows: token-row GEMMs run on the packed kept rows
   int64_t batch = 0, seq_len = 0;      // B, T
   int64_t kept = 0;                    // positions per row after the cut: T', the largest kept count

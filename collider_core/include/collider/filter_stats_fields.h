@@ -19,6 +19,7 @@ void for_each_filter_stats_field(F&& f) {
   f("bytes_gathered", &FilterStats::bytes_gathered);
   f("tensors_hooked", &FilterStats::tensors_hooked);
   f("gather_nodes_inserted", &FilterStats::gather_nodes_inserted);
+  f("checked", &FilterStats::checked);
   f("gemms_packed", &FilterStats::gemms_packed);
   f("batch", &FilterStats::batch);
   f("seq_len", &FilterStats::seq_len);
@@ -30,8 +31,8 @@ void for_each_filter_stats_field(F&& f) {
   f("gather_ms", &FilterStats::gather_ms);
 }
 
-// 14 int64_t counts and 2 double times: a field added to the struct but not above fails here.
-static_assert(sizeof(FilterStats) == 14 * sizeof(int64_t) + 2 * sizeof(double),
+// 15 int64_t counts and 2 double times: a field added to the struct but not above fails here.
+static_assert(sizeof(FilterStats) == 15 * sizeof(int64_t) + 2 * sizeof(double),
               "FilterStats changed: list its fields in for_each_filter_stats_field");
 
 }  // namespace collider
