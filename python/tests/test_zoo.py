@@ -21,8 +21,7 @@ import zoo
 ARCHITECTURES = zoo.architectures()
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES,
-                         ids=[a.name + ("-masked" if a.task == "masked" else "") for a in ARCHITECTURES])
+@pytest.mark.parametrize("arch", ARCHITECTURES, ids=[a.id for a in ARCHITECTURES])
 def test_architecture(arch):
     result = zoo.run_architecture(arch)
     detail = "; ".join(f"{attn}: {r.outcome} ({r.cause})" if r.cause else f"{attn}: {r.outcome}"

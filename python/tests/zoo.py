@@ -50,6 +50,11 @@ class Architecture:
     task: str  # "causal" or "masked"
     aliases: tuple = ()  # other mapping keys naming the same class
 
+    @property
+    def id(self) -> str:
+        """The name, "-masked" added for masked LMs (bert is BertLMHeadModel, bert-masked BertForMaskedLM)."""
+        return self.name + ("-masked" if self.task == "masked" else "")
+
 
 def architectures() -> list:
     """Every model class of the causal-LM and masked-LM mappings, once. Its name: the mapping key
@@ -393,7 +398,7 @@ def cause_group(cause: str) -> str:
     text = re.sub(r"^(trace_plan|filter_backward|mask_backward)( \([^)]*\))?: ", "", cause)
     text = re.sub(r" ?\(#\d+\)", "", text)
     text = re.sub(r"(?<![A-Za-z_])\d+", "N", text)
-    return text.split(";")[0].strip()[:110]
+    return text.split(";")[0].strip()[:160]
 
 
 def probe(arch: Architecture, attn: str, ids, keep):

@@ -36,7 +36,6 @@ import collider  # noqa: E402
 import zoo  # noqa: E402
 
 torch.set_num_threads(1)
-TOP_CAUSES = 12
 
 
 def git_commit(path: Path) -> str:
@@ -51,7 +50,7 @@ def git_commit(path: Path) -> str:
 
 def row_of(result: zoo.Result) -> dict:
     arch = result.arch
-    return {"name": arch.name, "aliases": list(arch.aliases), "model_class": arch.model_class, "task": arch.task,
+    return {"id": arch.id, "name": arch.name, "aliases": list(arch.aliases), "model_class": arch.model_class, "task": arch.task,
             "outcome": result.outcome, "cause": result.cause, "seconds": round(result.seconds, 2),
             "impls": {attn: {"outcome": r.outcome, "cause": r.cause, "dtype": r.dtype, "max_rel_diff": r.worst}
                       for attn, r in result.impls.items()}}
@@ -91,7 +90,7 @@ def write_markdown(rows: list, path: Path, seconds: float, names: list) -> None:
     groups: dict = collections.defaultdict(list)
     for r in rows:
         if r["outcome"] == "refused":
-            groups[zoo.cause_group(r["cause"])].append(r["name"])
+            groups[zoo.cause_group(r["cause"])].append(r["id"])
     lines = [
         "# The zoo: Collider on every transformers causal-LM and masked-LM architecture",
         "",
@@ -125,21 +124,18 @@ def write_markdown(rows: list, path: Path, seconds: float, names: list) -> None:
         f"| {len(rows)} | {counts['exact']} | {counts['refused']} | {counts['not buildable']} | {counts['wrong']} | "
         f"{counts['crashed']} | {share} ({counts['exact']} of {built}) |",
         "",
-        "## Refusal causes (architectures per cause)",
+        "## Refusal causes (architectures per cause, largest first)",
         "",
         "| architectures | cause | which |",
         "|---|---|---|",
     ]
-    for cause, which in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))[:TOP_CAUSES]:
+    for cause, which in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         lines.append(f"| {len(which)} | {cell(cause)} | {cell(', '.join(which))} |")
-    if len(groups) > TOP_CAUSES:
-        rest = sum(len(w) for _, w in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))[TOP_CAUSES:])
-        lines.append(f"| {rest} | {len(groups) - TOP_CAUSES} other causes | |")
     lines += ["", "## Architectures", "",
               "| architecture | model class | task | attention (dtype) | outcome | cause |",
               "|---|---|---|---|---|---|"]
     for r in rows:
-        name = r["name"] + (f" ({', '.join(r['aliases'])})" if r["aliases"] else "")
+        name = r["id"] + (f" (also {', '.join(r['aliases'])})" if r["aliases"] else "")
         outcome, cause = outcome_cells(r)
         lines.append(f"| {cell(name)} | {r['model_class']} | {r['task']} | {attention_cell(r)} | {outcome} | "
                      f"{cell(cause)} |")
@@ -154,13 +150,14 @@ def main() -> int:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
-    archs = [a for a in zoo.architectures() if not args.names or a.name in args.names or a.model_class in args.names]
+    archs = [a for a in zoo.architectures()
+             if not args.names or {a.id, a.name, a.model_class} & set(args.names)]
     start = time.perf_counter()
     rows = []
     for i, arch in enumerate(archs):
         result = zoo.run_architecture(arch)
         rows.append(row_of(result))
-        print(f"[{i + 1}/{len(archs)}] {arch.name} {arch.model_class}: {result.outcome} "
+        print(f"[{i + 1}/{len(archs)}] {arch.id} {arch.model_class}: {result.outcome} "
               f"({result.seconds:.1f} s) {result.cause[:120]}", flush=True)
     seconds = time.perf_counter() - start
     write_markdown(rows, args.out, seconds, args.names)
@@ -168,7 +165,7 @@ def main() -> int:
         args.json.write_text(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__,
                                          "collider": collider.__version__, "seconds": round(seconds, 1),
                                          "rows": rows}, indent=1) + "\n")
-    bad = [r["name"] for r in rows if r["outcome"] in ("wrong", "crashed")]
+    bad = [r["id"] for r in rows if r["outcome"] in ("wrong", "crashed")]
     print(f"wrote {args.out}: {len(rows)} architectures in {seconds:.0f} s; "
           f"wrong or crashed: {', '.join(bad) or 'none'}")
     return 1 if bad else 0
