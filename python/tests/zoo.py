@@ -1,18 +1,19 @@
 """The zoo: Collider on a tiny random model of every architecture in transformers' auto mappings.
 
 For every model class of MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and MODEL_FOR_MASKED_LM_MAPPING_NAMES
-(deduplicated by class), `run_architecture` builds a tiny random model from its config class
-(hidden 32, 2 layers, 4 heads, vocab 101, dropout 0, float64 where it runs, else float32; CPU,
-train mode), traces a plan, and for attn_implementation eager and sdpa (where the model takes
-them), three keep masks (per_sequence at filter_ratio 0.25 and 0.5, ragged batch_topk at 0.5) and
-both semantics, compares the parameter gradients of filter_backward against mask_backward (the
-oracle: the same gradients on full-size zero-masked tensors) on fresh forwards of the same batch.
+(deduplicated by class), and of MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES run with one image of
+4 x 4 patches per row, `run_architecture` builds a tiny random model from its config class (hidden
+32, 2 layers, 4 heads, vocab 101, dropout 0, float64 where it runs, else float32; CPU, train
+mode), traces a plan, and for attn_implementation eager and sdpa (where the model takes them),
+three keep masks (per_sequence at filter_ratio 0.25 and 0.5, ragged batch_topk at 0.5) and both
+semantics, compares the parameter gradients of filter_backward against mask_backward (the oracle:
+the same gradients on full-size zero-masked tensors) on fresh forwards of the same batch.
 Outcomes: exact; refused (a collider.Error, and a plain backward of that loss then gives the
 loss_only gradient); wrong (accepted and the gradients differ, or refused with the graph changed);
 crashed (another exception after Collider accepted, or an untyped error from Collider); not
 buildable (the tiny model does not build or run here, or not within FORWARD_SECONDS).
 Used by test_zoo.py (pytest -m zoo) and zoo_table.py (writes docs/ZOO.md).
-Shapes: B batch, T sequence, V vocab.
+Shapes: B batch, T sequence, V vocab, S image side in pixels.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ import collider.hf as chf
 
 B, T = 2, 37  # T odd, and none of the model's sizes
 VOCAB = 101
+FIRST_TEXT_ID = 24  # the ids below are special (pad, bos, eos, image, ...): random text never draws them
+IMAGE_PATCHES = 4  # image-text-to-text: images of 4 x 4 patches (fewer tokens where the model pools them)
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 ATTENTION = ("kept_only", "exact_query")
 TOL = {torch.float64: 1e-4, torch.float32: 1e-3}
@@ -47,13 +50,14 @@ OUTCOMES = ("crashed", "wrong", "refused", "exact", "not buildable")  # worst fi
 class Architecture:
     name: str  # the mapping key naming this class (architectures() says which of several)
     model_class: str
-    task: str  # "causal" or "masked"
+    task: str  # "causal", "masked" or "image" (image-text-to-text, run with images)
     aliases: tuple = ()  # other mapping keys naming the same class
 
     @property
     def id(self) -> str:
-        """The name, "-masked" added for masked LMs (bert is BertLMHeadModel, bert-masked BertForMaskedLM)."""
-        return self.name + ("-masked" if self.task == "masked" else "")
+        """The name, with the task where it is not causal (bert is BertLMHeadModel, bert-masked
+        BertForMaskedLM, gemma3-image Gemma3ForConditionalGeneration run with images)."""
+        return self.name + ("" if self.task == "causal" else "-" + self.task)
 
 
 def architectures() -> list:
@@ -63,19 +67,22 @@ def architectures() -> list:
     import transformers
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
                                                         MODEL_FOR_MASKED_LM_MAPPING_NAMES)
-    keys: dict = {}  # class -> (task, [mapping keys])
-    for task, mapping in (("causal", MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), ("masked", MODEL_FOR_MASKED_LM_MAPPING_NAMES)):
+    keys: dict = {}  # (class, "text" or "image") -> (task, [mapping keys])
+    for task, mapping in (("causal", MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), ("masked", MODEL_FOR_MASKED_LM_MAPPING_NAMES),
+                          ("image", MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)):
         for name in sorted(mapping):
-            keys.setdefault(mapping[name], (task, []))[1].append(name)
+            keys.setdefault((mapping[name], task == "image"), (task, []))[1].append(name)
     found = []
-    for cls, (task, names) in keys.items():
+    for (cls, _), (task, names) in keys.items():
         config_class = getattr(getattr(transformers, cls, None), "config_class", None)
         own = [n for n in names if n in CONFIG_MAPPING and CONFIG_MAPPING[n] is config_class]
         own.sort(key=lambda n: getattr(config_class, "model_type", n) != n)  # gpt2 before gpt-sw3
         name = (own or names)[0]
         found.append(Architecture(name, cls, task, tuple(n for n in names if n != name)))
-    return sorted(found, key=lambda a: (a.task, a.name))
+    order = ("causal", "masked", "image")
+    return sorted(found, key=lambda a: (order.index(a.task), a.name))
 
 
 # ---- tiny configs -----------------------------------------------------------------------------
@@ -112,8 +119,12 @@ OPTIONAL = ("q_lora_rank", "chunk_size")  # None switches a feature off: left No
 SLIDING_WINDOW = 16  # shorter than T, where the model has one
 LAYER_KIND_KEYS = ("layer_types", "layers_block_type", "block_types")  # one entry per layer
 ZERO_WORDS = ("dropout", "pdrop", "layerdrop", "drop_path", "jitter")  # float keys set to 0: a deterministic forward
+# Special token ids at FIRST_TEXT_ID or above are moved below it: these keys to their index here,
+# any other "*_token_id" / "*_token_index" to the last one.
 TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "unk_token_id", "sep_token_id", "cls_token_id",
-                 "mask_token_id", "decoder_start_token_id")
+                 "mask_token_id", "decoder_start_token_id", "image_token_id", "image_token_index",
+                 "video_token_id", "boi_token_id", "boi_token_index", "eoi_token_id", "eoi_token_index",
+                 "vision_start_token_id", "vision_end_token_id", "audio_token_id")
 
 # Per-model-class keyword arguments where the generic sizes do not build (a dict value for a
 # sub-config is merged into that sub-config's).
@@ -170,10 +181,10 @@ def _small_kwargs(default) -> dict:
             kwargs[key] = [kinds[i % len(kinds)] for i in range(layers)]
         if isinstance(value, float) and any(w in key for w in ZERO_WORDS):
             kwargs[key] = 0.0
-        if key in TOKEN_ID_KEYS and value is not None:
+        if key.endswith(("_token_id", "_token_index")) and value is not None:
             ids = value if isinstance(value, list) else [value]
-            if any(isinstance(i, int) and i >= VOCAB for i in ids):
-                kwargs[key] = TOKEN_ID_KEYS.index(key)
+            if any(type(i) is int and i >= FIRST_TEXT_ID for i in ids):
+                kwargs[key] = TOKEN_ID_KEYS.index(key) if key in TOKEN_ID_KEYS else FIRST_TEXT_ID - 1
     if "use_cache" in values:
         kwargs["use_cache"] = False
     if "kv_lora_rank" in values and "qk_rope_head_dim" in values:  # latent attention: head_dim is the rotary part
@@ -195,7 +206,14 @@ def tiny_config(arch: Architecture):
     """The model class's own config class (Llama4ForCausalLM's is the text config), made tiny."""
     import transformers
     config_class = getattr(transformers, arch.model_class).config_class
-    kwargs = _merge(_small_kwargs(config_class()), OVERRIDES.get(arch.model_class, {}))
+    default = config_class()
+    kwargs = _small_kwargs(default)
+    vision = getattr(default, "vision_config", None) if arch.task == "image" else None
+    if isinstance(kwargs.get("vision_config"), dict) and hasattr(vision, "patch_size"):
+        patch, size = vision.patch_size, getattr(vision, "image_size", None)
+        side = IMAGE_PATCHES * (patch[0] if isinstance(patch, (list, tuple)) else patch)
+        kwargs["vision_config"]["image_size"] = [side, side] if isinstance(size, (list, tuple)) else side
+    kwargs = _merge(kwargs, OVERRIDES.get(arch.model_class, {}))
     return config_class(**kwargs)
 
 
@@ -247,29 +265,86 @@ def _accepts(fn: Callable, name: str) -> bool:
     return name in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
-def logits_of(model, ids_BT: torch.Tensor) -> torch.Tensor:
-    """The model's logits [B, T, V] on the token ids (no cache)."""
+@dataclasses.dataclass
+class Batch:
+    """One batch: the forward's keyword arguments and the labels on the token positions."""
+    inputs: dict  # input_ids [B, T]; with images also pixel_values [B, 3, S, S] (and image_sizes [B, 2])
+    labels: torch.Tensor  # [B, T]: the token ids, -100 on image tokens
+
+
+def image_spec(model) -> tuple:
+    """(image tokens per row, image side S in pixels, image token id) of an image-text-to-text model:
+    the tokens counted from what its get_image_features gives for one image. Raises NotBuildable."""
+    spec = getattr(model, "_zoo_image_spec", None)
+    if spec is not None:
+        return spec
+    config = model.config
+    vision = getattr(config, "vision_config", None)
+    size = getattr(vision, "image_size", None)
+    side = size[0] if isinstance(size, (list, tuple)) else size
+    token = next((getattr(config, k) for k in ("image_token_id", "image_token_index")
+                  if type(getattr(config, k, None)) is int), None)
+    inner = getattr(model, "model", None)
+    get = getattr(inner, "get_image_features", None) or getattr(model, "get_image_features", None)
+    if type(side) is not int or token is None or get is None:
+        raise NotBuildable("no vision_config.image_size, image token id or get_image_features to size an image by")
+    pixels = torch.zeros(1, 3, side, side, dtype=next(model.parameters()).dtype)
+    with torch.no_grad():
+        out = get(pixel_values=pixels, **_image_extras(model, 1, side))
+    features = getattr(out, "pooler_output", None)
+    if features is None:
+        features = out[0] if isinstance(out, (tuple, list)) or hasattr(out, "last_hidden_state") else out
+    parts = features if isinstance(features, (list, tuple)) else [features]
+    count = sum(f.numel() // f.shape[-1] for f in parts)
+    if not 0 < count <= T // 2:
+        raise NotBuildable(f"{count} image tokens for one {side} x {side} image (at most {T // 2} fit)")
+    model._zoo_image_spec = (count, side, token)
+    return model._zoo_image_spec
+
+
+def _image_extras(model, batch: int, side: int) -> dict:
+    """The image sizes [B, 2] for the models whose forward names them (LLaVA-NeXT, Mistral3)."""
+    if "image_sizes" in inspect.signature(model.forward).parameters:
+        return {"image_sizes": torch.tensor([[side, side]] * batch)}
+    return {}
+
+
+def make_batch(model, task: str, batch: int, seq_len: int, gen: torch.Generator) -> Batch:
+    """Random token ids [batch, seq_len] from FIRST_TEXT_ID up; for images, one random image per row
+    whose tokens sit at positions 1 .. n (labels -100 there)."""
+    ids = torch.randint(FIRST_TEXT_ID, VOCAB, (batch, seq_len), generator=gen)
+    if task != "image":
+        return Batch({"input_ids": ids}, ids)
+    count, side, token = image_spec(model)
+    ids[:, 1:1 + count] = token
+    labels = ids.clone()
+    labels[:, 1:1 + count] = chf.IGNORE_INDEX
+    pixels = torch.randn(batch, 3, side, side, generator=gen).to(next(model.parameters()).dtype)
+    return Batch({"input_ids": ids, "pixel_values": pixels, **_image_extras(model, batch, side)}, labels)
+
+
+def logits_of(model, inputs: dict) -> torch.Tensor:
+    """The model's logits [B, T, V] (no cache)."""
     kwargs = {"use_cache": False} if _accepts(model.forward, "use_cache") else {}
-    out = model(input_ids=ids_BT, **kwargs)
-    logits = out.logits if hasattr(out, "logits") else out[0]
-    return logits
+    out = model(**inputs, **kwargs)
+    return out.logits if hasattr(out, "logits") else out[0]
 
 
-def step_loss(model, task: str, ids_BT: torch.Tensor, keep_BT: torch.Tensor) -> torch.Tensor:
+def step_loss(model, task: str, batch: Batch, keep_BT: torch.Tensor) -> torch.Tensor:
     """The masked loss of a filtered step, a scalar.
-    causal: transformers' own loss on labels dropped with collider.hf.drop_labels (keep on the
-      hidden-state positions: keep[b, t] counts labels[b, t + 1]); for a composite config (its
+    causal, image: transformers' own loss on labels dropped with collider.hf.drop_labels (keep on
+      the hidden-state positions: keep[b, t] counts labels[b, t + 1]); for a composite config (its
       vocab_size in text_config, which collider.hf does not read) the per-token form instead,
       collider.hf.masked_mean of token_losses;
     masked: the cross-entropy of every kept position against its own token, mean over the kept."""
-    logits = logits_of(model, ids_BT)
-    if task == "causal" and _has_vocab(model):
-        return chf.causal_lm_loss(model, logits, chf.drop_labels(ids_BT, keep_BT))
-    if task == "causal":  # a composite config (text_config.vocab_size): the per-token loss form
-        return chf.masked_mean(chf.token_losses(logits, ids_BT), keep_BT)
-    B_, T_, V = logits.shape
-    target = ids_BT.masked_fill(~keep_BT, chf.IGNORE_INDEX)
-    return F.cross_entropy(logits.reshape(B_ * T_, V), target.reshape(B_ * T_), ignore_index=chf.IGNORE_INDEX)
+    logits = logits_of(model, batch.inputs)
+    if task == "masked":
+        B_, T_, V = logits.shape
+        target = batch.labels.masked_fill(~keep_BT, chf.IGNORE_INDEX)
+        return F.cross_entropy(logits.reshape(B_ * T_, V), target.reshape(B_ * T_), ignore_index=chf.IGNORE_INDEX)
+    if _has_vocab(model):
+        return chf.causal_lm_loss(model, logits, chf.drop_labels(batch.labels, keep_BT))
+    return chf.masked_mean(chf.token_losses(logits, batch.labels), keep_BT)
 
 
 def _has_vocab(model) -> bool:
@@ -277,28 +352,32 @@ def _has_vocab(model) -> bool:
     return hasattr(model.config, "vocab_size")
 
 
-def valid_positions(task: str, ids_BT: torch.Tensor) -> torch.Tensor:
-    return chf.keep_mask_from_labels(ids_BT) if task == "causal" else torch.ones_like(ids_BT, dtype=torch.bool)
+def valid_positions(task: str, labels_BT: torch.Tensor) -> torch.Tensor:
+    """bool [B, T]: the positions with a loss (causal: those whose next label exists)."""
+    if task == "masked":
+        return labels_BT != chf.IGNORE_INDEX
+    return chf.keep_mask_from_labels(labels_BT)
 
 
 def trace(model, task: str) -> collider.Plan:
+    """collider.hf.trace_plan for causal LMs it takes; collider.trace_plan on step_loss otherwise."""
     if task == "causal" and _accepts(model.forward, "use_cache") and _has_vocab(model):
         return chf.trace_plan(model)
     gen = torch.Generator().manual_seed(1)
 
     def loss_on_random_batch(batch: int, seq_len: int) -> torch.Tensor:
-        ids = torch.randint(0, VOCAB, (batch, seq_len), generator=gen)
-        keep = (torch.rand(batch, seq_len, generator=gen).argsort(dim=1) < seq_len // 2) & valid_positions(task, ids)
-        return step_loss(model, task, ids, keep)
+        b = make_batch(model, task, batch, seq_len, gen)
+        keep = (torch.rand(batch, seq_len, generator=gen).argsort(dim=1) < seq_len // 2)
+        return step_loss(model, task, b, keep & valid_positions(task, b.labels))
 
     return collider.trace_plan(loss_on_random_batch)
 
 
-def batch_and_masks(task: str) -> tuple:
-    """Token ids [B, T] and the keep masks: name -> bool [B, T]."""
+def batch_and_masks(model, task: str) -> tuple:
+    """The batch [B, T] every comparison runs on, and its keep masks: name -> bool [B, T]."""
     gen = torch.Generator().manual_seed(7)
-    ids = torch.randint(3, VOCAB, (B, T), generator=gen)  # above the special ids the configs were given
-    valid = valid_positions(task, ids)
+    batch = make_batch(model, task, B, T, gen)
+    valid = valid_positions(task, batch.labels)
     masks = {}
     for ratio in (0.25, 0.5):
         masks[f"per_sequence {ratio}"] = collider.select_tokens(torch.rand(B, T, generator=gen), ratio, valid=valid)
@@ -307,16 +386,16 @@ def batch_and_masks(task: str) -> tuple:
     masks["batch_topk 0.5"] = collider.select_tokens(scores, 0.5, policy="batch_topk", valid=valid)
     counts = masks["batch_topk 0.5"].sum(1).tolist()
     assert counts[0] != counts[1], counts
-    return ids, masks
+    return batch, masks
 
 
 def grads(model) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def plain_grads(model, task, ids, keep) -> dict:
+def plain_grads(model, task: str, batch: Batch, keep) -> dict:
     model.zero_grad(set_to_none=True)
-    step_loss(model, task, ids, keep).backward()
+    step_loss(model, task, batch, keep).backward()
     return grads(model)
 
 
@@ -401,9 +480,10 @@ def cause_group(cause: str) -> str:
     return text.split(";")[0].strip()[:160]
 
 
-def probe(arch: Architecture, attn: str, ids, keep):
-    """The model in float64 if a forward + backward of the masked loss runs there, else float32;
-    raises NotBuildable (with why) if neither runs, is not finite or not deterministic."""
+def probe(arch: Architecture, attn: Optional[str]) -> tuple:
+    """(model, dtype, batch, keep masks): the model in float64 if a forward + backward of the masked
+    loss runs there, else float32. Raises NotBuildable (with why) if neither runs, is not finite or
+    not deterministic."""
     first_error = None
     for dtype in (torch.float64, torch.float32):
         try:
@@ -411,15 +491,17 @@ def probe(arch: Architecture, attn: str, ids, keep):
                 model = build_model(arch, attn, dtype)
                 if attn is not None and getattr(model.config, "_attn_implementation", attn) != attn:
                     raise NotBuildable(f"asked for {attn}, got {model.config._attn_implementation}")
-                loss = step_loss(model, arch.task, ids, keep)
+                batch, masks = batch_and_masks(model, arch.task)
+                keep = masks["per_sequence 0.5"]
+                loss = step_loss(model, arch.task, batch, keep)
                 loss.backward()
                 if not bool(torch.isfinite(loss)) or not grads(model):
                     raise NotBuildable(f"loss {loss.item()} with {len(grads(model))} parameter gradients")
                 with torch.no_grad():
-                    again = step_loss(model, arch.task, ids, keep)
+                    again = step_loss(model, arch.task, batch, keep)
                 if not torch.equal(loss.detach(), again):
                     raise NotBuildable("the forward is not deterministic in train mode")
-                return model, dtype
+                return model, dtype, batch, masks
         except NotBuildable:
             raise
         except ArchitectureTimeout as e:
@@ -442,7 +524,7 @@ def _from_trace(e: BaseException) -> Optional[BaseException]:
     return None
 
 
-def refusal(who: str, model, task, ids, keep, loss, e: BaseException, tol: float) -> ImplResult:
+def refusal(who: str, model, task: str, batch: Batch, keep, loss, e: BaseException, tol: float) -> ImplResult:
     """A collider.Error from filter_backward / mask_backward: the graph must be untouched, so a plain
     backward of that same loss gives the loss_only gradient (a fresh forward's plain backward)."""
     try:
@@ -450,16 +532,15 @@ def refusal(who: str, model, task, ids, keep, loss, e: BaseException, tol: float
     except Exception as err:
         return ImplResult("crashed", f"{who} refused, then plain backward raised {one_line(err, 100)}")
     got = grads(model)
-    rel, where = max_rel_diff(got, plain_grads(model, task, ids, keep))
+    rel, where = max_rel_diff(got, plain_grads(model, task, batch, keep))
     if not rel <= tol:
         return ImplResult("wrong", f"{who} refused but left the graph changed: rel diff {rel:.1e} at {where}")
     return ImplResult("refused", f"{who}: {refusal_text(e)}")
 
 
 def run_impl(arch: Architecture, attn: Optional[str]) -> ImplResult:
-    ids, masks = batch_and_masks(arch.task)
     try:
-        model, dtype = probe(arch, attn, ids, masks["per_sequence 0.5"])
+        model, dtype, batch, masks = probe(arch, attn)
     except NotBuildable as e:
         return ImplResult("not buildable", str(e))
     tol, task = TOL[dtype], arch.task
@@ -486,11 +567,11 @@ def run_impl(arch: Architecture, attn: Optional[str]) -> ImplResult:
             rewrites = (("filter_backward", collider.filter_backward), ("mask_backward", collider.mask_backward))
             for who, rewrite in rewrites:
                 model.zero_grad(set_to_none=True)
-                loss = step_loss(model, task, ids, keep)
+                loss = step_loss(model, task, batch, keep)
                 try:
                     rewrite(loss, keep, plan, attention=attention)
                 except collider.Error as e:
-                    found.append(refusal(f"{who} ({point})", model, task, ids, keep, loss, e, tol))
+                    found.append(refusal(f"{who} ({point})", model, task, batch, keep, loss, e, tol))
                     break
                 except ArchitectureTimeout:
                     raise
