@@ -8,8 +8,9 @@ COLLIDER_TEST_INSTALLED=1 to test the installed package instead (e.g. after pip 
 Marker `stack`: the modules that drive a whole training stack on the CPU (transformers' Trainer,
 TRL, DDP / FSDP2 over gloo, the example script). They check Collider inside those stacks, not the
 device code, so the GPU check (scripts/device/run_gpu_checks.sh) runs `-m "not stack and not zoo"`.
-Marker `zoo`: test_zoo.py, a tiny model of every causal-LM and masked-LM architecture transformers
-has (about 230, several minutes on the CPU); `./scripts/test.sh --quick` leaves both markers out.
+Marker `zoo`: test_zoo.py, a tiny model of every causal-LM, masked-LM and image-text-to-text
+architecture transformers has (about 325, 2 minutes on one CPU thread); `./scripts/test.sh --quick`
+leaves both markers out.
 """
 import os
 import sys
