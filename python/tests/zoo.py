@@ -430,6 +430,7 @@ class ImplResult:
     cause: str = ""  # the refusal, the symptom or why not buildable (one line)
     worst: float = 0.0  # the largest relative gradient difference seen (filter against mask)
     dtype: str = ""
+    group: str = ""  # refused: the kind of refusal (cause_group of the whole message)
 
 
 @dataclasses.dataclass
@@ -449,6 +450,10 @@ class Result:
         return next((r.cause for r in self.impls.values() if r.outcome == self.outcome), "")
 
     @property
+    def group(self) -> str:
+        return next((r.group for r in self.impls.values() if r.outcome == self.outcome), "")
+
+    @property
     def built(self) -> list:
         return [a for a, r in self.impls.items() if r.outcome != "not buildable"]
 
@@ -462,22 +467,28 @@ def one_line(e: BaseException, limit: int = 160) -> str:
 _PREAMBLE = re.compile(r"^((filter_backward|mask_backward): refused, the graph is unchanged \([^)]*\): |trace_plan: )")
 
 
-def refusal_text(e: BaseException, limit: int = 160) -> str:
+def refusal_text(e: BaseException) -> str:
     """A collider.Error's message on one line, its cause first (the shared preamble cut)."""
     text = " ".join(str(e).split())
     while _PREAMBLE.match(text):
         text = _PREAMBLE.sub("", text, count=1)
-    return text[:limit]
+    return text
 
 
-def cause_group(cause: str) -> str:
-    """What refusals of one kind share: the cause without the stage that refused, node numbers and
-    sizes, up to its first ';' (collider cannot rewrite node SliceBackward0: scalar field end
-    equals the sequence length)."""
-    text = re.sub(r"^(trace_plan|filter_backward|mask_backward)( \([^)]*\))?: ", "", cause)
-    text = re.sub(r" ?\(#\d+\)", "", text)
+def refused(stage: str, e: BaseException, **fields) -> ImplResult:
+    """The ImplResult of a refusal at `stage`: its first 160 characters, and its kind."""
+    text = refusal_text(e)
+    return ImplResult("refused", f"{stage}: {text}"[:160], group=cause_group(text), **fields)
+
+
+def cause_group(text: str) -> str:
+    """What refusals of one kind share: the message up to its first ';' or ', which', without node
+    numbers and sizes (collider cannot rewrite node SliceBackward0: scalar field end equals the
+    sequence length)."""
+    text = re.split(r";|, which", text)[0]
+    text = re.sub(r" ?\(#\d+\)|#\d+ ", "", text)
     text = re.sub(r"(?<![A-Za-z_])\d+", "N", text)
-    return text.split(";")[0].strip()[:160]
+    return text.strip()[:160]
 
 
 def probe(arch: Architecture, attn: Optional[str]) -> tuple:
@@ -535,7 +546,7 @@ def refusal(who: str, model, task: str, batch: Batch, keep, loss, e: BaseExcepti
     rel, where = max_rel_diff(got, plain_grads(model, task, batch, keep))
     if not rel <= tol:
         return ImplResult("wrong", f"{who} refused but left the graph changed: rel diff {rel:.1e} at {where}")
-    return ImplResult("refused", f"{who}: {refusal_text(e)}")
+    return refused(who, e)
 
 
 def run_impl(arch: Architecture, attn: Optional[str]) -> ImplResult:
@@ -555,7 +566,7 @@ def run_impl(arch: Architecture, attn: Optional[str]) -> ImplResult:
             raise inner
         if inner is not None:
             return ImplResult("not buildable", f"forward at trace shapes: {one_line(inner)}", dtype=dtype_name)
-        return ImplResult("refused", f"trace_plan: {refusal_text(e)}", dtype=dtype_name)
+        return refused("trace_plan", e, dtype=dtype_name)
     except Exception as e:
         return ImplResult("crashed", f"trace_plan raised untyped {one_line(e)}", dtype=dtype_name)
     found = []  # ImplResults other than exact
@@ -594,7 +605,7 @@ def run_impl(arch: Architecture, attn: Optional[str]) -> ImplResult:
     for outcome in ("crashed", "wrong", "refused"):
         first = next((r for r in found if r.outcome == outcome), None)
         if first is not None:
-            return ImplResult(outcome, first.cause, worst, dtype_name)
+            return ImplResult(outcome, first.cause, worst, dtype_name, first.group)
     return ImplResult("exact", "", worst, dtype_name)
 
 

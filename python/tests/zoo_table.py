@@ -49,10 +49,15 @@ def git_commit(path: Path) -> str:
     return commit + (" + uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
+def built_at(path: str) -> str:
+    return datetime.datetime.fromtimestamp(os.path.getmtime(path), datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
 def row_of(result: zoo.Result) -> dict:
     arch = result.arch
     return {"id": arch.id, "name": arch.name, "aliases": list(arch.aliases), "model_class": arch.model_class,
-            "task": arch.task, "outcome": result.outcome, "cause": result.cause, "seconds": round(result.seconds, 2),
+            "task": arch.task, "outcome": result.outcome, "cause": result.cause, "group": result.group,
+            "seconds": round(result.seconds, 2),
             "impls": {attn: {"outcome": r.outcome, "cause": r.cause, "dtype": r.dtype, "max_rel_diff": r.worst}
                       for attn, r in result.impls.items()}}
 
@@ -96,7 +101,7 @@ def write_markdown(rows: list, path: Path, seconds: float, names: list) -> None:
     groups: dict = collections.defaultdict(list)
     for r in rows:
         if r["outcome"] == "refused":
-            groups[zoo.cause_group(r["cause"])].append(r["id"])
+            groups[r["group"]].append(r["id"])
     lines = [
         "# The zoo: Collider on every transformers causal-LM, masked-LM and image-text-to-text architecture",
         "",
@@ -120,7 +125,8 @@ def write_markdown(rows: list, path: Path, seconds: float, names: list) -> None:
         "model does not run here: why). An architecture's outcome is the worst of its attention implementations'.",
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- zoo commit: {git_commit(ROOT)}; collider built in `{BUILD_DIR}` from commit {git_commit(BUILD_DIR.parent)}",
+        f"- zoo commit: {git_commit(ROOT)}; collider: `{Path(collider._C.__file__).name}` built "
+        f"{built_at(collider._C.__file__)} in `{BUILD_DIR}`, whose checkout is at commit {git_commit(BUILD_DIR.parent)}",
         f"- torch {torch.__version__}, transformers {transformers.__version__}, Python {sys.version.split()[0]}, "
         f"1 CPU thread; {seconds:.0f} s in all",
     ]
