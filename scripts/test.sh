@@ -7,7 +7,8 @@
 #   ./scripts/test.sh -L cpu          # extra arguments go to ctest
 #   ./scripts/test.sh --no-fuzz       # without the fuzzing step (also: COLLIDER_FUZZ_SECONDS=0)
 #   ./scripts/test.sh --quick         # the edit-test loop: no CTest test labelled slow, no pytest
-#                                     # module marked stack (whole training stacks), no fuzzing
+#                                     # module marked stack (whole training stacks) or zoo (every
+#                                     # transformers architecture), no fuzzing
 #   ./scripts/test.sh --fuzz-only     # only the fuzzing step (no build/, CTest or pytest)
 #   COLLIDER_FUZZ_SECONDS=120 ./scripts/test.sh   # seconds per fuzz target (default 60)
 #   COLLIDER_PYTEST_ARGS="-k trainer" ./scripts/test.sh   # extra arguments for pytest
@@ -33,7 +34,7 @@ for a in "$@"; do
 done
 if ((QUICK)); then
   CTEST_ARGS+=(-LE slow)
-  PYTEST_ARGS+=(-m "not stack")
+  PYTEST_ARGS+=(-m "not stack and not zoo")
 fi
 # One torch intra-op thread per test process; ctest runs two processes at once on 2 cores. (nproc
 # honours this variable: the build steps count the cores without it.)

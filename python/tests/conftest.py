@@ -7,7 +7,10 @@ COLLIDER_TEST_INSTALLED=1 to test the installed package instead (e.g. after pip 
 
 Marker `stack`: the modules that drive a whole training stack on the CPU (transformers' Trainer,
 TRL, DDP / FSDP2 over gloo, the example script). They check Collider inside those stacks, not the
-device code, so the GPU check (scripts/device/run_gpu_checks.sh) runs `-m "not stack"`.
+device code, so the GPU check (scripts/device/run_gpu_checks.sh) runs `-m "not stack and not zoo"`.
+Marker `zoo`: test_zoo.py, a tiny model of every causal-LM, masked-LM and image-text-to-text
+architecture transformers has (about 325, 2 minutes on one CPU thread); `./scripts/test.sh --quick`
+leaves both markers out.
 """
 import os
 import sys
@@ -32,16 +35,20 @@ torch.set_num_threads(int(os.environ.get("COLLIDER_TEST_THREADS", "1")))
 
 STACK_MODULES = {"test_example.py", "test_fsdp2.py", "test_hf_trainer.py", "test_normalisation.py",
                  "test_peft_ddp.py", "test_trainers_checkpointing.py", "test_trl.py"}
+ZOO_MODULES = {"test_zoo.py"}
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "stack: drives a whole training stack on the CPU (see the module's docstring)")
+    config.addinivalue_line("markers", "zoo: every transformers causal-LM and masked-LM architecture (test_zoo.py)")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in STACK_MODULES:
             item.add_marker(pytest.mark.stack)
+        if item.path.name in ZOO_MODULES:
+            item.add_marker(pytest.mark.zoo)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,635 @@
+"""The zoo: Collider on a tiny random model of every architecture in transformers' auto mappings.
+
+For every model class of MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and MODEL_FOR_MASKED_LM_MAPPING_NAMES
+(deduplicated by class), and of MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES run with one image of
+4 x 4 patches per row, `run_architecture` builds a tiny random model from its config class (hidden
+32, 2 layers, 4 heads, vocab 101, dropout 0, float64 where it runs, else float32; CPU, train
+mode), traces a plan, and for attn_implementation eager and sdpa (where the model takes them),
+three keep masks (per_sequence at filter_ratio 0.25 and 0.5, ragged batch_topk at 0.5) and both
+semantics, compares the parameter gradients of filter_backward against mask_backward (the oracle:
+the same gradients on full-size zero-masked tensors) on fresh forwards of the same batch.
+Outcomes: exact; refused (a collider.Error, and a plain backward of that loss then gives the
+loss_only gradient); wrong (accepted and the gradients differ, or refused with the graph changed);
+crashed (another exception after Collider accepted, or an untyped error from Collider); not
+buildable (the tiny model does not build or run here, or not within FORWARD_SECONDS).
+Used by test_zoo.py (pytest -m zoo) and zoo_table.py (writes docs/ZOO.md).
+Shapes: B batch, T sequence, V vocab, S image side in pixels.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import re
+import signal
+import time
+import traceback
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+import collider
+import collider.hf as chf
+
+B, T = 2, 37  # T odd, and none of the model's sizes
+VOCAB = 101
+FIRST_TEXT_ID = 24  # the ids below are special (pad, bos, eos, image, ...): random text never draws them
+IMAGE_PATCHES = 4  # image-text-to-text: images of 4 x 4 patches (fewer tokens where the model pools them)
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+ATTENTION = ("kept_only", "exact_query")
+TOL = {torch.float64: 1e-4, torch.float32: 1e-3}
+ARCH_SECONDS = 60  # the whole of one architecture: build, probe, traces, comparisons
+FORWARD_SECONDS = 20  # one probe forward + backward; slower models are not buildable here
+OUTCOMES = ("crashed", "wrong", "refused", "exact", "not buildable")  # worst first
+
+# ---- which architectures --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    name: str  # the mapping key naming this class (architectures() says which of several)
+    model_class: str
+    task: str  # "causal", "masked" or "image" (image-text-to-text, run with images)
+    aliases: tuple = ()  # other mapping keys naming the same class
+
+    @property
+    def id(self) -> str:
+        """The name, with the task where it is not causal (bert is BertLMHeadModel, bert-masked
+        BertForMaskedLM, gemma3-image Gemma3ForConditionalGeneration run with images)."""
+        return self.name + ("" if self.task == "causal" else "-" + self.task)
+
+
+def architectures() -> list:
+    """Every model class of the causal-LM and masked-LM mappings, once. Its name: the mapping key
+    whose config class is the model class's own, its model_type first (llama, not internlm3, for
+    LlamaForCausalLM; gpt2, not gpt-sw3, for GPT2LMHeadModel)."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+    keys: dict = {}  # (class, "text" or "image") -> (task, [mapping keys])
+    for task, mapping in (("causal", MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), ("masked", MODEL_FOR_MASKED_LM_MAPPING_NAMES),
+                          ("image", MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)):
+        for name in sorted(mapping):
+            keys.setdefault((mapping[name], task == "image"), (task, []))[1].append(name)
+    found = []
+    for (cls, _), (task, names) in keys.items():
+        config_class = getattr(getattr(transformers, cls, None), "config_class", None)
+        own = [n for n in names if n in CONFIG_MAPPING and CONFIG_MAPPING[n] is config_class]
+        own.sort(key=lambda n: getattr(config_class, "model_type", n) != n)  # gpt2 before gpt-sw3
+        name = (own or names)[0]
+        found.append(Architecture(name, cls, task, tuple(n for n in names if n != name)))
+    order = ("causal", "masked", "image")
+    return sorted(found, key=lambda a: (order.index(a.task), a.name))
+
+
+# ---- tiny configs -----------------------------------------------------------------------------
+# Every config key below that the default config has is set (also where its default is None, the
+# model reading it unguarded); the config class is then built from those keyword arguments, so that
+# the fields its __init__ derives (head_dim, layer_types) follow.
+HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN, POSITIONS = 32, 2, 4, 2, 8, 64, 128
+SIZE_KEYS = (  # (size, the config keys that take it)
+    (HIDDEN, ("hidden_size", "n_embd", "n_embed", "d_model", "emb_dim", "embed_dim", "embedding_size",
+              "word_embed_proj_dim", "d_embed")),
+    (LAYERS, ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
+              "num_decoder_layers", "num_encoder_layers")),
+    (HEADS, ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
+             "decoder_attention_heads")),
+    (KV_HEADS, ("num_key_value_heads", "num_kv_heads", "n_kv_heads")),
+    (HEAD_DIM, ("head_dim", "kv_channels", "attention_head_size", "d_head", "v_head_dim")),
+    (FFN, ("intermediate_size", "ffn_dim", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "d_inner",
+           "ffn_hidden_size", "hidden_dim")),
+    (VOCAB, ("vocab_size", "vocab_size_per_layer_input")),
+    (POSITIONS, ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_sequence_length")),
+    (4, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",  # experts
+         "qk_rope_head_dim", "qk_nope_head_dim", "rotary_dim")),  # multi-head latent attention, partial rotary
+    (2, ("num_experts_per_tok", "moe_topk", "moe_k")),  # top-k
+    (32, ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size")),
+    (16, ("kv_lora_rank", "q_lora_rank", "mamba_d_state", "state_size", "chunk_size", "mamba_chunk_size")),
+    (8, ("hidden_size_per_layer_input", "laurel_rank", "linear_key_head_dim", "linear_value_head_dim",
+         "index_head_dim", "indexer_head_dim")),
+    (2, ("linear_num_key_heads", "index_n_heads", "indexer_n_heads")),
+    (4, ("linear_num_value_heads", "mamba_n_heads")),
+)
+SIZES = {key: size for size, keys in SIZE_KEYS for key in keys}
+LAYER_KEYS = SIZE_KEYS[1][1]
+OPTIONAL = ("q_lora_rank", "chunk_size")  # None switches a feature off: left None
+SLIDING_WINDOW = 16  # shorter than T, where the model has one
+LAYER_KIND_KEYS = ("layer_types", "layers_block_type", "block_types")  # one entry per layer
+ZERO_WORDS = ("dropout", "pdrop", "layerdrop", "drop_path", "jitter")  # float keys set to 0: a deterministic forward
+# Special token ids at FIRST_TEXT_ID or above are moved below it: these keys to their index here,
+# any other "*_token_id" / "*_token_index" to the last one.
+TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "unk_token_id", "sep_token_id", "cls_token_id",
+                 "mask_token_id", "decoder_start_token_id", "image_token_id", "image_token_index",
+                 "video_token_id", "boi_token_id", "boi_token_index", "eoi_token_id", "eoi_token_index",
+                 "vision_start_token_id", "vision_end_token_id", "audio_token_id")
+
+# Per-model-class keyword arguments where the generic sizes do not build (a dict value for a
+# sub-config is merged into that sub-config's).
+OVERRIDES: dict = {
+    "Dots1ForCausalLM": {"n_shared_experts": 1},
+    "Dots3NoteForCausalLM": {"num_key_value_heads": HEADS, "head_dim": 8},  # qk_nope_head_dim + qk_rope_head_dim
+    "EsmForMaskedLM": {"pad_token_id": 1, "mask_token_id": 2},
+    "EsmcForMaskedLM": {"num_key_value_heads": HEADS},
+    "Gemma3nForCausalLM": {"num_kv_shared_layers": 0},
+    "Gemma4AssistantForCausalLM": {"text_config": {"hidden_size_per_layer_input": 0}},
+    "Gemma4UnifiedAssistantForCausalLM": {"text_config": {"num_kv_shared_layers": 0}},
+    "CohereCompassForCausalLM": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+    "GPTNeoForCausalLM": {"attention_types": [[["global", "local"], 1]]},
+    "Lfm2ForCausalLM": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
+    "Lfm2MoeForCausalLM": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "Mamba2ForCausalLM": {"num_heads": 8},  # expand (2) * hidden / head_dim
+    "NeoMMEForMaskedLM": {"head_dim": 16},  # a quarter of it rotated, a multiple of 4
+    "PerceiverForMaskedLM": {"num_latents": 16, "d_latents": 32, "num_self_attends_per_block": 2},
+    "ReformerModelWithLMHead": {"is_decoder": True},
+    "ZayaForCausalLM": {"num_experts_per_tok": 1},
+}
+# Per-model-class calls on the built model before its first forward.
+PREPARE: dict = {
+    "XmodForCausalLM": lambda model: model.set_default_language("en_XX"),
+    "XmodForMaskedLM": lambda model: model.set_default_language("en_XX"),
+}
+
+
+def _small_kwargs(default) -> dict:
+    """The keyword arguments that make `default` (a config instance) tiny; sub-configs recursively."""
+    values = default.to_dict()
+    kwargs: dict = {}
+    subs = getattr(default, "sub_configs", {}) or {}
+    kinds = next((list(dict.fromkeys(values[k])) for k in LAYER_KIND_KEYS if isinstance(values.get(k), list)), [])
+    layers = max(LAYERS, len(kinds))  # every kind of layer the model mixes, at least LAYERS of them
+    num_layers = next((values[k] for k in LAYER_KEYS if type(values.get(k)) is int), None)
+    for key, value in values.items():
+        sub = getattr(default, key, None) if key in subs else None
+        if hasattr(sub, "to_dict"):
+            kwargs[key] = _small_kwargs(sub)
+            continue
+        if key == "per_layer_config" and value:
+            kwargs[key] = {}  # one size for every layer (Gemma4's wider heads on its global layers dropped)
+        size = layers if key in LAYER_KEYS else SIZES.get(key)
+        if size is not None and (type(value) is int or (value is None and key not in OPTIONAL)):
+            kwargs[key] = size
+        elif size is not None and isinstance(value, list) and value and all(type(v) is int for v in value):
+            kwargs[key] = [size] * layers  # one size per layer (Gemma3n's intermediate_size)
+        elif isinstance(value, list) and len(value) == num_layers and key not in LAYER_KIND_KEYS:
+            kwargs[key] = value[:layers]  # another per-layer list (Gemma3n's activation sparsity)
+        if key == "sliding_window" and type(value) is int:
+            kwargs[key] = SLIDING_WINDOW
+        if key in LAYER_KIND_KEYS and isinstance(value, list) and value:
+            kwargs[key] = [kinds[i % len(kinds)] for i in range(layers)]
+        if isinstance(value, float) and any(w in key for w in ZERO_WORDS):
+            kwargs[key] = 0.0
+        if key.endswith(("_token_id", "_token_index")) and value is not None:
+            ids = value if isinstance(value, list) else [value]
+            if any(type(i) is int and i >= FIRST_TEXT_ID for i in ids):
+                kwargs[key] = TOKEN_ID_KEYS.index(key) if key in TOKEN_ID_KEYS else FIRST_TEXT_ID - 1
+    if "use_cache" in values:
+        kwargs["use_cache"] = False
+    if "kv_lora_rank" in values and "qk_rope_head_dim" in values:  # latent attention: head_dim is the rotary part
+        kwargs.update(num_key_value_heads=HEADS, head_dim=SIZES["qk_rope_head_dim"])
+        kwargs = {k: v for k, v in kwargs.items() if k in values}
+    return kwargs
+
+
+def _merge(kwargs: dict, overrides: dict) -> dict:
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(kwargs.get(key), dict):
+            _merge(kwargs[key], value)
+        else:
+            kwargs[key] = value
+    return kwargs
+
+
+def tiny_config(arch: Architecture):
+    """The model class's own config class (Llama4ForCausalLM's is the text config), made tiny."""
+    import transformers
+    config_class = getattr(transformers, arch.model_class).config_class
+    default = config_class()
+    kwargs = _small_kwargs(default)
+    vision = getattr(default, "vision_config", None) if arch.task == "image" else None
+    if isinstance(kwargs.get("vision_config"), dict) and hasattr(vision, "patch_size"):
+        patch, size = vision.patch_size, getattr(vision, "image_size", None)
+        side = IMAGE_PATCHES * (patch[0] if isinstance(patch, (list, tuple)) else patch)
+        kwargs["vision_config"]["image_size"] = [side, side] if isinstance(size, (list, tuple)) else side
+    kwargs = _merge(kwargs, OVERRIDES.get(arch.model_class, {}))
+    return config_class(**kwargs)
+
+
+# ---- the model and its loss ------------------------------------------------------------------
+
+
+class ArchitectureTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float, what: str):
+    """Raises ArchitectureTimeout inside the block after `seconds` (SIGALRM: main thread only).
+    Nests: an enclosing limit that comes first stays in force, and gets its time back after."""
+    outer_left = signal.getitimer(signal.ITIMER_REAL)[0]
+    if outer_left and outer_left <= seconds:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise ArchitectureTimeout(f"{what} took over {seconds:g} s")
+    old = signal.signal(signal.SIGALRM, expire)
+    start = time.monotonic()
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        if outer_left:
+            signal.setitimer(signal.ITIMER_REAL, max(outer_left - (time.monotonic() - start), 1e-3))
+
+
+def build_model(arch: Architecture, attn: Optional[str], dtype: torch.dtype):
+    import transformers
+    torch.manual_seed(0)
+    config = tiny_config(arch)
+    cls = getattr(transformers, arch.model_class)
+    kwargs = {} if attn is None else {"attn_implementation": attn}
+    model = cls._from_config(config, **kwargs).to(dtype)
+    model.train()
+    if arch.model_class in PREPARE:
+        PREPARE[arch.model_class](model)
+    return model
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    params = inspect.signature(fn).parameters
+    return name in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+@dataclasses.dataclass
+class Batch:
+    """One batch: the forward's keyword arguments and the labels on the token positions."""
+    inputs: dict  # input_ids [B, T]; with images also pixel_values [B, 3, S, S] (and image_sizes [B, 2])
+    labels: torch.Tensor  # [B, T]: the token ids, -100 on image tokens
+
+
+def image_spec(model) -> tuple:
+    """(image tokens per row, image side S in pixels, image token id) of an image-text-to-text model:
+    the tokens counted from what its get_image_features gives for one image. Raises NotBuildable."""
+    spec = getattr(model, "_zoo_image_spec", None)
+    if spec is not None:
+        return spec
+    config = model.config
+    vision = getattr(config, "vision_config", None)
+    size = getattr(vision, "image_size", None)
+    side = size[0] if isinstance(size, (list, tuple)) else size
+    token = next((getattr(config, k) for k in ("image_token_id", "image_token_index")
+                  if type(getattr(config, k, None)) is int), None)
+    inner = getattr(model, "model", None)
+    get = getattr(inner, "get_image_features", None) or getattr(model, "get_image_features", None)
+    if type(side) is not int or token is None or get is None:
+        raise NotBuildable("no vision_config.image_size, image token id or get_image_features to size an image by")
+    pixels = torch.zeros(1, 3, side, side, dtype=next(model.parameters()).dtype)
+    with torch.no_grad():
+        out = get(pixel_values=pixels, **_image_extras(model, 1, side))
+    features = getattr(out, "pooler_output", None)
+    if features is None:
+        features = out[0] if isinstance(out, (tuple, list)) or hasattr(out, "last_hidden_state") else out
+    parts = features if isinstance(features, (list, tuple)) else [features]
+    count = sum(f.numel() // f.shape[-1] for f in parts)
+    if not 0 < count <= T // 2:
+        raise NotBuildable(f"{count} image tokens for one {side} x {side} image (at most {T // 2} fit)")
+    model._zoo_image_spec = (count, side, token)
+    return model._zoo_image_spec
+
+
+def _image_extras(model, batch: int, side: int) -> dict:
+    """The image sizes [B, 2] for the models whose forward names them (LLaVA-NeXT, Mistral3)."""
+    if "image_sizes" in inspect.signature(model.forward).parameters:
+        return {"image_sizes": torch.tensor([[side, side]] * batch)}
+    return {}
+
+
+def make_batch(model, task: str, batch: int, seq_len: int, gen: torch.Generator) -> Batch:
+    """Random token ids [batch, seq_len] from FIRST_TEXT_ID up; for images, one random image per row
+    whose tokens sit at positions 1 .. n (labels -100 there)."""
+    ids = torch.randint(FIRST_TEXT_ID, VOCAB, (batch, seq_len), generator=gen)
+    if task != "image":
+        return Batch({"input_ids": ids}, ids)
+    count, side, token = image_spec(model)
+    ids[:, 1:1 + count] = token
+    labels = ids.clone()
+    labels[:, 1:1 + count] = chf.IGNORE_INDEX
+    pixels = torch.randn(batch, 3, side, side, generator=gen).to(next(model.parameters()).dtype)
+    return Batch({"input_ids": ids, "pixel_values": pixels, **_image_extras(model, batch, side)}, labels)
+
+
+def logits_of(model, inputs: dict) -> torch.Tensor:
+    """The model's logits [B, T, V] (no cache)."""
+    kwargs = {"use_cache": False} if _accepts(model.forward, "use_cache") else {}
+    out = model(**inputs, **kwargs)
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+def step_loss(model, task: str, batch: Batch, keep_BT: torch.Tensor) -> torch.Tensor:
+    """The masked loss of a filtered step, a scalar.
+    causal, image: transformers' own loss on labels dropped with collider.hf.drop_labels (keep on
+      the hidden-state positions: keep[b, t] counts labels[b, t + 1]); for a composite config (its
+      vocab_size in text_config, which collider.hf does not read) the per-token form instead,
+      collider.hf.masked_mean of token_losses;
+    masked: the cross-entropy of every kept position against its own token, mean over the kept."""
+    logits = logits_of(model, batch.inputs)
+    if task == "masked":
+        B_, T_, V = logits.shape
+        target = batch.labels.masked_fill(~keep_BT, chf.IGNORE_INDEX)
+        return F.cross_entropy(logits.reshape(B_ * T_, V), target.reshape(B_ * T_), ignore_index=chf.IGNORE_INDEX)
+    if _has_vocab(model):
+        return chf.causal_lm_loss(model, logits, chf.drop_labels(batch.labels, keep_BT))
+    return chf.masked_mean(chf.token_losses(logits, batch.labels), keep_BT)
+
+
+def _has_vocab(model) -> bool:
+    """Whether collider.hf takes the model (its config has vocab_size; composite ones have it in text_config)."""
+    return hasattr(model.config, "vocab_size")
+
+
+def valid_positions(task: str, labels_BT: torch.Tensor) -> torch.Tensor:
+    """bool [B, T]: the positions with a loss (causal: those whose next label exists)."""
+    if task == "masked":
+        return labels_BT != chf.IGNORE_INDEX
+    return chf.keep_mask_from_labels(labels_BT)
+
+
+def trace(model, task: str) -> collider.Plan:
+    """collider.hf.trace_plan for causal LMs it takes; collider.trace_plan on step_loss otherwise."""
+    if task == "causal" and _accepts(model.forward, "use_cache") and _has_vocab(model):
+        return chf.trace_plan(model)
+    gen = torch.Generator().manual_seed(1)
+
+    def loss_on_random_batch(batch: int, seq_len: int) -> torch.Tensor:
+        b = make_batch(model, task, batch, seq_len, gen)
+        keep = (torch.rand(batch, seq_len, generator=gen).argsort(dim=1) < seq_len // 2)
+        return step_loss(model, task, b, keep & valid_positions(task, b.labels))
+
+    return collider.trace_plan(loss_on_random_batch)
+
+
+def batch_and_masks(model, task: str) -> tuple:
+    """The batch [B, T] every comparison runs on, and its keep masks: name -> bool [B, T]."""
+    gen = torch.Generator().manual_seed(7)
+    batch = make_batch(model, task, B, T, gen)
+    valid = valid_positions(task, batch.labels)
+    masks = {}
+    for ratio in (0.25, 0.5):
+        masks[f"per_sequence {ratio}"] = collider.select_tokens(torch.rand(B, T, generator=gen), ratio, valid=valid)
+    scores = torch.rand(B, T, generator=gen)
+    scores[1] += 0.3  # row 1 keeps more: ragged rows
+    masks["batch_topk 0.5"] = collider.select_tokens(scores, 0.5, policy="batch_topk", valid=valid)
+    counts = masks["batch_topk 0.5"].sum(1).tolist()
+    assert counts[0] != counts[1], counts
+    return batch, masks
+
+
+def grads(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def plain_grads(model, task: str, batch: Batch, keep) -> dict:
+    model.zero_grad(set_to_none=True)
+    step_loss(model, task, batch, keep).backward()
+    return grads(model)
+
+
+def max_rel_diff(got: dict, ref: dict) -> tuple:
+    """(max over parameters of max|got - ref| / max|ref|, the parameter where it is largest); infinite
+    where either side is not finite or the two have different parameter sets."""
+    if got.keys() != ref.keys():
+        return float("inf"), "gradient sets differ: " + ", ".join(sorted(set(got) ^ set(ref)))[:120]
+    worst, where = 0.0, ""
+    for k in ref:
+        if not (bool(torch.isfinite(got[k]).all()) and bool(torch.isfinite(ref[k]).all())):
+            return float("inf"), f"{k} not finite"
+        denom = ref[k].abs().max().item()
+        diff = (got[k] - ref[k]).abs().max().item()
+        rel = diff / denom if denom > 0 else diff
+        if rel > worst:
+            worst, where = rel, k
+    return worst, where
+
+
+# ---- one architecture -------------------------------------------------------------------------
+
+
+class NotBuildable(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class ImplResult:
+    """What one attention implementation of one architecture gave."""
+    outcome: str  # one of OUTCOMES
+    cause: str = ""  # the refusal, the symptom or why not buildable (one line)
+    worst: float = 0.0  # the largest relative gradient difference seen (filter against mask)
+    dtype: str = ""
+    group: str = ""  # refused: the kind of refusal (cause_group of the whole message)
+
+
+@dataclasses.dataclass
+class Result:
+    arch: Architecture
+    impls: dict  # attn_implementation -> ImplResult
+    seconds: float
+
+    @property
+    def outcome(self) -> str:
+        """The worst outcome over the implementations (not buildable only where none was built)."""
+        seen = [r.outcome for r in self.impls.values()]
+        return next(o for o in OUTCOMES if o in seen or o == "not buildable")
+
+    @property
+    def cause(self) -> str:
+        return next((r.cause for r in self.impls.values() if r.outcome == self.outcome), "")
+
+    @property
+    def group(self) -> str:
+        return next((r.group for r in self.impls.values() if r.outcome == self.outcome), "")
+
+    @property
+    def built(self) -> list:
+        return [a for a, r in self.impls.items() if r.outcome != "not buildable"]
+
+
+def one_line(e: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}"[:limit]
+
+
+# What every refusal of filter_backward / mask_backward / trace_plan says before its cause.
+_PREAMBLE = re.compile(r"^((filter_backward|mask_backward): refused, the graph is unchanged \([^)]*\): |trace_plan: )")
+
+
+def refusal_text(e: BaseException) -> str:
+    """A collider.Error's message on one line, its cause first (the shared preamble cut)."""
+    text = " ".join(str(e).split())
+    while _PREAMBLE.match(text):
+        text = _PREAMBLE.sub("", text, count=1)
+    return text
+
+
+def refused(stage: str, e: BaseException, **fields) -> ImplResult:
+    """The ImplResult of a refusal at `stage`: its first 160 characters, and its kind."""
+    text = refusal_text(e)
+    return ImplResult("refused", f"{stage}: {text}"[:160], group=cause_group(text), **fields)
+
+
+def cause_group(text: str) -> str:
+    """What refusals of one kind share: the message up to its first ';' or ', which', without node
+    numbers and sizes (collider cannot rewrite node SliceBackward0: scalar field end equals the
+    sequence length)."""
+    text = re.split(r";|, which", text)[0]
+    text = re.sub(r" ?\(#\d+\)|#\d+ ", "", text)
+    text = re.sub(r"(?<![A-Za-z_])\d+", "N", text)
+    return text.strip()[:160]
+
+
+def probe(arch: Architecture, attn: Optional[str]) -> tuple:
+    """(model, dtype, batch, keep masks): the model in float64 if a forward + backward of the masked
+    loss runs there, else float32. Raises NotBuildable (with why) if neither runs, is not finite or
+    not deterministic."""
+    first_error = None
+    for dtype in (torch.float64, torch.float32):
+        try:
+            with time_limit(FORWARD_SECONDS, "building and one forward + backward"):
+                model = build_model(arch, attn, dtype)
+                if attn is not None and getattr(model.config, "_attn_implementation", attn) != attn:
+                    raise NotBuildable(f"asked for {attn}, got {model.config._attn_implementation}")
+                batch, masks = batch_and_masks(model, arch.task)
+                keep = masks["per_sequence 0.5"]
+                loss = step_loss(model, arch.task, batch, keep)
+                loss.backward()
+                if not bool(torch.isfinite(loss)) or not grads(model):
+                    raise NotBuildable(f"loss {loss.item()} with {len(grads(model))} parameter gradients")
+                with torch.no_grad():
+                    again = step_loss(model, arch.task, batch, keep)
+                if not torch.equal(loss.detach(), again):
+                    raise NotBuildable("the forward is not deterministic in train mode")
+                return model, dtype, batch, masks
+        except NotBuildable:
+            raise
+        except ArchitectureTimeout as e:
+            raise NotBuildable(f"too slow: {e}") from None
+        except Exception as e:  # the model's own failure, any type
+            text = str(e)
+            if "does not support" in text and ("attention implementation" in text or "attn_implementation" in text):
+                raise NotBuildable(f"does not take attn_implementation={attn}") from None
+            first_error = first_error or e
+    raise NotBuildable(one_line(first_error))
+
+
+def _from_trace(e: BaseException) -> Optional[BaseException]:
+    """The model's own exception behind a trace_plan refusal (the loss callable raised), if any."""
+    cause = e.__cause__
+    while cause is not None:
+        if not isinstance(cause, collider.Error):
+            return cause
+        cause = cause.__cause__
+    return None
+
+
+def refusal(who: str, model, task: str, batch: Batch, keep, loss, e: BaseException, tol: float) -> ImplResult:
+    """A collider.Error from filter_backward / mask_backward: the graph must be untouched, so a plain
+    backward of that same loss gives the loss_only gradient (a fresh forward's plain backward)."""
+    try:
+        loss.backward()
+    except Exception as err:
+        return ImplResult("crashed", f"{who} refused, then plain backward raised {one_line(err, 100)}")
+    got = grads(model)
+    rel, where = max_rel_diff(got, plain_grads(model, task, batch, keep))
+    if not rel <= tol:
+        return ImplResult("wrong", f"{who} refused but left the graph changed: rel diff {rel:.1e} at {where}")
+    return refused(who, e)
+
+
+def run_impl(arch: Architecture, attn: Optional[str]) -> ImplResult:
+    try:
+        model, dtype, batch, masks = probe(arch, attn)
+    except NotBuildable as e:
+        return ImplResult("not buildable", str(e))
+    tol, task = TOL[dtype], arch.task
+    dtype_name = str(dtype).replace("torch.", "")
+    try:
+        plan = trace(model, task)
+    except ArchitectureTimeout:
+        raise
+    except collider.Error as e:
+        inner = _from_trace(e)
+        if isinstance(inner, ArchitectureTimeout):
+            raise inner
+        if inner is not None:
+            return ImplResult("not buildable", f"forward at trace shapes: {one_line(inner)}", dtype=dtype_name)
+        return refused("trace_plan", e, dtype=dtype_name)
+    except Exception as e:
+        return ImplResult("crashed", f"trace_plan raised untyped {one_line(e)}", dtype=dtype_name)
+    found = []  # ImplResults other than exact
+    worst = 0.0
+    for mask_name, keep in masks.items():
+        for attention in ATTENTION:
+            point = f"{mask_name} {attention}"
+            got = {}
+            rewrites = (("filter_backward", collider.filter_backward), ("mask_backward", collider.mask_backward))
+            for who, rewrite in rewrites:
+                model.zero_grad(set_to_none=True)
+                loss = step_loss(model, task, batch, keep)
+                try:
+                    rewrite(loss, keep, plan, attention=attention)
+                except collider.Error as e:
+                    found.append(refusal(f"{who} ({point})", model, task, batch, keep, loss, e, tol))
+                    break
+                except ArchitectureTimeout:
+                    raise
+                except Exception as e:
+                    found.append(ImplResult("crashed", f"{who} ({point}) raised untyped {one_line(e, 100)}"))
+                    break
+                try:
+                    loss.backward()
+                except ArchitectureTimeout:
+                    raise
+                except Exception as e:
+                    found.append(ImplResult("crashed", f"backward after {who} ({point}): {one_line(e, 100)}"))
+                    break
+                got[who] = grads(model)
+            if len(got) == 2:
+                rel, where = max_rel_diff(got["filter_backward"], got["mask_backward"])
+                worst = max(worst, rel)
+                if not rel <= tol:
+                    found.append(ImplResult("wrong", f"{point}: rel diff {rel:.1e} at {where}"))
+    for outcome in ("crashed", "wrong", "refused"):
+        first = next((r for r in found if r.outcome == outcome), None)
+        if first is not None:
+            return ImplResult(outcome, first.cause, worst, dtype_name, first.group)
+    return ImplResult("exact", "", worst, dtype_name)
+
+
+def run_architecture(arch: Architecture) -> Result:
+    """Every attention implementation the model takes, within ARCH_SECONDS for the whole."""
+    start = time.perf_counter()
+    impls: dict = {}
+    for attn in ATTN_IMPLEMENTATIONS:
+        left = ARCH_SECONDS - (time.perf_counter() - start)
+        if left <= 1:
+            impls[attn] = ImplResult("not buildable", f"no time left of the architecture's {ARCH_SECONDS} s")
+            continue
+        try:
+            with time_limit(left, f"{arch.name} (all implementations)"):
+                impls[attn] = run_impl(arch, attn)
+        except ArchitectureTimeout as e:  # after the probe: Collider's steps were too slow
+            impls[attn] = ImplResult("crashed", f"timed out after the probe: {e}")
+        except Exception as e:  # a failure outside the guarded steps: the harness's own bug, shown as such
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            impls[attn] = ImplResult("crashed", f"zoo harness: {one_line(e, 100)} at {where.name}:{where.lineno}")
+    if all(r.cause.startswith("does not take attn_implementation") for r in impls.values()):
+        with time_limit(max(ARCH_SECONDS - (time.perf_counter() - start), 1), f"{arch.name} (its own attention)"):
+            try:
+                impls["default"] = run_impl(arch, None)  # the model's own attention, which it names otherwise
+            except ArchitectureTimeout as e:
+                impls["default"] = ImplResult("crashed", f"timed out after the probe: {e}")
+    return Result(arch, impls, time.perf_counter() - start)
