@@ -30,7 +30,8 @@ bool is_shape_or_scale(const std::string& t) {
                "ReshapeAliasBackward0", "CloneBackward0",  "MaskedFillBackward0", "AddBackward0",
                "AddBackward1",          "MulBackward0",    "MulBackward1",        "DivBackward0",
                "DivBackward1",          "WhereBackward0",  "SubBackward0",        "SubBackward1",
-               "TanhBackward0"};  // Gemma2's logit soft-capping, cap * tanh(s / cap): elementwise, so row-local
+               "TanhBackward0",      // Gemma2's logit soft-capping, cap * tanh(s / cap): elementwise, so row-local
+               "MaximumBackward0"};  // XGLM's floor on the masked scores, max(s, finfo.min): elementwise too
   return k.count(t) > 0;
 }
 
