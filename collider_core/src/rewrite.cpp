@@ -1042,6 +1042,22 @@ torch::autograd::variable_list leaf_gradients(const torch::Tensor& loss, const t
       /*create_graph=*/false, /*accumulate_grad=*/false, leaves);
 }
 
+// The gradients at `at` from one backward with rewrite r written (commit: write it first); r is
+// reverted (discarded) afterwards unless keep, and on any failure.
+torch::autograd::variable_list gradients_with(Rewriter& r, bool commit, bool keep, const torch::Tensor& loss,
+                                              const torch::autograd::edge_list& at) {
+  if (commit) r.commit();
+  torch::autograd::variable_list out;
+  try {
+    out = leaf_gradients(loss, at);
+  } catch (...) {
+    r.revert();
+    throw;
+  }
+  if (!keep) r.revert();
+  return out;
+}
+
 // The largest difference of `got` from `want`, relative to want's largest entry (NaN counts as infinite).
 double relative_difference(const torch::Tensor& want, const torch::Tensor& got) {
   torch::Tensor w = want.defined() ? want.to(torch::kDouble) : torch::zeros_like(got, torch::kDouble);
@@ -1068,24 +1084,10 @@ std::string first_differing_node(const torch::Tensor& loss, const Graph& g, cons
       at.emplace_back(static_cast<int>(i), k);
     }
   }
-  torch::autograd::variable_list got, want;
-  try {
-    got = leaf_gradients(loss, edges);
-  } catch (...) {
-    rw.revert();
-    throw;
-  }
-  rw.revert();
+  const auto got = gradients_with(rw, /*commit=*/false, /*keep=*/false, loss, edges);
   FilterStats masked_stats;
   auto ref = prepare_rewrite(g, data, ix, exact, /*masked=*/true, /*keep_sources=*/true, masked_stats, who);
-  ref->commit();
-  try {
-    want = leaf_gradients(loss, edges);
-  } catch (...) {
-    ref->revert();
-    throw;
-  }
-  ref->revert();
+  const auto want = gradients_with(*ref, /*commit=*/true, /*keep=*/false, loss, edges);
   std::vector<int> rank(g.nodes.size());
   const std::vector<int> order = topological_order(g);
   for (size_t r = 0; r < order.size(); ++r) rank[order[r]] = static_cast<int>(r);
@@ -1128,22 +1130,8 @@ void validate_against_masked(const torch::Tensor& loss, const Graph& g, const Pl
       leaves.emplace_back(n, 0);
   FilterStats ref_stats;
   auto ref = prepare_rewrite(g, data, ix, exact, /*masked=*/true, /*keep_sources=*/true, ref_stats, who);
-  torch::autograd::variable_list want, got;
-  ref->commit();
-  try {
-    want = leaf_gradients(loss, leaves);
-  } catch (...) {
-    ref->revert();
-    throw;
-  }
-  ref->revert();
-  rw.commit();
-  try {
-    got = leaf_gradients(loss, leaves);
-  } catch (...) {
-    rw.revert();
-    throw;
-  }
+  const auto want = gradients_with(*ref, /*commit=*/true, /*keep=*/false, loss, leaves);
+  const auto got = gradients_with(rw, /*commit=*/true, /*keep=*/true, loss, leaves);
   double worst = 0;
   size_t worst_leaf = 0;
   {
