@@ -84,10 +84,14 @@ Saved read_common(N* n, const std::shared_ptr<Node>& self, const torch::Tensor& 
       for (int64_t d : s.mask.sizes()) shape.push_back(d);
       s.mask = s.mask.reshape(shape);
     }
+    // A padding mask over the keys alone ([B, 1, 1, T], BERT-style encoders) holds for every query row.
+    if (s.mask.dim() == 4 && s.mask.size(2) == 1 && T > 1) {
+      s.mask = s.mask.expand({s.mask.size(0), s.mask.size(1), T, s.mask.size(3)});
+    }
     const auto& m = s.mask;
     if (m.dim() != 4 || (m.size(0) != 1 && m.size(0) != B) || (m.size(1) != 1 && m.size(1) != H) ||
         m.size(2) != T || m.size(3) != s.k.size(2)) {
-      throw Error(fmt::format("collider: {} has a mask of shape [{}]; expected [B or 1, H or 1, T, T] for query [{}]",
+      throw Error(fmt::format("collider: {} has a mask of shape [{}]; expected [B or 1, H or 1, T or 1, T] for query [{}]",
                               n->name(), fmt::join(m.sizes(), ", "), fmt::join(s.q.sizes(), ", ")));
     }
     s.mask = additive_mask(m, s.q.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat);
