@@ -287,7 +287,9 @@ const std::vector<RuleGroup>& rule_groups() {
         "ScatterAddBackward0", "ScatterReduceBackward0", "IndexCopyBackward0", "IndexFillBackward0",
         "IndexFillBackward1"}},
       {RowRule::kAttention,
-       "fused attention: replaced whole where its query positions are the tokens",
+       "fused attention: replaced whole where its query and key positions are the tokens and collider has a "
+       "replacement for the kernel (scaled_dot_product_attention's CPU flash, flash, memory-efficient and cuDNN "
+       "backwards)",
        {"ScaledDotProductEfficientAttentionBackward0", "ScaledDotProductFlashAttentionBackward0",
         "ScaledDotProductFlashAttentionForCpuBackward0", "FlashAttentionBackward0", "EfficientAttentionBackward0",
         "CudnnAttentionBackward0", "ScaledDotProductCudnnAttentionBackward0",
@@ -451,8 +453,11 @@ void check_row_rules(const Graph& g, const PlanData& plan, const std::vector<Obs
     switch (entry.rule) {
       case RowRule::kPointwise:
       case RowRule::kLayout:
-      case RowRule::kLookup:
-      case RowRule::kAttention: break;
+      case RowRule::kLookup: break;
+      case RowRule::kAttention:  // (the ones replaced whole are passed over above)
+        refuse("a fused attention kernel over the tokens that collider has no replacement for (sdpa.h); use "
+               "attn_implementation=\"eager\" or \"sdpa\"");
+        break;
       case RowRule::kRefused: refuse(entry.reason); break;
       case RowRule::kAlongDim: {
         // An attention core's softmax runs over the key columns, which the core's rewrite cuts as its

@@ -36,7 +36,8 @@ enum class RowRule : uint8_t {
   kRepeat,     // tiles its input: cut when no token dimension is repeated
   kLookup,     // reads rows by the token ids or indices it saved (an embedding, a gather, a scatter):
                // cut as trace_plan's route and index checks allow (routes.h, classify.h)
-  kAttention,  // fused attention: replaced whole where its query positions are the tokens (sdpa.h)
+  kAttention,  // fused attention: replaced whole where its query and key positions are the tokens and
+               // sdpa.h has a replacement for the kernel; refused otherwise
   kRefused,    // mixes, scans, shifts, sorts, convolves or pools along its dimensions, addresses
                // storage, or is not known to act row by row
 };
