@@ -431,6 +431,10 @@ class ImplResult:
     worst: float = 0.0  # the largest relative gradient difference seen (filter against mask)
     dtype: str = ""
     group: str = ""  # refused: the kind of refusal (cause_group of the whole message)
+    # exact under eager attention in float64: against the independent attention oracle (oracle.py), "match",
+    # or why it was not compared ("not dispatched": the model's attention does not go through
+    # transformers' AttentionInterface)
+    oracle: str = ""
 
 
 @dataclasses.dataclass
@@ -606,7 +610,38 @@ def run_impl(arch: Architecture, attn: Optional[str]) -> ImplResult:
         first = next((r for r in found if r.outcome == outcome), None)
         if first is not None:
             return ImplResult(outcome, first.cause, worst, dtype_name, first.group)
-    return ImplResult("exact", "", worst, dtype_name)
+    if attn != "eager" or dtype != torch.float64:
+        return ImplResult("exact", "", worst, dtype_name)
+    rel, said = against_oracle(model, task, plan, batch, masks["per_sequence 0.5"], tol)
+    if rel is not None and not rel <= tol:
+        return ImplResult("wrong", f"per_sequence 0.5: against the independent attention oracle {said}", worst,
+                          dtype_name, oracle=said)
+    return ImplResult("exact", "", worst, dtype_name, oracle=said)
+
+
+def against_oracle(model, task: str, plan, batch: Batch, keep, tol: float) -> tuple:
+    """(relative difference or None, what it says): filter_backward's gradients against plain autograd
+    through the independent attention oracle (oracle.py: the dropped tokens' keys and values detached,
+    and for kept_only their score columns), both semantics. None where the oracle was not compared:
+    the model's attention does not dispatch through transformers' AttentionInterface, or it failed."""
+    from oracle import oracle_keep  # registers the oracle attention with transformers
+    worst = 0.0
+    for attention in ATTENTION:
+        model.zero_grad(set_to_none=True)
+        loss = step_loss(model, task, batch, keep)
+        collider.filter_backward(loss, keep, plan, attention=attention, check_every=0)
+        loss.backward()
+        got = grads(model)
+        model.zero_grad(set_to_none=True)
+        try:
+            with oracle_keep(model, keep, attention):
+                step_loss(model, task, batch, keep).backward()
+        except AssertionError:
+            return None, "not dispatched"
+        except Exception as e:  # the oracle's own limits (an attention form it does not know)
+            return None, f"not compared: {one_line(e, 80)}"
+        worst = max(worst, max_rel_diff(got, grads(model))[0])
+    return worst, "match" if worst <= tol else f"differs by {worst:.1e}"
 
 
 def run_architecture(arch: Architecture) -> Result:

@@ -58,7 +58,8 @@ def row_of(result: zoo.Result) -> dict:
     return {"id": arch.id, "name": arch.name, "aliases": list(arch.aliases), "model_class": arch.model_class,
             "task": arch.task, "outcome": result.outcome, "cause": result.cause, "group": result.group,
             "seconds": round(result.seconds, 2),
-            "impls": {attn: {"outcome": r.outcome, "cause": r.cause, "dtype": r.dtype, "max_rel_diff": r.worst}
+            "impls": {attn: {"outcome": r.outcome, "cause": r.cause, "dtype": r.dtype, "max_rel_diff": r.worst,
+                             "oracle": r.oracle}
                       for attn, r in result.impls.items()}}
 
 
@@ -123,6 +124,10 @@ def write_markdown(rows: list, path: Path, seconds: float, names: list) -> None:
         "(accepted and the gradients differ, or refused with the graph left changed), **crashed** (another",
         "exception after Collider accepted, or an untyped error from Collider), **not buildable** (the tiny",
         "model does not run here: why). An architecture's outcome is the worst of its attention implementations'.",
+        "An architecture exact under eager attention in float64 is also compared, at per_sequence 0.5 in both",
+        "semantics, with plain autograd through the independent attention oracle of `python/tests/oracle.py`",
+        "(registered with transformers' AttentionInterface; it shares no code with collider): a difference is",
+        "**wrong**; a model whose attention does not dispatch through the interface is not compared.",
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- zoo commit: {git_commit(ROOT)}; collider: `{Path(collider._C.__file__).name}` built "
@@ -138,6 +143,10 @@ def write_markdown(rows: list, path: Path, seconds: float, names: list) -> None:
         which = [r for r in rows if task in ("all", r["task"])]
         if which:
             lines.append(count_row(task, which))
+    oracle = collections.Counter(r["impls"]["eager"]["oracle"].split(":")[0] for r in rows
+                                 if r["impls"].get("eager", {}).get("oracle"))
+    lines += ["", "Against the independent attention oracle (eager, float64): "
+              + ", ".join(f"{n} {what}" for what, n in oracle.most_common()) + "."]
     lines += [
         "",
         "## Refusal causes (architectures per cause, largest first)",
