@@ -15,6 +15,8 @@ endif()
 
 find_package(Torch REQUIRED)
 message(STATUS "collider: Torch ${Torch_VERSION} at ${TORCH_INSTALL_PREFIX}")
+include(ColliderTorchRange)
+collider_check_torch_range("${Torch_VERSION}")
 # Torch's CMake config adds its flags to CMAKE_CXX_FLAGS (ABI flag); keep them.
 set(CMAKE_CXX_FLAGS "${CMAKE_CXX_FLAGS} ${TORCH_CXX_FLAGS}")
 

@@ -14,6 +14,7 @@
 #include "model_attention_oracle.h"
 
 #include "models/model.h"
+#include "collider/torch_compat.h"
 
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 
@@ -57,7 +58,7 @@ class HookEverySaved final : public collider::detail::IgnoringFieldVisitor {
 int hook_every_saved_tensor(const torch::Tensor& loss) {
   HookEverySaved visitor;
   std::unordered_set<torch::autograd::Node*> seen;
-  std::vector<std::shared_ptr<torch::autograd::Node>> stack = {loss.grad_fn()};
+  std::vector<NodePtr> stack = {loss.grad_fn()};
   while (!stack.empty()) {
     auto n = stack.back();
     stack.pop_back();

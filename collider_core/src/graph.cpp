@@ -6,13 +6,13 @@
 
 namespace collider::detail {
 
-Graph collect_graph(const std::shared_ptr<torch::autograd::Node>& root, size_t expected_nodes) {
+Graph collect_graph(const NodePtr& root, size_t expected_nodes) {
   Graph g;
   g.nodes.reserve(expected_nodes);
   g.parents.reserve(expected_nodes);
   g.index.reserve(expected_nodes);
   std::deque<torch::autograd::Node*> queue;
-  auto visit = [&](const std::shared_ptr<torch::autograd::Node>& n) {
+  auto visit = [&](const NodePtr& n) {
     auto [it, inserted] = g.index.emplace(n.get(), static_cast<int>(g.nodes.size()));
     if (inserted) {
       g.nodes.push_back(n);
@@ -47,7 +47,7 @@ std::vector<const std::string*> node_types(const Graph& g, NodeNames& names) {
   return types;
 }
 
-std::shared_ptr<torch::autograd::Node> loss_root(const std::shared_ptr<torch::autograd::Node>& grad_fn) {
+NodePtr loss_root(const NodePtr& grad_fn) {
   static const char* const kScalings[] = {"MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1",
                                           "NegBackward0", "ToCopyBackward0"};
   auto one_number = [](const torch::autograd::InputMetadata& m) {
@@ -56,7 +56,7 @@ std::shared_ptr<torch::autograd::Node> loss_root(const std::shared_ptr<torch::au
     for (const auto& s : m.shape_as_dim_vector()) n *= s.expect_int();
     return n == 1;
   };
-  std::shared_ptr<torch::autograd::Node> node = grad_fn;
+  NodePtr node = grad_fn;
   while (node && node->num_inputs() == 1 && one_number(node->input_metadata(0))) {
     const std::string name = node->name();
     bool scaling = false;

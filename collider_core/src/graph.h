@@ -2,7 +2,7 @@
 // The order (breadth-first from loss.grad_fn, edges in order) is what a Plan replays.
 #pragma once
 
-#include <torch/csrc/autograd/function.h>
+#include "collider/torch_compat.h"
 
 #include <memory>
 #include <string>
@@ -14,14 +14,14 @@
 namespace collider::detail {
 
 struct Graph {
-  std::vector<std::shared_ptr<torch::autograd::Node>> nodes;
+  std::vector<NodePtr> nodes;
   std::unordered_map<const torch::autograd::Node*, int> index;
   // parents[i]: (parent node index, edge index in the parent) for every edge into node i.
   std::vector<std::vector<std::pair<int, int>>> parents;
 };
 
 // expected_nodes: a size hint (a plan's node count), so replaying a plan does not regrow tables.
-Graph collect_graph(const std::shared_ptr<torch::autograd::Node>& root, size_t expected_nodes = 0);
+Graph collect_graph(const NodePtr& root, size_t expected_nodes = 0);
 
 // Node::name() of every node of g (what a plan's NodeSpec::type records). Node::name() demangles on
 // every call: node_types demangles once per type into `names`, and types[i] points there.
@@ -35,6 +35,6 @@ std::vector<int> topological_order(const Graph& g);
 // (loss / n for gradient accumulation or a token count, loss * w, a loss scaler's multiply, -loss,
 // a cast): one operand needs no gradient and the input and output are one number. A plan traced on
 // the unscaled loss then serves the scaled one, and the reverse; the scaling itself runs unchanged.
-std::shared_ptr<torch::autograd::Node> loss_root(const std::shared_ptr<torch::autograd::Node>& grad_fn);
+NodePtr loss_root(const NodePtr& grad_fn);
 
 }  // namespace collider::detail

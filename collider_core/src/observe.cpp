@@ -16,7 +16,7 @@ namespace {
 // Records every field of one node.
 class RecordVisitor final : public FieldVisitor {
  public:
-  RecordVisitor(ObservedNode& out, const std::shared_ptr<torch::autograd::Node>& node) : out_(out), node_(node) {}
+  RecordVisitor(ObservedNode& out, const NodePtr& node) : out_(out), node_(node) {}
   bool keep_custom_saved = false;
 
   void saved(const char* name, SavedVariable& v) override { add_saved(name, v, 0); }
@@ -76,12 +76,12 @@ class RecordVisitor final : public FieldVisitor {
     out_.fields.push_back(std::move(o));
   }
   ObservedNode& out_;
-  const std::shared_ptr<torch::autograd::Node>& node_;
+  const NodePtr& node_;
 };
 
 }  // namespace
 
-ObservedNode observe(const std::shared_ptr<torch::autograd::Node>& node) {
+ObservedNode observe(const NodePtr& node) {
   ObservedNode out;
   out.type = node->name();
   if (const NodeFields* nf = find_node_fields(*node)) {

@@ -5,7 +5,7 @@
 
 #include "plan_impl.h"
 
-#include <torch/csrc/autograd/function.h>
+#include "collider/torch_compat.h"
 
 #include <cstdint>
 #include <memory>
@@ -38,6 +38,6 @@ struct ObservedNode {
 
 // Every field of `node` (saved tensors' sizes, size fields, scalars, input metadata), in the
 // generated handler's order; throws collider::Error when a saved tensor cannot be read.
-ObservedNode observe(const std::shared_ptr<torch::autograd::Node>& node);
+ObservedNode observe(const NodePtr& node);
 
 }  // namespace collider::detail

@@ -46,7 +46,7 @@ std::vector<torch::autograd::SavedVariable>* custom_saved(torch::autograd::Node&
   return r ? r(node) : nullptr;
 }
 
-std::string row_mismatch(const std::shared_ptr<torch::autograd::Node>& node, const NodeSpec& spec,
+std::string row_mismatch(const NodePtr& node, const NodeSpec& spec,
                          const std::vector<torch::Tensor>& saved_tensors,
                          const std::vector<const FieldSpec*>& output_specs, int64_t B, int64_t T) {
   using torch::autograd::SavedVariable;

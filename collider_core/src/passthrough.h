@@ -15,7 +15,7 @@
 
 #include "plan_impl.h"
 
-#include <torch/csrc/autograd/function.h>
+#include "collider/torch_compat.h"
 #include <torch/csrc/autograd/saved_variable.h>
 
 #include <string>
@@ -37,7 +37,7 @@ std::vector<torch::autograd::SavedVariable>* custom_saved(torch::autograd::Node&
 // no token dimension) compared on the kept rows. Empty when they agree (the node maps rows one to
 // one and may be cut like an ATen op), else what differs. The node is left as it was.
 // saved_tensors: ctx.saved_tensors as the trace read them (observe.h; they are not unpacked again).
-std::string row_mismatch(const std::shared_ptr<torch::autograd::Node>& node, const NodeSpec& spec,
+std::string row_mismatch(const NodePtr& node, const NodeSpec& spec,
                          const std::vector<torch::Tensor>& saved_tensors,
                          const std::vector<const FieldSpec*>& output_specs, int64_t B, int64_t T);
 

@@ -138,7 +138,7 @@ class FullRowsNode final : public Node {
 // dY W^T, dW = X^T dY) then cost what the kept tokens cost; the result is the padded one's.
 class PackedRowsNode final : public Node {
  public:
-  PackedRowsNode(std::shared_ptr<Node> inner, size_t token_output, std::shared_ptr<TokenIndex> index)
+  PackedRowsNode(NodePtr inner, size_t token_output, std::shared_ptr<TokenIndex> index)
       : Node(inner->sequence_nr()), inner_(std::move(inner)), token_output_(token_output), index_(std::move(index)) {}
   std::string name() const override { return "collider::PackedRows"; }
   void release_variables() override { inner_->release_variables(); }
@@ -165,7 +165,7 @@ class PackedRowsNode final : public Node {
   }
 
  private:
-  std::shared_ptr<Node> inner_;
+  NodePtr inner_;
   size_t token_output_;
   std::shared_ptr<TokenIndex> index_;
 };
@@ -348,18 +348,18 @@ class Rewriter {
   // refuses nodes that already have parents, for topological_nr bookkeeping used only to prune
   // torch::autograd::grad with explicit inputs; the edge list itself is plain data, swapped).
   // replace_node: every edge into node i leads to `node` instead, at the same input number.
-  void replace_node(const Graph& g, int i, const std::shared_ptr<Node>& node) {
+  void replace_node(const Graph& g, int i, const NodePtr& node) {
     for (const auto& [parent, edge] : g.parents[i]) {
       defer_edge(g.nodes[parent], edge, node, g.nodes[parent]->next_edge(edge).input_nr);
     }
   }
   // insert_on_edge: `node` (one input) on edge e of `parent`: it receives what the edge carried and
   // passes its result on along the old edge (to a GEMM's packed stand-in where there is one).
-  void insert_on_edge(const std::shared_ptr<Node>& parent, int e, const std::shared_ptr<Node>& node) {
+  void insert_on_edge(const NodePtr& parent, int e, const NodePtr& node) {
     node->add_next_edge(redirect(parent->next_edge(e)));
     defer_edge(parent, e, node, 0);
   }
-  void defer_edge(const std::shared_ptr<Node>& parent, int e, std::shared_ptr<Node> node, uint32_t input_nr) {
+  void defer_edge(const NodePtr& parent, int e, NodePtr node, uint32_t input_nr) {
     auto* edges = &const_cast<torch::autograd::edge_list&>(parent->next_edges());
     defer([edges, e, other = Edge(std::move(node), input_nr)]() mutable { std::swap((*edges)[e], other); });
   }
@@ -380,7 +380,7 @@ class Rewriter {
     if (!bad.empty()) {
       throw Error(fmt::format("filter_backward: the leaf tensor of node #{} does not match the plan: {}", i, bad));
     }
-    auto node = std::make_shared<FullRowsNode>(ix_, in->shape, cut_keys_, full);
+    auto node = make_node<FullRowsNode>(ix_, in->shape, cut_keys_, full);
     node->add_input_metadata(meta.options(), to_syms(ix_->cut_sizes(full, in->shape, cut_keys_)), false, false,
                              std::nullopt);
     node->add_next_edge(Edge(g.nodes[i], 0));
@@ -538,7 +538,7 @@ class Rewriter {
  private:
   class Apply;
 
-  void rewrite_node(const std::shared_ptr<Node>& node, const NodeSpec& spec, int index);
+  void rewrite_node(const NodePtr& node, const NodeSpec& spec, int index);
   void pack_node(const Graph& g, int index, size_t token_output);
 
   const PlanData& plan_;
@@ -552,16 +552,16 @@ class Rewriter {
   std::vector<std::function<void()>> writes_;            // swaps (defer)
   std::vector<std::function<void()>> finals_;            // one-way, once the rewrite stays (finish)
   std::vector<std::shared_ptr<SavedVariable>> hooked_slots_;
-  std::unordered_map<const Node*, std::shared_ptr<PackedRowsNode>> packed_;  // original node -> its stand-in
-  std::vector<std::shared_ptr<RowAttentionNode>> row_attention_;             // eager cores run row by row
-  std::vector<std::shared_ptr<HookedScatterNode>> hooked_scatters_;          // hooked routes' scatters (routes.h)
+  std::unordered_map<const Node*, NodePtrOf<PackedRowsNode>> packed_;  // original node -> its stand-in
+  std::vector<NodePtrOf<RowAttentionNode>> row_attention_;             // eager cores run row by row
+  std::vector<NodePtrOf<HookedScatterNode>> hooked_scatters_;          // hooked routes' scatters (routes.h)
 };
 
 // Applies one node's FieldSpecs through the generated field handlers.
 class Rewriter::Apply final : public FieldVisitor {
  public:
   // packed: the node's token fields go to the S packed kept rows (PackedRowsNode), not B*N.
-  Apply(Rewriter& rw, const std::shared_ptr<Node>& node, const NodeSpec& spec, int index, bool packed = false)
+  Apply(Rewriter& rw, const NodePtr& node, const NodeSpec& spec, int index, bool packed = false)
       : rw_(rw), node_(node), spec_(spec), index_(index), packed_(packed) {}
 
   bool changed = false;
@@ -760,7 +760,7 @@ class Rewriter::Apply final : public FieldVisitor {
   // backward first reads it (saved_cut.h).
   void cut_behind_hooks(SavedVariable& v, SavedCut::CutFn fn) {
     auto slot = std::make_shared<SavedVariable>();
-    auto cut = std::make_shared<SavedCut>(std::weak_ptr<Node>(node_), slot, rw_.keep_sources_, std::move(fn));
+    auto cut = std::make_shared<SavedCut>(WeakNodePtr(node_), slot, rw_.keep_sources_, std::move(fn));
     *slot = saved_cut_variable(cut);
     rw_.count_hooked();
     rw_.defer_hooked(v, slot);
@@ -780,14 +780,14 @@ class Rewriter::Apply final : public FieldVisitor {
   }
 
   Rewriter& rw_;
-  const std::shared_ptr<Node>& node_;
+  const NodePtr& node_;
   const NodeSpec& spec_;
   int index_;
   bool packed_;
   std::map<std::string, std::vector<int64_t>> cut_sizes_;
 };
 
-void Rewriter::rewrite_node(const std::shared_ptr<Node>& node, const NodeSpec& spec, int index) {
+void Rewriter::rewrite_node(const NodePtr& node, const NodeSpec& spec, int index) {
   Apply apply(*this, node, spec, index);
   if (const NodeFields* nf = find_node_fields(*node)) {
     nf->visit(node.get(), apply);
@@ -803,7 +803,7 @@ void Rewriter::rewrite_node(const std::shared_ptr<Node>& node, const NodeSpec& s
 // A token-row GEMM of a ragged mask: its fields cut to the packed rows, a PackedRowsNode put in
 // its place (every edge into it leads to the stand-in; its input is the padded [B*N, Dout]).
 void Rewriter::pack_node(const Graph& g, int i, size_t token_output) {
-  const std::shared_ptr<Node>& node = g.nodes[i];
+  const NodePtr& node = g.nodes[i];
   const NodeSpec& spec = plan_.nodes[i];
   Apply apply(*this, node, spec, i, /*packed=*/true);
   if (const NodeFields* nf = find_node_fields(*node)) nf->visit(node.get(), apply);
@@ -813,7 +813,7 @@ void Rewriter::pack_node(const Graph& g, int i, size_t token_output) {
     throw Error(fmt::format("filter_backward: node #{} {} has no token-shaped input (plan bug)", i, spec.type));
   }
   const auto& meta = node->input_metadata(0);
-  auto stand_in = std::make_shared<PackedRowsNode>(node, token_output, ix_);
+  auto stand_in = make_node<PackedRowsNode>(node, token_output, ix_);
   stand_in->add_input_metadata(meta.options(),
                                to_syms(ix_->cut_sizes(to_ints(meta.shape_as_dim_vector()), in->shape, cut_keys_)),
                                false, false, std::nullopt);
@@ -923,21 +923,21 @@ std::pair<int64_t, int64_t> loss_tokens(const Graph& g, const PlanData& plan) {
 // Graphs already rewritten (by their loss's root node), so a second call is refused by name.
 class RewrittenGraphs {
  public:
-  bool contains(const std::shared_ptr<Node>& root) {
+  bool contains(const NodePtr& root) {
     std::lock_guard<std::mutex> lock(mutex_);
     roots_.erase(std::remove_if(roots_.begin(), roots_.end(), [](const auto& w) { return w.expired(); }), roots_.end());
     for (const auto& w : roots_)
       if (w.lock() == root) return true;
     return false;
   }
-  void add(const std::shared_ptr<Node>& root) {
+  void add(const NodePtr& root) {
     std::lock_guard<std::mutex> lock(mutex_);
-    roots_.push_back(root);
+    roots_.emplace_back(root);
   }
 
  private:
   std::mutex mutex_;
-  std::vector<std::weak_ptr<Node>> roots_;
+  std::vector<WeakNodePtr> roots_;
 };
 RewrittenGraphs& rewritten_graphs() {
   static RewrittenGraphs r;
@@ -1013,7 +1013,7 @@ std::unique_ptr<Rewriter> prepare_rewrite(const Graph& g, const PlanData& data, 
         if (!f) continue;
         const auto& meta = edges[e].function->input_metadata(edges[e].input_nr);
         auto shape = ix->cut_sizes(to_ints(meta.shape_as_dim_vector()), f->shape, !exact);
-        auto node = std::make_shared<ZeroPaddingNode>(ix, f->shape);
+        auto node = make_node<ZeroPaddingNode>(ix, f->shape);
         node->add_input_metadata(meta.options(), to_syms(shape), false, false, std::nullopt);
         rw->insert_on_edge(g.nodes[i], static_cast<int>(e), node);
       }
@@ -1026,7 +1026,7 @@ std::unique_ptr<Rewriter> prepare_rewrite(const Graph& g, const PlanData& data, 
       throw Error(fmt::format("{}: the key/value gradient edge of node #{} does not match the plan: {}", who,
                               p.ins->node, bad));
     }
-    auto node = std::make_shared<KeyRowsNode>(ix, p.ins->shape, masked);
+    auto node = make_node<KeyRowsNode>(ix, p.ins->shape, masked);
     node->add_input_metadata(p.options, to_syms(p.shape), false, false, std::nullopt);
     rw->insert_on_edge(g.nodes[p.ins->node], p.ins->edge, node);  // the edge is still p.old_edge
     ++stats.gather_nodes_inserted;

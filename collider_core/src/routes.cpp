@@ -508,7 +508,7 @@ std::optional<PlanData> plan_without_absent_routes(const Graph& g, const std::ve
   return out;
 }
 
-HookedScatterNode::HookedScatterNode(std::shared_ptr<torch::autograd::Node> scatter, std::shared_ptr<TokenIndex> ix)
+HookedScatterNode::HookedScatterNode(NodePtr scatter, std::shared_ptr<TokenIndex> ix)
     : Node(scatter->sequence_nr()), scatter_(std::move(scatter)), ix_(std::move(ix)) {}
 
 void HookedScatterNode::adopt_edges() {
@@ -536,7 +536,7 @@ torch::autograd::variable_list HookedScatterNode::apply(torch::autograd::variabl
   return {should_compute_output(0) ? grad_MD : torch::Tensor(), source_RD};
 }
 
-std::shared_ptr<HookedScatterNode> make_hooked_scatter(const std::shared_ptr<torch::autograd::Node>& scatter,
+NodePtrOf<HookedScatterNode> make_hooked_scatter(const NodePtr& scatter,
                                                        std::shared_ptr<TokenIndex> ix,
                                                        const std::vector<int64_t>& cut_input_sizes) {
   auto* ia = dynamic_cast<torch::autograd::generated::IndexAddBackward0*>(scatter.get());
@@ -544,7 +544,7 @@ std::shared_ptr<HookedScatterNode> make_hooked_scatter(const std::shared_ptr<tor
     throw Error(fmt::format("filter_backward: node {} is not a mixture-of-experts scatter along dimension 0 (plan bug)",
                             scatter->name()));
   }
-  auto node = std::make_shared<HookedScatterNode>(scatter, std::move(ix));
+  auto node = make_node<HookedScatterNode>(scatter, std::move(ix));
   const auto& meta = scatter->input_metadata(0);
   node->add_input_metadata(meta.options(), std::vector<c10::SymInt>(cut_input_sizes.begin(), cut_input_sizes.end()),
                            false, false, std::nullopt);

@@ -22,7 +22,7 @@
 #include "observe.h"
 
 #include <collider/collider.h>
-#include <torch/csrc/autograd/function.h>
+#include "collider/torch_compat.h"
 #include "plan_impl.h"
 
 #include <memory>
@@ -74,7 +74,7 @@ void register_routes(const Graph& g, const PlanData& plan, TokenIndex& ix, const
 // scatter's hooks when the backward reaches it.
 class HookedScatterNode final : public torch::autograd::Node {
  public:
-  HookedScatterNode(std::shared_ptr<torch::autograd::Node> scatter, std::shared_ptr<TokenIndex> ix);
+  HookedScatterNode(NodePtr scatter, std::shared_ptr<TokenIndex> ix);
   std::string name() const override { return "collider::HookedRouteScatter"; }
   // The scatter's edges, taken once every edge write of the rewrite is done (the scatter before it
   // in the chain may have been replaced too).
@@ -83,11 +83,11 @@ class HookedScatterNode final : public torch::autograd::Node {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
 
  private:
-  std::shared_ptr<torch::autograd::Node> scatter_;
+  NodePtr scatter_;
   std::shared_ptr<TokenIndex> ix_;
 };
 
-std::shared_ptr<HookedScatterNode> make_hooked_scatter(const std::shared_ptr<torch::autograd::Node>& scatter,
+NodePtrOf<HookedScatterNode> make_hooked_scatter(const NodePtr& scatter,
                                                        std::shared_ptr<TokenIndex> ix,
                                                        const std::vector<int64_t>& cut_input_sizes);
 

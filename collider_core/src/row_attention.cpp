@@ -58,7 +58,7 @@ bool is_shape_only(const std::string& t) {
 }
 
 // An expand to the sizes it already had: the identity.
-bool identity_expand(const std::shared_ptr<Node>& n) {
+bool identity_expand(const NodePtr& n) {
   auto* e = dynamic_cast<gen::ExpandBackward0*>(n.get());
   if (!e) return false;
   const auto& shape = n->input_metadata(0).shape_as_dim_vector();
@@ -74,7 +74,7 @@ torch::Tensor one_element(const torch::Tensor& t) {
 }
 
 // One step of the score chain (softmax -> QK^T), or false when the stand-in cannot replay it.
-bool chain_step(const std::shared_ptr<Node>& n, const std::string& type, std::vector<RowAttentionNode::Scale>& out,
+bool chain_step(const NodePtr& n, const std::string& type, std::vector<RowAttentionNode::Scale>& out,
                 std::string* why) {
   using Scale = RowAttentionNode::Scale;
   const int edge = single_edge(*n);
@@ -138,7 +138,7 @@ int64_t heads_of(const FieldSpec* f) {
 
 }  // namespace
 
-std::shared_ptr<RowAttentionNode> make_row_attention(const Graph& g, const PlanData& plan,
+NodePtrOf<RowAttentionNode> make_row_attention(const Graph& g, const PlanData& plan,
                                                      const AttentionCoreNodes& core, TokenIndex& ix,
                                                      const std::shared_ptr<TokenIndex>& shared_index, bool exact,
                                                      std::string* why) {
@@ -212,7 +212,7 @@ std::shared_ptr<RowAttentionNode> make_row_attention(const Graph& g, const PlanD
     row.q = rb->cut(heads(q), q_f->shape, cut_keys);
     row.k_t = rb->cut(heads(k_t), k_f->shape, cut_keys);
   }
-  auto node = std::make_shared<RowAttentionNode>(shared_index, std::move(rows), std::move(chain), sm->self_scalar_type, H,
+  auto node = make_node<RowAttentionNode>(shared_index, std::move(rows), std::move(chain), sm->self_scalar_type, H,
                                                  exact, g.nodes[core.qk], g.nodes[core.pv]);
   const auto& meta = g.nodes[core.pv]->input_metadata(0);
   std::vector<int64_t> full;
@@ -225,7 +225,7 @@ std::shared_ptr<RowAttentionNode> make_row_attention(const Graph& g, const PlanD
 
 RowAttentionNode::RowAttentionNode(std::shared_ptr<TokenIndex> index, std::vector<Row> rows, std::vector<Scale> chain,
                                    c10::ScalarType softmax_input_dtype, int64_t heads, bool exact,
-                                   std::shared_ptr<Node> qk, std::shared_ptr<Node> pv)
+                                   NodePtr qk, NodePtr pv)
     : Node(pv->sequence_nr()),
       ix_(std::move(index)),
       rows_(std::move(rows)),

@@ -9,7 +9,7 @@
 #include "plan_impl.h"
 #include "token_index.h"
 
-#include <torch/csrc/autograd/function.h>
+#include "collider/torch_compat.h"
 
 #include <memory>
 #include <string>
@@ -22,7 +22,7 @@ namespace collider::detail {
 // changes nothing in the graph. Its input is the PV output's gradient in the padded layout; its
 // next edges, taken by adopt_edges() once the rewrite is written, are QK^T's two and PV's second.
 class RowAttentionNode;
-std::shared_ptr<RowAttentionNode> make_row_attention(const Graph& g, const PlanData& plan,
+NodePtrOf<RowAttentionNode> make_row_attention(const Graph& g, const PlanData& plan,
                                                      const AttentionCoreNodes& core, TokenIndex& index,
                                                      const std::shared_ptr<TokenIndex>& shared_index, bool exact,
                                                      std::string* why_not);
@@ -40,8 +40,8 @@ class RowAttentionNode final : public torch::autograd::Node {
   };
 
   RowAttentionNode(std::shared_ptr<TokenIndex> index, std::vector<Row> rows, std::vector<Scale> chain,
-                   c10::ScalarType softmax_input_dtype, int64_t heads, bool exact, std::shared_ptr<Node> qk,
-                   std::shared_ptr<Node> pv);
+                   c10::ScalarType softmax_input_dtype, int64_t heads, bool exact, NodePtr qk,
+                   NodePtr pv);
   std::string name() const override { return "collider::RowAttention"; }
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override;
   // After its backward (unless the graph is retained): the rows' cut tensors are freed, as the
@@ -58,7 +58,7 @@ class RowAttentionNode final : public torch::autograd::Node {
   c10::ScalarType softmax_input_dtype_;
   int64_t H_;
   bool exact_;
-  std::shared_ptr<Node> qk_, pv_;
+  NodePtr qk_, pv_;
 };
 
 }  // namespace collider::detail

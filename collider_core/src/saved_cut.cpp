@@ -13,7 +13,7 @@ using torch::autograd::SavedVariable;
 SavedCut::SavedCut(torch::Tensor source, CutFn cut)
     : source_(std::move(source)), source_version_(source_._version()), cut_(std::move(cut)) {}
 
-SavedCut::SavedCut(std::weak_ptr<torch::autograd::Node> owner, std::shared_ptr<SavedVariable> slot, bool keep_original,
+SavedCut::SavedCut(WeakNodePtr owner, std::shared_ptr<SavedVariable> slot, bool keep_original,
                    CutFn cut)
     : hooked_(std::move(slot)), keep_original_(keep_original), owner_(std::move(owner)), cut_(std::move(cut)) {}
 

@@ -12,7 +12,7 @@
 // Tests: tests/test_collider_saved_hooks.cpp, python/tests/test_checkpointing.py.
 #pragma once
 
-#include <torch/csrc/autograd/function.h>
+#include "collider/torch_compat.h"
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/torch.h>
 
@@ -38,7 +38,7 @@ class SavedCut {
   // rewrite is written (the graph is untouched until then), unpacked through its hooks at first
   // use on behalf of `owner`, the node that saved it. keep_original: leave it packed after the
   // cut (filter_backward's validate runs the backward more than once and may swap it back).
-  SavedCut(std::weak_ptr<torch::autograd::Node> owner, std::shared_ptr<torch::autograd::SavedVariable> slot,
+  SavedCut(WeakNodePtr owner, std::shared_ptr<torch::autograd::SavedVariable> slot,
            bool keep_original, CutFn cut);
 
   // The cut, made on the first call; later calls (a backward with retain_graph) return it again.
@@ -50,7 +50,7 @@ class SavedCut {
   uint32_t source_version_ = 0;
   std::shared_ptr<torch::autograd::SavedVariable> hooked_;
   bool keep_original_ = false;
-  std::weak_ptr<torch::autograd::Node> owner_;
+  WeakNodePtr owner_{NodePtr()};  // null for a tensor held as it is
   CutFn cut_;
   torch::Tensor result_;
 };

@@ -60,7 +60,7 @@ torch::Tensor additive_mask(const torch::Tensor& m, c10::ScalarType dtype) {
 }
 
 template <typename N>
-Saved read_common(N* n, const std::shared_ptr<Node>& self, const torch::Tensor& lse, const torch::Tensor& mask) {
+Saved read_common(N* n, const NodePtr& self, const torch::Tensor& lse, const torch::Tensor& mask) {
   Saved s;
   s.q = n->query_.unpack(self);
   s.k = n->key_.unpack(self);
@@ -116,7 +116,7 @@ bool check_fused(N* n, const torch::autograd::SavedVariable& mask) {
 }
 
 // True when the node's saved tensors are behind saved-tensor hooks (read them in the backward).
-bool check_saved(const std::shared_ptr<Node>& node) {
+bool check_saved(const NodePtr& node) {
   Node* raw = node.get();
   if (auto* n = dynamic_cast<gen::ScaledDotProductFlashAttentionForCpuBackward0*>(raw)) {
     return check_fused(n, n->attn_mask_) || n->logsumexp_.has_hooks();
@@ -133,7 +133,7 @@ bool check_saved(const std::shared_ptr<Node>& node) {
   throw Error(fmt::format("collider: no filtered replacement for fused attention node {}", node->name()));
 }
 
-Saved read_saved(const std::shared_ptr<Node>& node) {
+Saved read_saved(const NodePtr& node) {
   Node* raw = node.get();
   if (auto* n = dynamic_cast<gen::ScaledDotProductFlashAttentionForCpuBackward0*>(raw)) {
     Saved s = read_common(n, node, n->logsumexp_.unpack(node), n->attn_mask_.unpack(node));
@@ -162,7 +162,7 @@ class FilteredAttentionNode final : public Node {
  public:
   // saved: the forward's tensors, or none when they are behind saved-tensor hooks: then they are
   // read from `fused` (the replaced node) when this node's backward runs.
-  FilteredAttentionNode(std::optional<Saved> saved, std::shared_ptr<Node> fused, std::shared_ptr<TokenIndex> ix,
+  FilteredAttentionNode(std::optional<Saved> saved, NodePtr fused, std::shared_ptr<TokenIndex> ix,
                         bool exact, bool masked)
       : s_(std::move(saved)), fused_(std::move(fused)), ix_(std::move(ix)), exact_(exact), masked_(masked) {}
   std::string name() const override {
@@ -449,7 +449,7 @@ class FilteredAttentionNode final : public Node {
     return full.scatter_(2, idx, g_BHNE);
   }
   std::optional<Saved> s_;
-  std::shared_ptr<Node> fused_;
+  NodePtr fused_;
   std::shared_ptr<TokenIndex> ix_;
   bool exact_, masked_;
 };
@@ -461,7 +461,7 @@ bool is_fused_attention_node(const std::string& type) {
          type == "ScaledDotProductEfficientAttentionBackward0" || type == "ScaledDotProductCudnnAttentionBackward0";
 }
 
-std::shared_ptr<Node> make_filtered_attention(const std::shared_ptr<Node>& fused, std::shared_ptr<TokenIndex> index,
+NodePtr make_filtered_attention(const NodePtr& fused, std::shared_ptr<TokenIndex> index,
                                               bool exact_query, bool masked) {
   const bool hooked = check_saved(fused);
   std::optional<Saved> saved;
@@ -469,7 +469,7 @@ std::shared_ptr<Node> make_filtered_attention(const std::shared_ptr<Node>& fused
   const auto& meta = fused->input_metadata(0);  // the output O: [B, H, T, E]
   auto shape = meta.shape_as_dim_vector().vec();
   if (!masked) shape[2] = index->N();
-  auto node = std::make_shared<FilteredAttentionNode>(std::move(saved), hooked ? fused : nullptr, index, exact_query,
+  auto node = make_node<FilteredAttentionNode>(std::move(saved), hooked ? fused : nullptr, index, exact_query,
                                                       masked);
   node->add_input_metadata(meta.options(), shape, false, false, std::nullopt);
   for (uint32_t i = 1; i < fused->num_inputs(); ++i) {

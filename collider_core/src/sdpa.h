@@ -4,7 +4,7 @@
 
 #include "token_index.h"
 
-#include <torch/csrc/autograd/function.h>
+#include "collider/torch_compat.h"
 
 #include <memory>
 #include <string>
@@ -16,7 +16,7 @@ bool is_fused_attention_node(const std::string& type);
 // A node computing dQ, dK, dV of kept tokens ([B, H, N, E]) from the gradient of the kept
 // output rows, with the fused node's next edges. masked: the same values scattered into
 // full-size zero tensors, for full-size gradients (the `masked` method).
-std::shared_ptr<torch::autograd::Node> make_filtered_attention(const std::shared_ptr<torch::autograd::Node>& fused,
+NodePtr make_filtered_attention(const NodePtr& fused,
                                                                std::shared_ptr<TokenIndex> index, bool exact_query,
                                                                bool masked);
 

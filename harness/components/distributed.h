@@ -10,7 +10,7 @@
 
 #include <torch/torch.h>
 
-#include <torch/csrc/autograd/function.h>
+#include "collider/torch_compat.h"
 
 #include <chrono>
 #include <cstdint>
@@ -152,7 +152,7 @@ class GradientReducer {
   std::vector<std::vector<size_t>> buckets_;  // indices into params_
   std::vector<size_t> bucket_of_;             // param index -> bucket
   ReducerOptions options_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // kept alive so hooks persist
+  std::vector<NodePtr> accumulators_;  // kept alive so hooks persist
   std::vector<uintptr_t> hook_keys_;
   // State of the step between begin() and finish().
   std::mutex mutex_;

@@ -14,6 +14,7 @@
 #include <collider/collider.h>
 #include <collider/filter_stats_fields.h>
 #include <collider/select.h>
+#include <collider/torch_compat.h>
 
 #include "collider_core/src/passthrough.h"
 #include "collider_core/src/memory.h"
@@ -98,8 +99,8 @@ PYBIND11_MODULE(_C, m) {
         // dynamic_cast or typeid(PyNode) would need.
         if (std::strcmp(typeid(node).name(), "N5torch8autograd6PyNodeE") != 0) return nullptr;
         auto& py_node = static_cast<torch::autograd::PyNode&>(node);
-        if (!py_node.obj) return nullptr;
-        return &reinterpret_cast<THPFunction*>(py_node.obj)->saved_variables;
+        if (!collider::python_object(py_node)) return nullptr;
+        return &reinterpret_cast<THPFunction*>(collider::python_object(py_node))->saved_variables;
       });
 
   py::class_<collider::Plan>(m, "Plan")
