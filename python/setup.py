@@ -22,6 +22,35 @@ from setuptools.command.build_ext import build_ext
 HERE = Path(__file__).resolve().parent
 
 
+def check_build_requirements() -> None:
+    """What `pip install --no-build-isolation` needs in the environment besides torch (it installs
+    no build requirement itself): a setuptools that builds wheels (>= 70.1; older ones need the
+    separate `wheel` package, without which pip stops at "invalid command 'bdist_wheel'")."""
+    import setuptools
+    major, minor = (int(x) for x in setuptools.__version__.split(".")[:2])
+    if (major, minor) >= (70, 1):
+        return
+    try:
+        import wheel  # noqa: F401
+    except ImportError:
+        sys.exit(f"collider setup.py: setuptools {setuptools.__version__} cannot build a wheel without the "
+                 "`wheel` package; run `python -m pip install 'setuptools>=70.1'` in this environment, then the "
+                 "install again")
+
+
+check_build_requirements()
+
+
+def copy_build_record(module_dir: Path, package_dir: Path) -> None:
+    """_torch_build.py, which the CMake build writes beside _C: the torch it was compiled against,
+    what the package's import guard compares with the torch it is imported under."""
+    record = module_dir / "_torch_build.py"
+    if not record.is_file():
+        sys.exit(f"collider setup.py: {record} is missing: rebuild the module with this checkout's CMake "
+                 "(python/CMakeLists.txt writes it beside _C)")
+    shutil.copyfile(record, package_dir / "_torch_build.py")
+
+
 class CMakeExtension(Extension):
     def __init__(self, name: str):
         super().__init__(name, sources=[])
@@ -40,6 +69,7 @@ class CMakeBuild(build_ext):
             if not src.name.endswith(suffix):
                 sys.exit(f"collider setup.py: {src.name} was built for another Python (expected suffix {suffix})")
             shutil.copyfile(src, target)
+            copy_build_record(src.parent, target.parent)
             print(f"collider setup.py: copied prebuilt {src} -> {target}")
             return
         if not (HERE.parent / "collider_core" / "CMakeLists.txt").is_file():
@@ -50,7 +80,8 @@ class CMakeBuild(build_ext):
         except ImportError:
             sys.exit("collider setup.py: torch is not importable; install torch first and use "
                      "pip install --no-build-isolation so that the extension is built against it")
-        build_dir = Path(self.build_temp).resolve() / "cmake"
+        # One CMake tree per torch: a tree configured for another torch would keep finding that one.
+        build_dir = Path(self.build_temp).resolve() / f"cmake-torch{torch.__version__}"
         out_dir = build_dir / "module"
         cmake = shutil.which("cmake")
         if not cmake:
@@ -70,6 +101,7 @@ class CMakeBuild(build_ext):
         if len(built) != 1:
             sys.exit(f"collider setup.py: expected one _C*{suffix} in {out_dir}, found {[p.name for p in built]}")
         shutil.copyfile(built[0], target)
+        copy_build_record(out_dir, target.parent)
 
 
 setup(ext_modules=[CMakeExtension("collider._C")], cmdclass={"build_ext": CMakeBuild})

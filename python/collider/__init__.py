@@ -18,6 +18,32 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.utils.checkpoint
 
+REINSTALL = ("rebuild it against the imported torch: `pip install --no-build-isolation ./python` in the Collider "
+             "checkout, with this environment's python (or ./scripts/bootstrap.sh)")
+
+
+def torch_mismatch(built_version: str, built_cxx11_abi: bool, version: str, cxx11_abi: bool) -> Optional[str]:
+    """Why a collider._C compiled against torch `built_version` (C++ ABI `built_cxx11_abi`) cannot run
+    under torch `version` (`cxx11_abi`), or None when it can: the release (the part before any local
+    tag such as +cu130) and the ABI must be equal, since autograd's C++ types change between releases."""
+    release = version.split("+")[0]
+    if release != built_version:
+        return (f"collider was built against torch {built_version}, but torch {release} is imported "
+                f"({version}); {REINSTALL}")
+    if built_cxx11_abi != cxx11_abi:
+        return (f"collider was built against torch {built_version} with _GLIBCXX_USE_CXX11_ABI="
+                f"{int(built_cxx11_abi)}, but the imported torch {version} uses {int(cxx11_abi)}; {REINSTALL}")
+    return None
+
+
+try:  # before _C is loaded: a module built for another torch fails there with an undefined symbol, or worse
+    from ._torch_build import CXX11_ABI as _BUILT_CXX11_ABI, TORCH_VERSION as _BUILT_TORCH
+except ImportError as e:
+    raise ImportError(f"collider: its build record (collider/_torch_build.py) is missing; {REINSTALL}") from e
+_mismatch = torch_mismatch(_BUILT_TORCH, _BUILT_CXX11_ABI, torch.__version__, bool(torch._C._GLIBCXX_USE_CXX11_ABI))
+if _mismatch:
+    raise ImportError(_mismatch)
+
 try:
     from . import _C
 except ImportError as e:  # the extension is tied to the exact torch it was compiled against

@@ -226,11 +226,16 @@ def model_oracle(model, keep: torch.Tensor, attention: str):
 
 @contextlib.contextmanager
 def falcon_oracle_keep(model, keep: torch.Tensor):
-    """The exact_query oracle for Falcon, whose attention does not dispatch through transformers'
-    AttentionInterface: the key and value rows of dropped tokens are detached where its fused QKV
-    projection is split into heads (FalconAttention._split_heads), so dK, dV of dropped rows are
-    discarded and everything else is plain autograd."""
+    """The exact_query oracle for Falcon. Up to transformers 5.24 its attention does not dispatch
+    through transformers' AttentionInterface: the key and value rows of dropped tokens are detached
+    where its fused QKV projection is split into heads (FalconAttention._split_heads), so dK, dV of
+    dropped rows are discarded and everything else is plain autograd. From 5.25 it dispatches
+    through the interface (and has no _split_heads): oracle_keep, the oracle of every such model."""
     from transformers.models.falcon import modeling_falcon
+    if not hasattr(modeling_falcon.FalconAttention, "_split_heads"):
+        with oracle_keep(model, keep, "exact_query"):
+            yield
+        return
     split = modeling_falcon.FalconAttention._split_heads
     calls = []
 
