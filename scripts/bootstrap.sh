@@ -16,7 +16,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-TORCH_PIN="torch==2.11.0"
+# The default torch: the newest release; every release from 2.11.0 on builds and passes
+# (docs/COMPATIBILITY.md, scripts/compat_matrix.sh). With COLLIDER_PYTHON (an environment of your
+# own, e.g. the GPU machine's python3) the torch found there is used as it is; CMake refuses one
+# outside the supported range.
+TORCH_PIN_VERSION=2.15.0
+TORCH_PIN="torch==$TORCH_PIN_VERSION"
 # Every Python package is pinned, so a fresh machine gets the environment the results came from.
 NUMPY_PIN="numpy==2.4.6"
 MATPLOTLIB_PIN="matplotlib==3.11.2"
@@ -69,7 +74,9 @@ if [[ -z "$PY" ]]; then
   fi
   PY="$VENV/bin/python"
 fi
-if ! "$PY" -c "import torch, matplotlib, numpy" 2>/dev/null; then
+torch_release() { (cd /tmp && "$PY" -c "import torch;print(torch.__version__.split('+')[0])" 2>/dev/null) || true; }
+if ! (cd /tmp && "$PY" -c "import torch, matplotlib, numpy" 2>/dev/null) ||
+   [[ -z "${COLLIDER_PYTHON:-}" && "$(torch_release)" != "$TORCH_PIN_VERSION" ]]; then
   say "installing $TORCH_PIN, $NUMPY_PIN, $MATPLOTLIB_PIN into $("$PY" -c 'import sys;print(sys.prefix)')"
   "$PY" -m pip install -q --upgrade pip
   "$PY" -m pip install -q "$TORCH_PIN" "$NUMPY_PIN" "$MATPLOTLIB_PIN"
@@ -85,7 +92,7 @@ fi
 # `pip install --no-build-isolation ./python` below needs; trl and its datasets, pandas and pyarrow
 # for the tests of TRL's SFTTrainer; expecttest, which torch's own OpInfo sample inputs import, for the
 # row-rule property test). torch is repeated so pip never moves it.
-PY_PINS=(transformers==5.23.0 peft==0.21.2 accelerate==1.15.0 trl==1.16.0 datasets==5.2.0 pandas==3.1.1
+PY_PINS=(transformers==5.25.0 peft==0.21.2 accelerate==1.16.0 trl==1.16.0 datasets==5.2.0 pandas==3.1.1
          pyarrow==26.0.1 pytest==9.2.0 setuptools==80.9.0 expecttest==0.3.0 "$NUMPY_PIN" "$MATPLOTLIB_PIN")
 if ! (cd /tmp && "$PY" - "${PY_PINS[@]}" <<'PYEOF'
 import sys
@@ -103,7 +110,8 @@ fi
 TORCH_VERSION=$(cd /tmp && "$PY" -c "import torch;print(torch.__version__)")
 TORCH_PREFIX=$(cd /tmp && "$PY" -c "import torch;print(torch.utils.cmake_prefix_path)")
 say "torch $TORCH_VERSION ($TORCH_PREFIX)"
-[[ "$TORCH_VERSION" == 2.11.0* ]] || say "warning: expected torch 2.11.0, found $TORCH_VERSION"
+[[ "$TORCH_VERSION" == "$TORCH_PIN_VERSION"* ]] ||
+  say "torch $TORCH_VERSION is not the default $TORCH_PIN_VERSION (supported: 2.11.0 to 2.15.x, docs/COMPATIBILITY.md)"
 
 # 3. Optional components, one line each.
 if command -v nvcc >/dev/null; then
@@ -130,8 +138,13 @@ if ((DEPS_ONLY)); then
   exit 0
 fi
 
-# 4. Configure and build.
+# 4. Configure and build. A build tree configured for another torch is configured afresh: CMake's
+# cache would keep what it found for that one.
 start=$(date +%s)
+if [[ -f build/CMakeCache.txt && "$(cat build/torch_version 2>/dev/null)" != "$TORCH_VERSION" ]]; then
+  say "build/ was configured for torch $(cat build/torch_version 2>/dev/null || echo '(unknown)'); configuring it for $TORCH_VERSION"
+  rm -rf build/CMakeCache.txt build/CMakeFiles
+fi
 cmake --preset "$PRESET" -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DPython3_EXECUTABLE="$PY" \
   "${LAUNCHER[@]}" -Wno-dev >build.configure.log 2>&1 || { cat build.configure.log; exit 1; }
 grep "collider:" build.configure.log | sed 's/^-- /[bootstrap] /' || true
@@ -139,13 +152,14 @@ rm -f build.configure.log
 cmake --build build -j "$JOBS"
 say "built in $(( $(date +%s) - start )) s: $ROOT/build/collider"
 echo "$PY" > build/python_path
+echo "$TORCH_VERSION" > build/torch_version
 
 # 5. Install the Python package into the environment: the _C module this build made is copied
 # (COLLIDER_PREBUILT_EXT), so collider_core is not compiled a second time. Skipped when nothing
 # changed since the last install from this checkout (stamp: hash of the module and the .py files).
 EXT=$(ls build/python/collider/_C*.so 2>/dev/null | head -1)
 if [[ -n "$EXT" ]]; then
-  STAMP=$( (echo "$PY"; sha256sum "$EXT" python/collider/*.py python/collider/py.typed python/setup.py python/pyproject.toml) | sha256sum | cut -c1-16)
+  STAMP=$( (echo "$PY"; sha256sum "$EXT" build/python/collider/_torch_build.py python/collider/*.py python/collider/py.typed python/setup.py python/pyproject.toml) | sha256sum | cut -c1-16)
   SITE=$(cd /tmp && "$PY" -c "import sysconfig;print(sysconfig.get_paths()['purelib'])")
   if [[ "$(cat "$SITE/collider/.bootstrap_stamp" 2>/dev/null)" != "$STAMP" ]]; then
     COLLIDER_PREBUILT_EXT="$ROOT/$EXT" "$PY" -m pip install -q --no-build-isolation --no-deps --force-reinstall ./python \
