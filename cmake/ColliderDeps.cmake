@@ -20,6 +20,22 @@ collider_check_torch_range("${Torch_VERSION}")
 # Torch's CMake config adds its flags to CMAKE_CXX_FLAGS (ABI flag); keep them.
 set(CMAKE_CXX_FLAGS "${CMAKE_CXX_FLAGS} ${TORCH_CXX_FLAGS}")
 
+# A CUDA torch wheel ships its own CUDA libraries (nvidia/*/lib beside torch/: cudart, cuBLAS, NCCL,
+# ...), which libtorch_cuda finds through its own run path. The toolkit's lib directory on our link
+# and run paths would otherwise come first and hand libtorch_cuda an older copy: torch 2.15's
+# (CUDA 13.2) needs NCCL symbols the CUDA 13.0 toolkit's NCCL lacks. So the wheel's directories go
+# first, for the linker's search of libtorch_cuda's dependencies and at run time.
+if(COLLIDER_CUDA)
+  file(GLOB _collider_wheel_cuda_libs "${TORCH_INSTALL_PREFIX}/../nvidia/*/lib")
+  foreach(_dir ${_collider_wheel_cuda_libs})
+    get_filename_component(_dir "${_dir}" REALPATH)
+    add_link_options("LINKER:-rpath-link,${_dir}" "LINKER:-rpath,${_dir}")
+  endforeach()
+  if(_collider_wheel_cuda_libs)
+    message(STATUS "collider: CUDA libraries of the torch wheel first on the link and run paths")
+  endif()
+endif()
+
 find_package(tomlplusplus REQUIRED)
 find_package(nlohmann_json 3 REQUIRED)
 

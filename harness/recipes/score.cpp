@@ -181,7 +181,7 @@ std::vector<std::vector<float>> score_sequences(models::CausalLM& model,
 
 std::string score_json_line(int64_t seq, const std::vector<float>& losses) {
   std::string s = fmt::format("{{\"seq\": {}, \"losses\": [", seq);
-  for (size_t t = 0; t < losses.size(); ++t) s += fmt::format(t ? ", {}" : "{}", losses[t]);
+  for (size_t t = 0; t < losses.size(); ++t) s += (t ? ", " : "") + fmt::format("{}", losses[t]);
   s += "]}";
   return s;
 }
