@@ -15,25 +15,16 @@ endif()
 
 find_package(Torch REQUIRED)
 message(STATUS "collider: Torch ${Torch_VERSION} at ${TORCH_INSTALL_PREFIX}")
-include(ColliderTorchRange)
+include(ColliderTorch)
 collider_check_torch_range("${Torch_VERSION}")
 # Torch's CMake config adds its flags to CMAKE_CXX_FLAGS (ABI flag); keep them.
 set(CMAKE_CXX_FLAGS "${CMAKE_CXX_FLAGS} ${TORCH_CXX_FLAGS}")
 
-# A CUDA torch wheel ships its own CUDA libraries (nvidia/*/lib beside torch/: cudart, cuBLAS, NCCL,
-# ...), which libtorch_cuda finds through its own run path. The toolkit's lib directory on our link
-# and run paths would otherwise come first and hand libtorch_cuda an older copy: torch 2.15's
-# (CUDA 13.2) needs NCCL symbols the CUDA 13.0 toolkit's NCCL lacks. So the wheel's directories go
-# first, for the linker's search of libtorch_cuda's dependencies and at run time.
-if(COLLIDER_CUDA)
-  file(GLOB _collider_wheel_cuda_libs "${TORCH_INSTALL_PREFIX}/../nvidia/*/lib")
-  foreach(_dir ${_collider_wheel_cuda_libs})
-    get_filename_component(_dir "${_dir}" REALPATH)
-    add_link_options("LINKER:-rpath-link,${_dir}" "LINKER:-rpath,${_dir}")
-  endforeach()
-  if(_collider_wheel_cuda_libs)
-    message(STATUS "collider: CUDA libraries of the torch wheel first on the link and run paths")
-  endif()
+# The torch wheel's CUDA libraries first on every link and run path (cmake/ColliderTorch.cmake says why).
+collider_wheel_cuda_link_options("${TORCH_INSTALL_PREFIX}" _collider_wheel_link)
+if(_collider_wheel_link)
+  add_link_options(${_collider_wheel_link})
+  message(STATUS "collider: CUDA libraries of the torch wheel first on the link and run paths")
 endif()
 
 find_package(tomlplusplus REQUIRED)

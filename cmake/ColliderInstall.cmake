@@ -15,5 +15,5 @@ configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/colliderConfig.cmake.i
 write_basic_package_version_file(${PROJECT_BINARY_DIR}/colliderConfigVersion.cmake
   COMPATIBILITY SameMinorVersion)
 install(FILES ${PROJECT_BINARY_DIR}/colliderConfig.cmake ${PROJECT_BINARY_DIR}/colliderConfigVersion.cmake
-  ${PROJECT_SOURCE_DIR}/cmake/ColliderTorchRange.cmake
+  ${PROJECT_SOURCE_DIR}/cmake/ColliderTorch.cmake
   DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/collider)

@@ -72,7 +72,7 @@ write_table() {
     echo "Guard: the package built in the row above, imported under this row's torch (the ImportError"
     echo "that names both releases is expected). Times in seconds, on a machine shared with other work."
     echo
-    echo "Supported: torch 2.11.0 to 2.15.x (\`python/pyproject.toml\`, \`cmake/ColliderTorchRange.cmake\`);"
+    echo "Supported: torch 2.11.0 to 2.15.x (\`python/pyproject.toml\`, \`cmake/ColliderTorch.cmake\`);"
     echo "what differs between them is in \`collider_core/include/collider/torch_compat.h\`."
     echo
     echo "| torch | transformers | peft / trl / accelerate | build | build s | tests | tests s | guard |"
