@@ -17,6 +17,7 @@ find_package(Torch REQUIRED)
 message(STATUS "collider: Torch ${Torch_VERSION} at ${TORCH_INSTALL_PREFIX}")
 include(ColliderTorch)
 collider_check_torch_range("${Torch_VERSION}")
+collider_set_cxx_standard("${Torch_VERSION}")
 # Torch's CMake config adds its flags to CMAKE_CXX_FLAGS (ABI flag); keep them.
 set(CMAKE_CXX_FLAGS "${CMAKE_CXX_FLAGS} ${TORCH_CXX_FLAGS}")
 

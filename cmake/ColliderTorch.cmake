@@ -5,6 +5,9 @@
 #    the test behind each); a libtorch outside the range stops at configure time with what to
 #    install, not with a compiler error in the autograd headers.
 #    collider_core/include/collider/torch_compat.h holds what differs inside the range.
+#  - collider_set_cxx_standard: the C++ standard the torch headers need. torch 2.14.0's headers
+#    require C++20 (#error otherwise) but its CMake config does not ask for it (2.15.0's adds
+#    cxx_std_20 to the torch target); up to 2.13, C++17.
 #  - collider_wheel_cuda_link_options: a CUDA torch wheel ships its own CUDA libraries
 #    (nvidia/*/lib beside torch/: cudart, cuBLAS, NCCL, ...), which libtorch_cuda finds through its
 #    own run path. Torch's CMake config puts the CUDA toolkit's lib directory on the link's run path,
@@ -36,3 +39,10 @@ function(collider_wheel_cuda_link_options torch_prefix out_var)
   endforeach()
   set(${out_var} "${_options}" PARENT_SCOPE)
 endfunction()
+
+macro(collider_set_cxx_standard version)
+  if(NOT "${version}" VERSION_LESS 2.14)
+    set(CMAKE_CXX_STANDARD 20)
+    set(CMAKE_CUDA_STANDARD 20)
+  endif()
+endmacro()

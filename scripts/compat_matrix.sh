@@ -79,6 +79,10 @@ write_table() {
     echo "| --- | --- | --- | --- | --- | --- | --- | --- |"
     printf '%s\n' "${rows_md[@]}"
     echo
+    if ((${#rows_md[@]} < $(wc -w <<<"$ROWS"))); then
+      echo "Rows not reached yet (the run was stopped, or is still going): $(echo "$ROWS" | cut -d' ' -f$((${#rows_md[@]} + 1))-)."
+      echo
+    fi
     echo "Skipped tests, with pytest's reason:"
     echo
     if ((${#skips_md[@]})); then printf '%s\n' "${skips_md[@]}"; else echo "- none"; fi

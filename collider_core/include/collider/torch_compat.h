@@ -5,7 +5,8 @@
 //   NodePtrOf<T>       the same for a node type of ours (converts to NodePtr)
 //   WeakNodePtr        a non-owning one (lock() gives a NodePtr, or null once the node is gone)
 //   make_node<T>(...)  a new node of type T, owned the way torch owns its nodes
-// Each difference names the release that changed it and why.
+// Each difference names the release that changed it and why. The build-side ones (the C++ standard
+// the headers need, the wheel's CUDA libraries) are in cmake/ColliderTorch.cmake.
 #pragma once
 
 #include <torch/csrc/autograd/function.h>
