@@ -18,7 +18,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.utils.checkpoint
 
-REINSTALL = ("rebuild it against the imported torch: `pip install --no-build-isolation ./python` in the Collider "
+_REINSTALL = ("rebuild it against the imported torch: `pip install --no-build-isolation ./python` in the Collider "
              "checkout, with this environment's python (or ./scripts/bootstrap.sh)")
 
 
@@ -29,17 +29,17 @@ def torch_mismatch(built_version: str, built_cxx11_abi: bool, version: str, cxx1
     release = version.split("+")[0]
     if release != built_version:
         return (f"collider was built against torch {built_version}, but torch {release} is imported "
-                f"({version}); {REINSTALL}")
+                f"({version}); {_REINSTALL}")
     if built_cxx11_abi != cxx11_abi:
         return (f"collider was built against torch {built_version} with _GLIBCXX_USE_CXX11_ABI="
-                f"{int(built_cxx11_abi)}, but the imported torch {version} uses {int(cxx11_abi)}; {REINSTALL}")
+                f"{int(built_cxx11_abi)}, but the imported torch {version} uses {int(cxx11_abi)}; {_REINSTALL}")
     return None
 
 
 try:  # before _C is loaded: a module built for another torch fails there with an undefined symbol, or worse
     from ._torch_build import CXX11_ABI as _BUILT_CXX11_ABI, TORCH_VERSION as _BUILT_TORCH
 except ImportError as e:
-    raise ImportError(f"collider: its build record (collider/_torch_build.py) is missing; {REINSTALL}") from e
+    raise ImportError(f"collider: its build record (collider/_torch_build.py) is missing; {_REINSTALL}") from e
 _mismatch = torch_mismatch(_BUILT_TORCH, _BUILT_CXX11_ABI, torch.__version__, bool(torch._C._GLIBCXX_USE_CXX11_ABI))
 if _mismatch:
     raise ImportError(_mismatch)
