@@ -222,7 +222,9 @@ TEST(Plan, SliceWrittenInPlaceIsCut) {
       wb.mutable_grad() = torch::Tensor();
       auto loss = loss_of(x, keep, false);
       auto stats = (*fn)(loss, keep, plan, {method ? AttentionGrad::kExactQuery : AttentionGrad::kKeptOnly});
-      if (fn == &filter_backward) EXPECT_GT(stats.nodes_rewritten, 2);
+      if (fn == &filter_backward) {
+        EXPECT_GT(stats.nodes_rewritten, 2);
+      }
       loss.backward();
       got.push_back(torch::cat({wa.grad().flatten(), wb.grad().flatten()}));
     }
