@@ -4,7 +4,7 @@
 // (-debug presets) and the GPT-2-style test model, both attention semantics, eager and SDPA,
 // B = 3 and 4, T = 97; and a loss that does not mask its dropped positions is refused.
 // The token-row GEMMs (x @ W of the projections, MLP and LM head) run on the packed kept rows
-// (rewrite.cpp, PackedRowsNode), so these tests check that path against the oracle too.
+// (collider_core/src/edits/packed_rows.cpp), so these tests check that path against the oracle too.
 // Eager attention cores run row by row (row_attention.h): every one is replaced, checked here.
 // Run: build/tests/test_collider_ragged
 #include "collider_test_util.h"

@@ -1,7 +1,7 @@
 // Internal: ragged kept counts under eager attention. One node that stands in for a whole
 // attention core (QK^T -> scale/mask -> softmax -> PV) and computes its backward one sequence row
 // at a time on that row's own kept count, instead of on [B, H, N, N] padded to the largest count.
-// Used by the rewrite (rewrite.cpp) for ragged masks; row_attention.cpp says why and what it costs.
+// Used by the rewrite for ragged masks (edits/attention_rows.cpp); row_attention.cpp says why and what it costs.
 #pragma once
 
 #include "attention_cores.h"

@@ -1,7 +1,7 @@
 // Internal: saved tensors cut to the kept rows when the backward unpacks them, not when
 // filter_backward runs. filter_backward decides every cut (which tensor, which rows, what shape)
 // and checks it; the copy itself is made by the first node whose backward reads the tensor.
-// Why (collider_core/src/rewrite.cpp uses it for every saved tensor it cuts):
+// Why (the rewrite's transaction, transaction.h, uses it for every saved tensor it cuts):
 //   - memory: a full saved tensor is dropped as soon as its cut exists, so a filtered step never
 //     holds a full tensor and its cut for longer than one node's backward, and its peak stays at
 //     or below the unfiltered step's (cutting everything up front held all of both at once);

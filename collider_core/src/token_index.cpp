@@ -36,7 +36,7 @@ torch::Tensor select_rows(const torch::Tensor& x, int64_t dim, const torch::Tens
 // are excluded exactly: their incoming gradient is zeroed where gradients are born (the loss
 // side), they are zeroed as attention keys (kept_only) and their dK/dV discarded (exact_query),
 // so every padding row carries a zero gradient through every token-wise op and adds nothing.
-// On top of it, the GEMMs of the token rows run packed (rewrite.cpp, PackedRowsNode): the
+// On top of it, the GEMMs of the token rows run packed (edits/packed_rows.cpp): the
 // backward of every x @ W (MmBackward0, AddmmBackward0 with x the [B*T, D] token rows: q, k, v,
 // o, the MLP and the LM head, most of the backward's FLOPs) runs on the S = sum_b N_b kept rows.
 // The attention cores run row by row on each row's own count (row_attention.h for eager

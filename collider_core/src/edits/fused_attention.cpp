@@ -1,0 +1,27 @@
+// The fused-attention edit: a scaled_dot_product_attention node (flash, memory-efficient, math,
+// cuDNN: interchangeable, sdpa.h) saves whole [B, H, T, E] queries, keys and values that the
+// generated field cut cannot slice inside the kernel. Every edge into it leads instead to a
+// filtered attention backward (sdpa.h) that runs the kernel's backward on the kept query rows
+// (kept_only: and kept keys; exact_query: every key, with dK/dV cut afterwards).
+#include "edit.h"
+
+#include "../sdpa.h"
+
+namespace collider::detail {
+namespace {
+
+class FusedAttentionEdit final : public Edit {
+ public:
+  const char* name() const override { return "fused attention"; }
+  bool takes(const Graph&, int i, const Transaction& tx) const override { return tx.plan().nodes[i].fused_attention; }
+  void cut(const Graph& g, int i, Transaction& tx) override {
+    tx.replace_node(g, i, make_filtered_attention(g.nodes[i], tx.shared_index(), !tx.cut_keys(), tx.masked()));
+    ++tx.stats().nodes_rewritten;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Edit> make_fused_attention_edit() { return std::make_unique<FusedAttentionEdit>(); }
+
+}  // namespace collider::detail
