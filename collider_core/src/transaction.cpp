@@ -21,6 +21,14 @@ CacheKey key_of(const torch::Tensor& t, bool with_strides, bool padding_keys_zer
   return key;
 }
 
+// A tensor unpacked through saved-tensor hooks, whose sizes filter_backward could not see: it
+// must be the one the plan cuts.
+void check_unpacked(const TokenIndex& ix, const torch::Tensor& t, const ShapeSpec& spec) {
+  auto bad = ix.mismatch(t.sizes(), spec);
+  TORCH_CHECK(bad.empty(), "collider: a saved tensor unpacked through saved-tensor hooks does not match the plan (",
+              bad, "); re-trace the plan with the same checkpointing or offloading set-up");
+}
+
 }  // namespace
 
 // Prepared and never written: our SavedVariables in the slots point at their SavedCut, which points
@@ -62,11 +70,6 @@ void Transaction::replace_node(const Graph& g, int i, const NodePtr& node) {
 void Transaction::insert_on_edge(const NodePtr& parent, int e, const NodePtr& node) {
   node->add_next_edge(redirect(parent->next_edge(e)));
   defer_edge(parent, e, node, 0);
-}
-
-void Transaction::remove_edge(const NodePtr& node, int e) {
-  auto* edges = &const_cast<torch::autograd::edge_list&>(node->next_edges());  // as defer_edge
-  defer([edges, e, other = Edge()]() mutable { std::swap((*edges)[e], other); });
 }
 
 void Transaction::defer_edge(const NodePtr& parent, int e, NodePtr node, uint32_t input_nr) {
@@ -117,11 +120,7 @@ SavedCut::CutFn Transaction::cut_fn(const ShapeSpec& spec, bool zero_padding_key
   auto ix = ix_;
   const bool cut_keys = cut_keys_;
   return [ix, spec, zero_padding_keys, cut_keys, check](const torch::Tensor& t) {
-    if (check) {
-      auto bad = ix->mismatch(t.sizes(), spec);
-      TORCH_CHECK(bad.empty(), "collider: a saved tensor unpacked through saved-tensor hooks does not match the plan (",
-                  bad, "); re-trace the plan with the same checkpointing or offloading set-up");
-    }
+    if (check) check_unpacked(*ix, t, spec);
     auto want = ix->cut_sizes(t.sizes(), spec, cut_keys);
     if (spec.pad_rank == 0 && c10::IntArrayRef(want) == t.sizes() && !spec.remaps_values()) {
       return zero_padding_keys ? ix->zero_padding(t, spec, /*keys_only=*/true) : t;
@@ -139,6 +138,14 @@ SavedCut::CutFn Transaction::cut_fn(const ShapeSpec& spec, bool zero_padding_key
       if (zero_padding_keys) out = ix->zero_padding_into(out, t, spec, /*keys_only=*/true);
       return out;
     });
+  };
+}
+
+SavedCut::CutFn Transaction::packed_cut_fn(const ShapeSpec& spec) const {
+  auto ix = ix_;
+  return [ix, spec](const torch::Tensor& t) {
+    check_unpacked(*ix, t, spec);
+    return ix->cut_packed(t);
   };
 }
 

@@ -134,8 +134,7 @@ class Transaction {
   // passes its result on along the old edge (to a stand-in where there is one).
   void insert_on_edge(const NodePtr& parent, int e, const NodePtr& node);
   // remove_edge: edge e of `node` leads nowhere (its gradient is zero by construction).
-  void remove_edge(const NodePtr& node, int e);
-  void defer_edge(const NodePtr& parent, int e, NodePtr node, uint32_t input_nr);
+  void remove_edge(const NodePtr& node, int e) { defer_edge(node, e, NodePtr(), 0); }
   // A node that stands in for `original` and calls it (PackedRowsNode): an edge inserted on the
   // way to the original leads to the stand-in instead (redirect).
   void stand_in(const torch::autograd::Node* original, NodePtr node) { stand_ins_[original] = std::move(node); }
@@ -160,6 +159,9 @@ class Transaction {
   // check: compare its sizes with the plan first (tensors behind saved-tensor hooks, whose
   // sizes filter_backward cannot see).
   SavedCut::CutFn cut_fn(const ShapeSpec& spec, bool zero_padding_keys, bool check) const;
+  // The packed kept rows of a GEMM operand behind saved-tensor hooks (cut_saved_packed's cut),
+  // its sizes checked against the plan first.
+  SavedCut::CutFn packed_cut_fn(const ShapeSpec& spec) const;
   // The masked method's kept_only oracle: attention probabilities restricted to kept rows and columns.
   SavedCut::CutFn zero_dropped_fn(const ShapeSpec& spec) const;
 
@@ -168,6 +170,9 @@ class Transaction {
   void count_gather(const torch::Tensor& t, int64_t cut_numel);
 
  private:
+  // Edge e of `parent` leads to `node` (input input_nr) once committed.
+  void defer_edge(const NodePtr& parent, int e, NodePtr node, uint32_t input_nr);
+
   const PlanData& plan_;
   std::shared_ptr<TokenIndex> ix_;
   bool cut_keys_;

@@ -19,7 +19,7 @@ import torch
 import torch.utils.checkpoint
 
 _REINSTALL = ("rebuild it against the imported torch: `pip install --no-build-isolation ./python` in the Collider "
-             "checkout, with this environment's python (or ./scripts/bootstrap.sh)")
+              "checkout, with this environment's python (or ./scripts/bootstrap.sh)")
 
 
 def torch_mismatch(built_version: str, built_cxx11_abi: bool, version: str, cxx11_abi: bool) -> Optional[str]:

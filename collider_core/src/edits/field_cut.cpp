@@ -157,14 +157,7 @@ void FieldCut::on_saved(const char* name, int32_t item, SavedVariable& v) {
     if (tx_.masked()) {
       fn = tx_.zero_dropped_fn(f->shape);
     } else if (packed_) {
-      auto shape = f->shape;
-      fn = [ix, shape](const torch::Tensor& t) {
-        auto bad = ix->mismatch(t.sizes(), shape);
-        TORCH_CHECK(bad.empty(),
-                    "collider: a saved tensor unpacked through saved-tensor hooks does not match the plan (", bad,
-                    "); re-trace the plan with the same checkpointing or offloading set-up");
-        return ix->cut_packed(t);
-      };
+      fn = tx_.packed_cut_fn(f->shape);
     } else {
       fn = tx_.cut_fn(f->shape, zero_keys, /*check=*/true);
     }
