@@ -110,7 +110,10 @@ struct Gpt2Impl : torch::nn::Module {
     return proj[l]->forward(o.transpose(1, 2).reshape({B, T, D}));
   }
 
-  torch::Tensor forward(const torch::Tensor& idx_BT) {
+  torch::Tensor forward(const torch::Tensor& idx_BT) { return torch::matmul(hidden(idx_BT), wte->weight.t()); }  // tied head
+
+  // The final hidden states [B, T, D], the LM head's input.
+  torch::Tensor hidden(const torch::Tensor& idx_BT) {
     const int64_t T = idx_BT.size(1);
     auto pos = torch::arange(T, idx_BT.options());
     auto x = wte->forward(idx_BT) + wpe->forward(pos);
@@ -119,7 +122,7 @@ struct Gpt2Impl : torch::nn::Module {
       x = x + fc_out[l]->forward(torch::gelu(fc[l]->forward(ln2[l]->forward(x))));
       if (hook) x = hook(x, static_cast<int>(l));
     }
-    return torch::matmul(ln_f->forward(x), wte->weight.t());  // tied head
+    return ln_f->forward(x);
   }
 };
 TORCH_MODULE(Gpt2);

@@ -11,6 +11,7 @@
 #include "attention_cores.h"
 #include "classify.h"
 #include "graph.h"
+#include "head_node.h"
 #include "node_fields.h"
 #include "observe.h"
 #include "passthrough.h"
@@ -48,6 +49,9 @@ void refuse_token_gradients_born_opaque(const Graph& g, const PlanData& plan) {
   for (size_t i = 0; i < plan.nodes.size(); ++i) {
     const NodeSpec& ns = plan.nodes[i];
     if (find_node_fields(*g.nodes[i]) || ns.type == "torch::autograd::AccumulateGrad") continue;
+    // Collider's fused LM head: the head edit (edits/head_rows.cpp) has it write the kept rows'
+    // gradient straight into the cut layout.
+    if (dynamic_cast<const FusedHeadNode*>(g.nodes[i].get())) continue;
     bool token_input = false;
     for (const auto& f : ns.fields)
       token_input = token_input || (f.kind == FieldKind::kInputMeta && f.shape.has_token());

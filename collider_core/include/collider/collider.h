@@ -14,6 +14,7 @@
 #pragma once
 
 #include <collider/error.h>
+#include <collider/head.h>
 #include <collider/select.h>
 
 #include <torch/torch.h>

@@ -40,6 +40,7 @@ std::unique_ptr<Edit> make_fused_attention_edit();  // SDPA nodes: a filtered at
 std::unique_ptr<Edit> make_leaf_rows_edit();        // leaf tensors with token rows: the gradient uncut
 std::unique_ptr<Edit> make_packed_rows_edit();      // ragged masks: token-row GEMMs on packed rows
 std::unique_ptr<Edit> make_route_scatters_edit();   // hooked mixture-of-experts scatters
+std::unique_ptr<Edit> make_head_rows_edit();        // the fused LM head: its gradient written to the cut rows
 std::unique_ptr<Edit> make_field_cut_edit();        // every other node: its saved tensors and sizes cut
 std::unique_ptr<Edit> make_detach_edit();           // edges whose gradient is zero by construction
 std::unique_ptr<Edit> make_zero_padding_edit();     // ragged masks: padding rows zeroed where gradients are born

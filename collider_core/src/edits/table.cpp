@@ -17,6 +17,7 @@ std::vector<std::unique_ptr<Edit>> make_table() {
   table.push_back(make_leaf_rows_edit());
   table.push_back(make_packed_rows_edit());
   table.push_back(make_route_scatters_edit());
+  table.push_back(make_head_rows_edit());
   table.push_back(make_field_cut_edit());  // every node with token fields not taken above
   table.push_back(make_detach_edit());
   table.push_back(make_zero_padding_edit());
