@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Callable, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.utils.checkpoint
@@ -66,6 +66,10 @@ __all__ = [
     "select_tokens",
     "kept_count",
     "kept_total",
+    "ScoredHead",
+    "HeadResult",
+    "score_head",
+    "fused_head_loss",
     "register_passthrough_node",
     "row_rules",
 ]
@@ -294,6 +298,52 @@ def select_tokens(scores: torch.Tensor, filter_ratio: float, policy: str = "per_
     if scores.dim() != 2:
         raise Error(f"select_tokens: scores must be [B, T], got shape {list(scores.shape)}")
     return _C.select_tokens(scores, float(filter_ratio), policy, align, valid)
+
+
+#: What score_head returns: `token_loss` (every row's cross-entropy, 0 at ignore_index, no
+#: gradient), `entropy` (every row's, or None) and `loss(keep=None, divisor=1.0)`, the filtered loss.
+ScoredHead = _C.ScoredHead
+ScoredHead.__module__ = "collider"
+
+
+class HeadResult(NamedTuple):
+    """What fused_head_loss returns: `loss` (scalar, the only output with a gradient), `token_loss`
+    (every row's cross-entropy, 0 at ignore_index) and `entropy` (every row's, or None)."""
+    loss: torch.Tensor
+    token_loss: torch.Tensor
+    entropy: Optional[torch.Tensor]
+
+
+def score_head(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               *, ignore_index: int = -100, softcap: Optional[float] = None, logit_scale: float = 1.0,
+               entropy: bool = False, chunk_rows: int = 1024, chunk_vocab: int = 8192) -> ScoredHead:
+    """The fused LM head's forward over every row (collider/head.h), before the keep mask is known:
+    RHO-1 picks the kept tokens from these very scores. hidden [.., D], weight [V, D] (the embedding
+    matrix when tied), targets int64 of hidden's leading shape, bias [V] or None. Returns a
+    ScoredHead: `token_loss` and `entropy` for every row, and `loss(keep, divisor)`, the sum of the
+    kept rows' token losses divided by `divisor` (your count; the head never renormalises), whose
+    backward runs on the kept rows only. No [N, V] logits are held. softcap: final logit
+    soft-capping (Gemma2's final_logit_softcapping); logit_scale multiplies the logits before it."""
+    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        _check_tensor(t, name, "score_head")
+    if bias is not None:
+        _check_tensor(bias, "bias", "score_head")
+    return _C.score_head(hidden, weight, targets, bias, int(ignore_index), float(softcap or 0.0), float(logit_scale),
+                         bool(entropy), int(chunk_rows), int(chunk_vocab))
+
+
+def fused_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                    keep: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, *,
+                    divisor: float = 1.0, entropy: bool = False, **options) -> HeadResult:
+    """score_head and ScoredHead.loss in one call: the LM head and its cross-entropy in one op that
+    scores every token but backpropagates only the kept ones (keep: bool of the targets' shape,
+    None: every row), never holding the [N, V] logits. Under filter_backward, pass it the same keep
+    mask, laid out [B, T] on the hidden states' rows: the hidden states' gradient then leaves the
+    head already cut to the kept rows. `options`: score_head's keywords."""
+    if keep is not None:
+        _check_tensor(keep, "keep", "fused_head_loss")
+    scored = score_head(hidden, weight, targets, bias, entropy=entropy, **options)
+    return HeadResult(scored.loss(keep, float(divisor)), scored.token_loss, scored.entropy if entropy else None)
 
 
 def kept_count(seq_len: int, filter_ratio: float, align: int = 8) -> int:

@@ -16,7 +16,10 @@ per-token loss on those same positions. The last position is never kept.
 Loss forms (the plan must be traced with the form the training step uses):
   "labels"     transformers' own loss: model.loss_function(logits, drop_labels(labels, keep)), the
                same code as model(input_ids, labels=...).loss (mean over the kept labels);
-  "per_token"  a per-token loss written by the user: masked_mean(token_losses(logits, labels), keep).
+  "per_token"  a per-token loss written by the user: masked_mean(token_losses(logits, labels), keep);
+  "fused_head" the same loss through Collider's fused LM head (collider.score_head on the model's
+               final hidden states and lm_head): every token scored, only the kept ones
+               backpropagated, no [B, T, V] logits (hidden_states, score_tokens).
 collider.filter_backward takes right-padded rows (attention_mask, labels -100 on the padding) and
 packed rows (position_ids restarting per document) under eager attention; Rho1Trainer trains on
 equal-length windows (an attention_mask with zeros is refused there).
@@ -24,6 +27,7 @@ Tests: python/tests/test_hf_gradients.py, test_hf_trainer.py; example: examples/
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -43,6 +47,8 @@ __all__ = [
     "masked_mean",
     "step_kept_count",
     "causal_lm_loss",
+    "hidden_states",
+    "score_tokens",
     "router_aux_loss",
     "training_loss",
     "trace_plan",
@@ -51,7 +57,7 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100  # transformers' "no label here"
-LOSS_FORMS = ("labels", "per_token")
+LOSS_FORMS = ("labels", "per_token", "fused_head")
 METHODS = ("collider", "loss_only", "regular")
 
 
@@ -158,6 +164,78 @@ def causal_lm_loss(model: torch.nn.Module, logits: torch.Tensor, labels: torch.T
     return base.loss_function(logits=logits, labels=labels, vocab_size=base.config.vocab_size, **kwargs)
 
 
+def _head_of(base: torch.nn.Module, who: str) -> dict:
+    """The LM head as score_head takes it: weight, bias and the logit transforms the model's config
+    names (Gemma2/3 final_logit_softcapping, Cohere logit_scale, Granite logits_scaling)."""
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear):
+        raise Error(f"{who}: {type(base).__name__}'s output embeddings are {type(head).__name__}, not a "
+                    "torch.nn.Linear the fused head can take; use loss='labels'")
+    cfg = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    scale = float(getattr(cfg, "logit_scale", None) or 1.0)
+    if getattr(cfg, "logits_scaling", None):
+        scale /= float(cfg.logits_scaling)
+    return {"weight": head.weight, "bias": head.bias, "softcap": getattr(cfg, "final_logit_softcapping", None),
+            "logit_scale": scale}
+
+
+def hidden_states(model: torch.nn.Module, **forward) -> torch.Tensor:
+    """The final hidden states [B, T, D] of a transformers causal LM (its decoder's
+    last_hidden_state, the LM head's input), without the head: forward holds the model's keywords
+    (input_ids, attention_mask, position_ids, ...)."""
+    base = _unwrap(model, "hidden_states")
+    forward = {k: v for k, v in forward.items() if k not in ("labels", "num_items_in_batch")}
+    forward["use_cache"] = False
+    return base.get_decoder()(**forward).last_hidden_state
+
+
+_HEAD_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _check_head(base: torch.nn.Module, head: dict, forward: dict, labels: torch.Tensor) -> None:
+    """Once per model: the fused head's token losses on the first row (at most 64 positions) of a
+    batch equal the model's own logits' (a CausalLM whose forward does more than its lm_head and the
+    transforms _head_of knows would score otherwise: refused, before any step)."""
+    if base in _HEAD_CHECKED:
+        return
+    forward = {k: v for k, v in forward.items() if k not in ("labels", "num_items_in_batch")}
+    n = min(int(labels.shape[1]), 64)
+    if set(forward) <= {"input_ids", "attention_mask", "position_ids", "token_type_ids", "use_cache"}:
+        small = {k: (v[:1, :n] if isinstance(v, torch.Tensor) else v) for k, v in forward.items()}
+    else:  # keywords that describe the whole batch (a flash-attention varlen layout): all of it
+        small, n = dict(forward), int(labels.shape[1])
+    small["use_cache"] = False
+    with torch.no_grad():
+        rows = labels[: small["input_ids"].shape[0] if "input_ids" in small else 1, :n]
+        own = token_losses(base(**small).logits, rows)
+        hidden = base.get_decoder()(**small).last_hidden_state
+        fused = _collider.score_head(hidden, head["weight"], shift_labels(rows).to(hidden.device),
+                                     head["bias"], softcap=head["softcap"], logit_scale=head["logit_scale"]).token_loss
+    tol = 1e-9 if own.dtype == torch.float64 else (1e-4 if own.dtype == torch.float32 else 2e-2)
+    diff = float((fused.to(own.dtype) - own).abs().max()) / max(float(own.abs().max()), 1e-6)
+    if not diff <= tol:
+        raise Error(f"collider.hf: the fused head does not reproduce {type(base).__name__}'s own token losses "
+                    f"(relative difference {diff:.2g}): its forward does more to the logits than the LM head "
+                    "and the transforms collider knows; use loss='labels' (or fused_head=False)")
+    _HEAD_CHECKED[base] = True
+
+
+def score_tokens(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, entropy: bool = False,
+                 forward: Optional[dict] = None) -> "_collider.ScoredHead":
+    """Every position's loss (and entropy) from the final hidden states through the model's own LM
+    head, fused (collider.score_head): position t against labels[t + 1], 0 where there is no label,
+    as token_losses gives from logits, with no [B, T, V] logits. `.loss(keep, count)` is the filtered
+    loss. forward: the keywords `hidden` came from; given, the head is checked once per model against
+    the model's own logits on a slice of them (a head collider cannot reproduce is refused)."""
+    base = _unwrap(model, "score_tokens")
+    head = _head_of(base, "score_tokens")
+    if forward is not None:
+        _check_head(base, head, forward, labels)
+    target = shift_labels(labels).to(hidden.device)
+    return _collider.score_head(hidden, head["weight"], target, head["bias"], softcap=head["softcap"],
+                                logit_scale=head["logit_scale"], entropy=entropy)
+
+
 def router_aux_loss(model: torch.nn.Module, router_logits: tuple, keep_mask: torch.Tensor) -> torch.Tensor:
     """The load-balancing loss of a transformers mixture-of-experts model (Mixtral, Qwen2-MoE,
     Qwen3-MoE, OLMoE) over the kept tokens only: transformers' own load_balancing_loss_func on
@@ -182,7 +260,7 @@ def router_aux_loss(model: torch.nn.Module, router_logits: tuple, keep_mask: tor
 def training_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, keep_mask: torch.Tensor,
                   loss: str = "labels", logits: Optional[torch.Tensor] = None,
                   attention_mask: Optional[torch.Tensor] = None, num_kept: Optional[Any] = None,
-                  router_aux: bool = False) -> torch.Tensor:
+                  router_aux: bool = False, scored: Optional[Any] = None) -> torch.Tensor:
     """The scalar loss of a filtered step in one of LOSS_FORMS (the form trace_plan traces).
     `logits`: the model's output on input_ids if the caller already ran the forward;
     `attention_mask`: passed to that forward otherwise (padded rows); `num_kept`: normalise by the
@@ -191,6 +269,16 @@ def training_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch
     config.router_aux_loss_coef (router_aux_loss; the forward runs here, so no `logits`)."""
     if loss not in LOSS_FORMS:
         raise Error(f"training_loss: loss must be one of {', '.join(LOSS_FORMS)}; got {loss!r}")
+    if loss == "fused_head":
+        if router_aux or logits is not None:
+            raise Error("training_loss: loss='fused_head' computes no logits; pass `scored` (score_tokens) "
+                        "instead of logits, and no router_aux")
+        if scored is None:
+            forward = {"input_ids": input_ids, "attention_mask": attention_mask}
+            scored = score_tokens(model, hidden_states(model, **forward), labels, forward=forward)
+        counted = keep_mask.to(labels.device) & keep_mask_from_labels(labels)
+        count = float(counted.sum()) if num_kept is None else float(num_kept)
+        return scored.loss(keep_mask.to(labels.device).bool(), max(count, 1.0))
     aux = None
     if router_aux:
         if logits is not None:
@@ -309,7 +397,8 @@ class Rho1Selection:
         if not 0.0 <= float(filter_ratio) < 1.0:
             raise Error(f"{who}: filter_ratio {filter_ratio} is outside [0, 1): it is the fraction dropped")
 
-    def _init_rho1(self, reference_model, filter_ratio, method, attention, policy, align) -> None:
+    def _init_rho1(self, reference_model, filter_ratio, method, attention, policy, align, fused_head=False) -> None:
+        self.fused_head = bool(fused_head)
         self.reference_model = reference_model
         if reference_model is not None:
             reference_model.eval()
@@ -337,19 +426,29 @@ class Rho1Selection:
             count = self.accelerator.gather(count).sum()
         return count
 
-    def _rho1_keep(self, logits: torch.Tensor, labels: torch.Tensor, training: bool, forward: dict) -> torch.Tensor:
+    def _rho1_keep(self, mine: torch.Tensor, labels: torch.Tensor, training: bool, forward: dict) -> torch.Tensor:
         """The keep mask: every labelled position for method "regular" or outside training, else the
-        top of the excess loss against the reference model (run on the same `forward` arguments)."""
-        valid = keep_mask_from_labels(labels).to(logits.device)
+        top of the excess loss (mine: the model's per-token loss [B, T], token_losses or the fused
+        head's) against the reference model (run on the same `forward` arguments; through the fused
+        head too when the trainer's is)."""
+        valid = keep_mask_from_labels(labels).to(mine.device)
         if self.method == "regular" or not training:
             return valid
         with torch.no_grad():
-            mine = token_losses(logits.detach(), labels)
             reference = self.reference_model
-            if next(reference.parameters()).device != logits.device:
-                reference.to(logits.device)
-            scores = mine - token_losses(reference(**forward).logits, labels).to(mine.device)  # RHO-1 excess loss
+            if next(reference.parameters()).device != mine.device:
+                reference.to(mine.device)
+            if self.fused_head:
+                theirs = score_tokens(reference, hidden_states(reference, **forward), labels, forward=forward).token_loss
+            else:
+                theirs = token_losses(reference(**forward).logits, labels)
+            scores = mine.detach() - theirs.to(mine.device)  # RHO-1 excess loss
         return _collider.select_tokens(scores, self.filter_ratio, policy=self.policy, align=self.align, valid=valid)
+
+    def _fused_forward(self, model, forward: dict, labels: torch.Tensor):
+        """The training forward through the fused head: the model's final hidden states scored by
+        its own LM head, every position's loss with no [B, T, V] logits (score_tokens)."""
+        return score_tokens(model, hidden_states(model, **forward), labels, forward=forward)
 
     def _rho1_finish(self, loss: torch.Tensor, keep: torch.Tensor, training: bool, step_count) -> torch.Tensor:
         """The loss as the backward takes it: scaled by the world size when the count spans ranks
@@ -381,6 +480,10 @@ if _Trainer is not None:
         (collider.hf.trace_plan on the model as the Trainer wraps it). The loss is normalised over
         the optimizer step's kept tokens (Rho1Selection).
 
+        fused_head=True (off by default): the model's per-token losses come from Collider's fused LM
+        head on its final hidden states (score_tokens), every token scored, only the kept ones
+        backpropagated, with no [B, T, V] logits; the loss is the kept tokens' mean (loss form
+        "fused_head"). The head is checked once against the model's own logits.
         method: "collider" (the above), "loss_only" (same selection, dense backward: RHO-1 as
         existing systems run it) or "regular" (every labelled position, no reference model needed).
         Inputs: input_ids (and optional labels, default input_ids); packed sequences, so an
@@ -390,16 +493,20 @@ if _Trainer is not None:
 
         def __init__(self, *args, reference_model: Optional[torch.nn.Module] = None, filter_ratio: float = 0.4,
                      method: str = "collider", attention: str = "kept_only", loss: str = "labels", align: int = 8,
-                     policy: str = "per_sequence", **kwargs):
+                     policy: str = "per_sequence", fused_head: bool = False, **kwargs):
             self._check_rho1_arguments("Rho1Trainer", reference_model, filter_ratio, method, attention, policy)
             if loss not in LOSS_FORMS:
                 raise Error(f"Rho1Trainer: loss must be one of {', '.join(LOSS_FORMS)}; got {loss!r}")
+            if fused_head and loss not in ("labels", "fused_head"):
+                raise Error(f"Rho1Trainer: fused_head=True is its own loss form (the kept tokens' mean loss); "
+                            f"drop loss={loss!r}")
             super().__init__(*args, **kwargs)
             model = kwargs.get("model", args[0] if args else None)
             if model is not None:
                 _unwrap(model, "Rho1Trainer")
-            self._init_rho1(reference_model, filter_ratio, method, attention, policy, align)
-            self.loss_form = loss
+            fused_head = fused_head or loss == "fused_head"
+            self._init_rho1(reference_model, filter_ratio, method, attention, policy, align, fused_head)
+            self.loss_form = "fused_head" if fused_head else loss
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             input_ids = inputs["input_ids"]
@@ -413,11 +520,19 @@ if _Trainer is not None:
             training = model.training and torch.is_grad_enabled()
             if training and self.method == "collider" and self.collider_plan is None:
                 self.collider_plan = trace_plan(model, loss=self.loss_form)  # once, before the first step
-            outputs = model(input_ids=input_ids, use_cache=False)
-            keep = self._rho1_keep(outputs.logits, labels, training, {"input_ids": input_ids, "use_cache": False})
+            forward = {"input_ids": input_ids, "use_cache": False}
             step_count = num_items_in_batch if training else None
-            loss = training_loss(model, input_ids, labels, keep, loss=self.loss_form, logits=outputs.logits,
-                                 num_kept=step_count)
+            if self.fused_head:
+                scored = self._fused_forward(model, forward, labels)
+                keep = self._rho1_keep(scored.token_loss, labels, training, forward)
+                loss = training_loss(model, input_ids, labels, keep, loss="fused_head", num_kept=step_count,
+                                     scored=scored)
+                outputs = {"loss": loss}
+            else:
+                outputs = model(**forward)
+                keep = self._rho1_keep(token_losses(outputs.logits.detach(), labels), labels, training, forward)
+                loss = training_loss(model, input_ids, labels, keep, loss=self.loss_form, logits=outputs.logits,
+                                     num_kept=step_count)
             loss = self._rho1_finish(loss, keep, training, step_count)
             return (loss, outputs) if return_outputs else loss
 

@@ -14,7 +14,9 @@ the loss is the kept tokens' summed loss over the kept tokens of the whole optim
 micro-batch and, with average_tokens_across_devices, every rank: TRL's num_items_in_batch, counted
 for the kept tokens), and collider.filter_backward rewrites the graph before Trainer's backward.
 TRL's own loss runs a fused LM head that returns only log-probabilities; this one computes the
-logits, as transformers' models do without it.
+logits, as transformers' models do without it, or, with fused_head=True (off by default), scores
+every token through Collider's fused head (collider.hf.score_tokens) with no [B, T, V] logits and
+backpropagates only the kept ones.
 method: "collider", "loss_only" (the same selection, dense backward) or "regular" (every labelled
 token; no reference model needed). Tests: python/tests/test_trl.py.
 """
@@ -47,22 +49,30 @@ if _trl is not None:
 
         def __init__(self, *args, reference_model: Optional[torch.nn.Module] = None, filter_ratio: float = 0.4,
                      method: str = "collider", attention: str = "kept_only", policy: str = "batch_topk",
-                     align: int = 8, **kwargs):
+                     align: int = 8, fused_head: bool = False, **kwargs):
             self._check_rho1_arguments("Rho1SFTTrainer", reference_model, filter_ratio, method, attention, policy)
             super().__init__(*args, **kwargs)
-            self._init_rho1(reference_model, filter_ratio, method, attention, policy, align)
+            self._init_rho1(reference_model, filter_ratio, method, attention, policy, align, fused_head)
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             labels = inputs["labels"]
             forward = {k: v for k, v in inputs.items() if k not in _NOT_FORWARD}
             forward["use_cache"] = False
             training = model.training and torch.is_grad_enabled()
+            form = "fused_head" if self.fused_head else "per_token"
             if training and self.method == "collider" and self.collider_plan is None:
-                self.collider_plan = _hf.trace_plan(model, loss="per_token")  # once, before the first step
-            outputs = model(**forward)
-            keep = self._rho1_keep(outputs.logits, labels, training, forward)
+                self.collider_plan = _hf.trace_plan(model, loss=form)  # once, before the first step
             step_count = num_items_in_batch if training else None
-            loss = _hf.masked_mean(_hf.token_losses(outputs.logits, labels), keep, step_count)
+            if self.fused_head:
+                scored = self._fused_forward(model, forward, labels)
+                keep = self._rho1_keep(scored.token_loss, labels, training, forward)
+                loss = _hf.training_loss(model, forward.get("input_ids"), labels, keep, loss=form,
+                                         num_kept=step_count, scored=scored)
+                outputs = {"loss": loss}
+            else:
+                outputs = model(**forward)
+                keep = self._rho1_keep(_hf.token_losses(outputs.logits.detach(), labels), labels, training, forward)
+                loss = _hf.masked_mean(_hf.token_losses(outputs.logits, labels), keep, step_count)
             loss = self._rho1_finish(loss, keep, training, step_count)
             return (loss, outputs) if return_outputs else loss
 

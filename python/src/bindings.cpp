@@ -190,6 +190,38 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("scores"), py::arg("filter_ratio"), py::arg("policy"), py::arg("align"), py::arg("valid"));
 
+  // The fused LM head (collider/head.h): score_head scores every row, ScoredHead.loss(keep,
+  // divisor) builds the filtered loss; collider.fused_head_loss is both (python/collider/__init__.py).
+  py::class_<collider::ScoredHead>(m, "ScoredHead")
+      .def_readonly("token_loss", &collider::ScoredHead::token_loss)
+      .def_readonly("entropy", &collider::ScoredHead::entropy)
+      .def(
+          "loss",
+          [](const collider::ScoredHead& self, std::optional<torch::Tensor> keep, double divisor) {
+            py::gil_scoped_release no_gil;
+            return guarded("ScoredHead.loss", [&] { return self.loss(keep.value_or(torch::Tensor()), divisor); });
+          },
+          py::arg("keep"), py::arg("divisor"));
+  m.def(
+      "score_head",
+      [](const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets,
+         std::optional<torch::Tensor> bias, int64_t ignore_index, double softcap, double logit_scale, bool entropy,
+         int64_t chunk_rows, int64_t chunk_vocab) {
+        collider::HeadOptions opts;
+        opts.ignore_index = ignore_index;
+        opts.softcap = softcap;
+        opts.logit_scale = logit_scale;
+        opts.entropy = entropy;
+        opts.chunk_rows = chunk_rows;
+        opts.chunk_vocab = chunk_vocab;
+        py::gil_scoped_release no_gil;
+        return guarded("score_head", [&] {
+          return collider::score_head(hidden, weight, targets, opts, bias.value_or(torch::Tensor()));
+        });
+      },
+      py::arg("hidden"), py::arg("weight"), py::arg("targets"), py::arg("bias"), py::arg("ignore_index"),
+      py::arg("softcap"), py::arg("logit_scale"), py::arg("entropy"), py::arg("chunk_rows"), py::arg("chunk_vocab"));
+
   m.def(
       "kept_count",
       [](int64_t seq_len, double filter_ratio, int64_t align) {

@@ -8,7 +8,8 @@ reference model; and a LoRA adapter (peft_config) with plain padding. A spy reco
 inputs, keep mask, weights before the step, the step's kept count (num_items_in_batch) and the
 gradient its backward left; the oracle (oracle.py, a model without checkpointing with those
 weights, the same inputs and mask) gives the gradient of the same normalised loss. Tiny random
-Llama, float64; max relative difference <= 1e-4.
+Llama, float64; max relative difference <= 1e-4. With fused_head=True (Collider's fused LM head,
+no [B, T, V] logits) against the same oracle, padding-free and packed.
   pytest python/tests/test_trl.py
 """
 import pytest
@@ -35,7 +36,7 @@ def rows(seed: int, n: int = 12):
     return [torch.randint(3, 128, (k,), generator=gen).tolist() for k in lengths]
 
 
-def run(tmp_path, collation: str, attention: str, seed: int, peft_config=None):
+def run(tmp_path, collation: str, attention: str, seed: int, peft_config=None, fused_head=False):
     steps = []
 
     class Spy(ctrl.Rho1SFTTrainer):
@@ -57,7 +58,8 @@ def run(tmp_path, collation: str, attention: str, seed: int, peft_config=None):
     assert args.gradient_checkpointing
     trainer = Spy(model=model, args=args, processing_class=tiny_tokenizer(), peft_config=peft_config,
                   train_dataset=datasets.Dataset.from_dict({"input_ids": rows(seed)}),
-                  reference_model=tiny_model("llama", "sdpa", seed=100 + seed), filter_ratio=0.4, attention=attention)
+                  reference_model=tiny_model("llama", "sdpa", seed=100 + seed), filter_ratio=0.4, attention=attention,
+                  fused_head=fused_head)
     trained = trainer.model
     real_backward = trainer.accelerator.backward
 
@@ -110,3 +112,12 @@ def test_sft_trainer_with_lora_matches_oracle(tmp_path):
     for s in steps:
         assert s["grads"] and all("lora" in n for n in s["grads"])
         assert max_rel_diff(s["grads"], oracle_grads(s, "kept_only", config)) <= 1e-4
+
+
+@pytest.mark.parametrize("collation", ["padding_free", "packing"])
+def test_sft_trainer_with_the_fused_head_matches_oracle(tmp_path, collation):
+    trainer, steps = run(tmp_path, collation, "exact_query", seed=2, fused_head=True)
+    assert len(steps) == STEPS
+    worst = [max_rel_diff(s["grads"], oracle_grads(s, "exact_query", None)) for s in steps]
+    assert all(s["stats"] is not None and s["stats"].tensors_hooked > 0 for s in steps)
+    assert all(w <= 1e-4 for w in worst), f"{collation}: {worst}"
