@@ -119,6 +119,18 @@ void check_middle_tokens(const torch::Tensor& middle_BN, int64_t B, int64_t T, i
 torch::Tensor CausalLMImpl::forward(const torch::Tensor& input_ids_BT) { return forward(input_ids_BT, {}); }
 
 torch::Tensor CausalLMImpl::forward(const torch::Tensor& input_ids_BT, const torch::Tensor& middle_BN) {
+  const torch::Tensor x_BTD = hidden(input_ids_BT, middle_BN);
+  if (lm_head_) return lm_head_->forward(x_BTD);
+  return torch::nn::functional::linear(x_BTD, model_->embed_tokens->weight);  // tied head
+}
+
+const torch::Tensor& CausalLMImpl::head_weight() const {
+  return lm_head_ ? lm_head_->weight : model_->embed_tokens->weight;
+}
+
+torch::Tensor CausalLMImpl::head_bias() const { return lm_head_ ? lm_head_->bias : torch::Tensor(); }
+
+torch::Tensor CausalLMImpl::hidden(const torch::Tensor& input_ids_BT, const torch::Tensor& middle_BN) {
   TORCH_CHECK(input_ids_BT.dim() == 2, "input_ids must be [B, T], got shape ", input_ids_BT.sizes());
   const int64_t B = input_ids_BT.size(0), T = input_ids_BT.size(1);
   TORCH_CHECK(T > 0, "input_ids must hold at least one position per sequence");
@@ -158,9 +170,7 @@ torch::Tensor CausalLMImpl::forward(const torch::Tensor& input_ids_BT, const tor
     for (int64_t i = 1; i + 1 < L; ++i) x_BND = layer(i, x_BND, mid);
     x_BTD = layer(L - 1, x_BTD.scatter(1, idx_BND, x_BND), ctx);
   }
-  x_BTD = boundary(model_->final_norm->forward(x_BTD), "final_norm");
-  if (lm_head_) return lm_head_->forward(x_BTD);
-  return torch::nn::functional::linear(x_BTD, model_->embed_tokens->weight);  // tied head
+  return boundary(model_->final_norm->forward(x_BTD), "final_norm");
 }
 
 torch::Tensor random_middle_tokens(int64_t B, int64_t T, int64_t N, torch::Generator& gen, torch::Device device) {

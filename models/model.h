@@ -97,6 +97,12 @@ class CausalLMImpl : public torch::nn::Module {
   // middle_BN's shape and dtype are always checked, its positions only when it is a CPU tensor
   // (on a device that check would cost a host sync per step; random_middle_tokens is valid).
   torch::Tensor forward(const torch::Tensor& input_ids_BT, const torch::Tensor& middle_BN);
+  // The final hidden states x_BTD [B, T, D] (after the final norm): forward without the LM head,
+  // for the fused head (collider/head.h), which takes them with head_weight() [V, D] (the
+  // embedding matrix when tied) and head_bias() [V] (undefined unless the family has one).
+  torch::Tensor hidden(const torch::Tensor& input_ids_BT, const torch::Tensor& middle_BN = {});
+  const torch::Tensor& head_weight() const;
+  torch::Tensor head_bias() const;
 
   const ModelConfig& config() const { return cfg_; }
   AttentionImpl attention_impl() const { return attn_; }

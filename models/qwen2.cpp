@@ -43,6 +43,9 @@ const Architecture& qwen2_architecture() {
           // paper model; D = 480 (head dim 80) puts the attention/linear FLOP ratio at T = 512
           // and 1024 within 2x of the paper's at T = 2048 (see flops.h).
           qwen2("qwen2.5-mini", 4, 480, 2800, 6, 1, 80, 8192),
+          // The same with Qwen2.5's real vocabulary, 151,936: the LM head's [B, T, V] logits then
+          // outweigh the decoder (the fused head's whole-step benchmark, experiments/bench_head_step.toml).
+          qwen2("qwen2.5-mini-v152k", 4, 480, 2800, 6, 1, 80, 151936),
           qwen2("qwen2.5-debug", 2, 48, 128, 6, 1, 8, 256),
       }};
   return arch;

@@ -264,6 +264,39 @@ TEST(TrainStep, ColliderMatchesMaskedOracle) {
   }
 }
 
+// The fused LM head (StepConfig::fused_head, manifest run.head = "fused") gives every method the
+// gradient the model's own head gives: Llama (untied), Qwen2 (tied to the embedding), Phi (a head
+// bias), Mixtral; regular, loss_only, collider in both semantics and masked, equal and ragged
+// (batch_topk) rows; random scores, so both heads keep the same tokens.
+TEST(TrainStep, FusedHeadGivesTheModelsOwnHeadsGradient) {
+  for (const char* preset : {"tinyllama-debug", "qwen2.5-debug", "phi-1.5-debug", "mixtral-debug"}) {
+    for (auto m : {ch::Method::kRegular, ch::Method::kLossOnly, ch::Method::kCollider, ch::Method::kMasked}) {
+      for (auto ag : {collider::AttentionGrad::kKeptOnly, collider::AttentionGrad::kExactQuery}) {
+        for (auto policy : {collider::SelectPolicy::kPerSequence, collider::SelectPolicy::kBatchTopK}) {
+          if (!ch::uses_attention_grad(m) && ag == collider::AttentionGrad::kExactQuery) continue;
+          if (m == ch::Method::kRegular && policy == collider::SelectPolicy::kBatchTopK) continue;
+          SCOPED_TRACE(std::string(preset) + " " + ch::to_string(m) + " " + collider::to_string(ag) + " " +
+                       (policy == collider::SelectPolicy::kBatchTopK ? "batch_topk" : "per_sequence"));
+          auto c = config(m, 0.5);
+          c.spec.attention_grad = ag;
+          c.spec.score = ch::Score::kRandom;
+          c.spec.policy = policy;
+          auto dense = make_trainer(preset, c, 8);
+          c.fused_head = true;
+          auto fused = make_trainer(preset, c, 8);
+          auto batch = text_batch(2, 40, 5);
+          auto rd = dense.step(batch);
+          auto rf = fused.step(batch);
+          EXPECT_EQ(rd.tokens_kept, rf.tokens_kept);
+          EXPECT_NEAR(rd.loss, rf.loss, 1e-5);
+          EXPECT_NEAR(rd.loss_all, rf.loss_all, 1e-5);
+          expect_all_close(grads(fused), grads(dense), 1e-4, 1e-6, "gradient");
+        }
+      }
+    }
+  }
+}
+
 // --- forward_drop: forward token dropping in the middle layers, full loss, plain backward -----
 
 namespace {

@@ -116,14 +116,11 @@ void Trainer::ensure_plan(int64_t B, int64_t T) {
   torch::Generator gen = at::detail::createCPUGenerator(seed_ ^ 0x5eedULL);
   auto loss_on_random_batch = [&](int64_t b, int64_t t) {
     Batch rb = random_batch(b, t, V, gen, device_);
-    torch::Tensor loss_BT;
-    {
-      AutocastScope ac(cfg_.bf16_autocast);
-      auto logits_BTV = model_->forward(rb.input_ids_BT);
-      loss_BT = models::token_losses(logits_BTV, rb.labels_BT);
-    }
     // The same graph as a step's loss; the mask values do not change its structure.
-    return models::masked_mean_loss(loss_BT, torch::ones_like(rb.labels_BT, torch::kBool));
+    const auto all_BT = torch::ones_like(rb.labels_BT, torch::kBool);
+    Scored scored = score(rb.input_ids_BT, rb.labels_BT, torch::Tensor());
+    return scored.head ? scored.head->loss(all_BT, static_cast<double>(b * t))
+                       : models::masked_mean_loss(scored.loss_BT, all_BT);
   };
   try {
     plan_ = collider::trace_plan(loss_on_random_batch);
@@ -135,6 +132,26 @@ void Trainer::ensure_plan(int64_t B, int64_t T) {
   optimizer_->zero_grad(/*set_to_none=*/true);  // tracing must leave no gradient behind
   (void)B;
   (void)T;
+}
+
+Trainer::Scored Trainer::score(const torch::Tensor& input_ids_BT, const torch::Tensor& labels_BT,
+                               const torch::Tensor& middle_BN) {
+  AutocastScope ac(cfg_.bf16_autocast);
+  Scored out;
+  if (!cfg_.fused_head) {
+    out.loss_BT = models::token_losses(model_->forward(input_ids_BT, middle_BN), labels_BT);
+    return out;
+  }
+  auto x_BTD = model_->hidden(input_ids_BT, middle_BN);
+  torch::Tensor w_VD = model_->head_weight(), b_V = model_->head_bias();
+  if (cfg_.bf16_autocast) {  // what autocast does to a linear layer: both operands in bfloat16
+    x_BTD = x_BTD.to(torch::kBFloat16);
+    w_VD = w_VD.to(torch::kBFloat16);
+    if (b_V.defined()) b_V = b_V.to(torch::kBFloat16);
+  }
+  out.head = collider::score_head(x_BTD, w_VD, labels_BT, {}, b_V);
+  out.loss_BT = out.head->token_loss;
+  return out;
 }
 
 torch::Tensor Trainer::select(const torch::Tensor& loss_BT, const Batch& batch) {
@@ -208,6 +225,7 @@ StepResult Trainer::step(const Batch& batch_in) {
   const int64_t m_start = timer_->mark();
 
   torch::Tensor loss_BT;
+  Scored scored;
   {
     ScopedRange rg(ranges_, "fwd");
     if (layer_timer_) layer_timer_->forward_begin();
@@ -218,9 +236,8 @@ StepResult Trainer::step(const Batch& batch_in) {
         middle_BN = draw_middle_tokens(B, T);
         r.middle_tokens_per_seq = middle_BN.size(1);
       }
-      AutocastScope ac(cfg_.bf16_autocast);
-      auto logits_BTV = model_->forward(batch.input_ids_BT, middle_BN);
-      loss_BT = models::token_losses(logits_BTV, batch.labels_BT);
+      scored = score(batch.input_ids_BT, batch.labels_BT, middle_BN);
+      loss_BT = scored.loss_BT;
     }
     if (layer_timer_) layer_timer_->forward_end();
   }
@@ -235,7 +252,8 @@ StepResult Trainer::step(const Batch& batch_in) {
       keep_BT = select(loss_BT, batch);
     }
     m_select = timer_->mark();
-    loss = models::masked_mean_loss(loss_BT, keep_BT);
+    loss = scored.head ? scored.head->loss(keep_BT, std::max<double>(keep_BT.sum().item<double>(), 1.0))
+                       : models::masked_mean_loss(loss_BT, keep_BT);
     m_loss = timer_->mark();
     ScopedRange rr(ranges_, "filter.rewrite");
     collider::FilterOptions fo;

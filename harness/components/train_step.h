@@ -48,6 +48,10 @@ struct StepConfig {
   double grad_clip = 1.0;      // max global grad norm; <= 0 disables clipping
   bool bf16_autocast = false;  // CUDA only: forward under bf16 autocast
   bool layer_timing = false;   // install per-layer markers
+  // The LM head: false, the model's own (logits [B, T, V], then the per-token cross-entropy);
+  // true, Collider's fused head (collider/head.h) on the final hidden states: every token scored
+  // with no [B, T, V] logits, only the kept ones backpropagated. Manifest key run.head.
+  bool fused_head = false;
   // collider: the check of a step against mask_backward on first use and every check_every-th
   // step (collider::FilterOptions::check_every); the timing sweeps set 0, training runs keep it.
   int64_t check_every = collider::kDefaultCheckEvery;
@@ -129,6 +133,13 @@ class Trainer {
   void set_draws(int64_t draws) { drop_draws_ = draws; }
 
  private:
+  // The forward and every token's loss: through the model's own head (loss_BT from the logits), or
+  // through the fused head (StepConfig::fused_head: `head` holds its scores and builds the loss).
+  struct Scored {
+    torch::Tensor loss_BT;
+    std::optional<collider::ScoredHead> head;
+  };
+  Scored score(const torch::Tensor& input_ids_BT, const torch::Tensor& labels_BT, const torch::Tensor& middle_BN);
   void ensure_plan(int64_t B, int64_t T);
   // Refuses a filter ratio outside [0, 1) and forward_drop on fewer than 3 decoder layers.
   void check_method(const MethodSpec& spec, double filter_ratio) const;

@@ -77,6 +77,7 @@ class TimingSchema {
     L_.add("run.data", &r.data);
     L_.add("run.reference_losses", &r.reference_losses);
     L_.add("run.attention_impl", &r.attention_impl);
+    L_.add("run.head", &r.head);
     L_.add("run.layer_timing", &r.layer_timing);
     L_.add("run.aa_check", &r.aa_check);
     L_.add("run.floor", &r.floor);
@@ -200,6 +201,7 @@ class TimingSchema {
                               &models::score_from_string);
     check_data();
     L_.check_in("run.attention_impl", r.attention_impl, {"eager", "sdpa"});
+    L_.check_in("run.head", r.head, {"dense", "fused"});
 
     for (const auto& name : axes_.model) {
       try {

@@ -7,6 +7,7 @@
 //   dtype = "auto"                 # fp32 | bf16 | auto (bf16 autocast on cuda, fp32 on cpu)
 //   warmup_steps = 2; measure_steps = 5; repetitions = 1; seed = 0; threads = 0 (torch default)
 //   lr, weight_decay, beta1, beta2, eps, grad_clip, align, selection, score, attention_impl, layer_timing
+//   head = "dense"                 # dense (the model's own LM head) | fused (collider/head.h)
 //   data = ""; reference_losses = ""   # real text scored by excess loss (score = "excess_loss")
 //   aa_check = false               # measure each group's regular point twice (the A/A noise band)
 //   floor = false                  # add each group's T' floor: regular on T' = kept_count(T, ratio,
@@ -61,6 +62,9 @@ struct RunSettings {
   // reference stage; seq_len a multiple of its window). Both empty: a random batch per step.
   std::string data, reference_losses;
   std::string attention_impl = "eager";  // eager | sdpa
+  // The LM head: dense (the model's own: [B, T, V] logits, then the cross-entropy) | fused
+  // (Collider's fused head, collider/head.h: every token scored, only the kept ones backpropagated).
+  std::string head = "dense";
   bool layer_timing = true;              // per-layer marker timings in every row
   bool aa_check = false;                 // each group's regular point twice (its copy's id ends in /aa)
   // Each group's T' floors (DESIGN.md section 7): for every filter ratio of its collider and

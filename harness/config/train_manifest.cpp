@@ -61,6 +61,7 @@ void declare_keys(Loader& L, TrainManifest& m, TrainAxes& axes) {
   L.add("train.weight_decay", &s.weight_decay);
   L.add("train.grad_clip", &s.grad_clip);
   L.add("train.align", &s.align);
+  L.add("train.head", &s.head);
   L.add("train.eval_every", &s.eval_every);
   L.add("train.eval_tokens", &s.eval_tokens);
   L.add("train.eval_batch_size", &s.eval_batch_size);
@@ -111,6 +112,7 @@ void check_settings(const Loader& L, const TrainSettings& s) {
   L.check(s.min_lr >= 0 && s.min_lr <= s.lr, "train.min_lr", fmt::format("{}", s.min_lr),
           fmt::format("a number in [0, train.lr = {}]", s.lr));
   L.check(s.align >= 1, "train.align", std::to_string(s.align), "an integer >= 1");
+  L.check_in("train.head", s.head, {"dense", "fused"});
   L.check(s.warmup_steps >= 0, "train.warmup_steps", std::to_string(s.warmup_steps), "an integer >= 0");
   L.check(s.pool_windows >= 0, "train.pool_windows", std::to_string(s.pool_windows),
           "an integer >= 0 (0 = steps x batch_size)");

@@ -7,7 +7,8 @@
 //   [train]  model, seq_len, batch_size, steps, lr, min_lr, warmup_steps, weight_decay, grad_clip,
 //            align, eval_every, eval_tokens, eval_batch_size, checkpoint_every, log_every, seed,
 //            threads, pool_windows (0 = steps x batch_size x world_size: one pass over scored windows),
-//            score ("excess_loss" = RHO-1, default; "reference_loss")
+//            score ("excess_loss" = RHO-1, default; "reference_loss"), head ("dense", default, or
+//            "fused": Collider's fused LM head, collider/head.h)
 //   [reference]  steps, lr, batch_size: the RHO-1 reference model, trained (regular) on the curated
 //            split (recipes/reference_stage.h)
 //   [axes]   method = ["regular", "loss_only", "collider"] (or "forward_drop": the middle layers'
@@ -44,6 +45,7 @@ struct TrainSettings {
   int64_t checkpoint_every = 50, log_every = 10;
   int64_t seed = 0, threads = 0;
   int64_t pool_windows = 0;  // 0 = steps x batch_size x world_size
+  std::string head = "dense";  // dense | fused: the LM head of the trained points (StepConfig::fused_head)
   // Selection score of loss_only / collider (models::Score): "excess_loss" (RHO-1: current -
   // reference loss) or "reference_loss" (lowest reference loss first; does not depend on the
   // current model's rounding, which the data-parallel equivalence test needs). Parsed into each

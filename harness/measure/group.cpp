@@ -50,6 +50,7 @@ nlohmann::json point_row(const Manifest& m, const Point& p, const Provenance& pr
   row["selection"] = collider::to_string(p.spec.policy);
   row["score"] = to_string(p.spec.score);
   row["attention_impl"] = m.run.attention_impl;
+  row["head"] = m.run.head;
   row["align"] = m.run.align;
   // forward_drop's middle-layer tokens per row (its flops_fwd and flops_bwd count them); null for
   // the methods whose layers see every token.
@@ -72,6 +73,7 @@ StepConfig step_config(const Manifest& m, const Point& p) {
   sc.grad_clip = m.run.grad_clip;
   sc.bf16_autocast = m.run.dtype == "bf16";
   sc.layer_timing = m.run.layer_timing;
+  sc.fused_head = m.run.head == "fused";
   sc.check_every = 0;  // a timing sweep measures the filtered step alone; the tests check the gradients
   return sc;
 }

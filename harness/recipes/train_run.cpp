@@ -187,6 +187,7 @@ void train_point(const RunContext& c, size_t i, const nlohmann::json& base, cons
   sc.align = s.align;
   sc.weight_decay = s.weight_decay;
   sc.grad_clip = s.grad_clip;
+  sc.fused_head = s.head == "fused";
   Trainer tr(models::build_model(c.cfg, models::AttentionImpl::kEager, s.seed), sc, c.device, s.seed);
   if (c.dist) tr.set_reducer(std::make_shared<GradientReducer>(c.dist, tr.model()->parameters()));
   RunSpec spec;
