@@ -1,4 +1,6 @@
 // The fused LM head (collider/head.h) against the unfused head it replaces, in float64:
+// Both ways of making the kept rows' gradient: in the forward (fused_head_loss's default) and
+// recomputed in the backward (HeadOptions::recompute, what ScoredHead::loss does).
 //   - alone: loss, every per-token score and entropy equal to a cross-entropy over the full
 //     logits; the gradients of hidden states, weight and bias equal to plain autograd's of the
 //     loss over the kept rows; at sizes where rows, vocabulary and chunks do not divide each other,
@@ -68,6 +70,9 @@ TEST_P(FusedHeadAlone, EqualsTheUnfusedHead) {
   auto params = c.bias ? std::vector<torch::Tensor>{x, w, b} : std::vector<torch::Tensor>{x, w};
   Unfused ref = unfused_head(x, w, b, target, keep, o);
   auto g_ref = torch::autograd::grad({ref.loss}, params);
+  for (bool recompute : {false, true}) {  // the gradient made in the forward, or recomputed in the backward
+  SCOPED_TRACE(recompute ? "recompute" : "eager");
+  o.recompute = recompute;
   HeadResult got = fused_head_loss(x, w, target, keep, o, b);
   auto g_got = torch::autograd::grad({got.loss}, params);
 
@@ -81,6 +86,7 @@ TEST_P(FusedHeadAlone, EqualsTheUnfusedHead) {
   // Dropped rows (and kept rows with an ignored target) get exactly zero.
   auto silent = keep.logical_not().logical_or(target.eq(-100));
   EXPECT_EQ(g_got[0].index({silent}).abs().max().item<double>(), 0.0);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Sizes, FusedHeadAlone,
@@ -131,15 +137,23 @@ TEST(FusedHead, BadArgumentsAreRefused) {
             std::string::npos);
 }
 
-TEST(FusedHead, WeightChangedBeforeBackwardIsRefused) {
+// The weight stepped between forward and backward: the recomputing head would recompute other
+// logits, so it refuses; the eager head made its gradient in the forward, at the forward's weight.
+TEST(FusedHead, WeightChangedBeforeBackward) {
   auto x = torch::randn({4, 3}).requires_grad_();
   auto w = torch::randn({7, 3}).requires_grad_();
-  auto r = fused_head_loss(x, w, torch::randint(7, {4}), {});
+  auto target = torch::randint(7, {4});
+  HeadOptions o;
+  o.recompute = true;
+  auto r = fused_head_loss(x, w, target, {}, o);
+  auto eager = fused_head_loss(x, w, target, {});
+  auto g_before = torch::autograd::grad({fused_head_loss(x, w, target, {}).loss}, {w})[0];
   {
     torch::NoGradGuard no_grad;
     w.add_(1.0);
   }
   EXPECT_NE(error_of([&] { r.loss.backward(); }).find("modified in place"), std::string::npos);
+  EXPECT_TRUE(torch::equal(torch::autograd::grad({eager.loss}, {w})[0], g_before));
 }
 
 TEST(FusedHead, Bfloat16WithinItsTolerance) {
@@ -232,19 +246,23 @@ TEST_P(FusedHeadFiltered, EqualsTheUnfusedHeadUnderCollider) {
   loss_o.backward();
   auto g_oracle = grads_of(*m);
 
-  zero_grads(*m);
-  auto loss_f = fused_loss(idx, labels, keep);
-  EXPECT_TRUE(torch::allclose(loss_f, loss_u, 1e-12, 1e-12));
-  FilterOptions checked = f;
-  checked.validate = true;  // and the step checked against mask_backward inside the call
-  FilterStats st = filter_backward(loss_f, keep, fused_plan, checked);
-  loss_f.backward();
-  auto g_fused = grads_of(*m);
-  EXPECT_EQ(st.checked, 1);
+  for (bool recompute : {false, true}) {  // the gradient made in the forward, or recomputed in the backward
+    SCOPED_TRACE(recompute ? "recompute" : "eager");
+    o.recompute = recompute;
+    zero_grads(*m);
+    auto loss_f = fused_loss(idx, labels, keep);
+    EXPECT_TRUE(torch::allclose(loss_f, loss_u, 1e-12, 1e-12));
+    FilterOptions checked = f;
+    checked.validate = true;  // and the step checked against mask_backward inside the call
+    FilterStats st = filter_backward(loss_f, keep, fused_plan, checked);
+    loss_f.backward();
+    auto g_fused = grads_of(*m);
+    EXPECT_EQ(st.checked, 1);
 
-  std::string worst;
-  EXPECT_LE(max_rel_diff(g_fused, g_unfused, &worst), 1e-10) << worst;
-  EXPECT_LE(max_rel_diff(g_fused, g_oracle, &worst), 1e-10) << worst;
+    std::string worst;
+    EXPECT_LE(max_rel_diff(g_fused, g_unfused, &worst), 1e-10) << worst;
+    EXPECT_LE(max_rel_diff(g_fused, g_oracle, &worst), 1e-10) << worst;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

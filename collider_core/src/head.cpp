@@ -11,6 +11,7 @@
 #include <fmt/ranges.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
 #include <limits>
@@ -49,46 +50,81 @@ std::pair<torch::Tensor, torch::Tensor> target_in_block(const torch::Tensor& tar
   return {(target_R - c0).clamp_(0, C - 1), in_R};
 }
 
+// Every row's log-sum-exp, target logit and (o.entropy) entropy, in blocks of o.chunk_rows rows and
+// o.chunk_vocab columns with an online log-sum-exp: at most one block of logits alive.
+struct RowScores {
+  torch::Tensor lse_N, zt_N, entropy_N;
+};
+RowScores score_rows(const torch::Tensor& x_ND, const torch::Tensor& target_N, const torch::Tensor& w_VD,
+                     const torch::Tensor& b_V, const HeadOptions& o) {
+  const int64_t N = x_ND.size(0), V = w_VD.size(0);
+  const auto acc = accumulation(x_ND.scalar_type());
+  RowScores out;
+  out.lse_N = torch::empty({N}, x_ND.options().dtype(acc));
+  out.zt_N = torch::zeros({N}, x_ND.options().dtype(acc));
+  if (o.entropy) out.entropy_N = torch::empty({N}, x_ND.options().dtype(acc));
+  for (int64_t r0 = 0; r0 < N; r0 += o.chunk_rows) {
+    const int64_t R = std::min(o.chunk_rows, N - r0);
+    const torch::Tensor x_RD = x_ND.narrow(0, r0, R), target_R = target_N.narrow(0, r0, R);
+    // Running maximum m, sum of exp(z - m) s, and (entropy) sum of exp(z - m) z a, per row.
+    torch::Tensor m_R = torch::full({R}, -std::numeric_limits<double>::infinity(), out.lse_N.options());
+    torch::Tensor s_R = torch::zeros({R}, out.lse_N.options());
+    torch::Tensor a_R = o.entropy ? torch::zeros({R}, out.lse_N.options()) : torch::Tensor();
+    torch::Tensor zt_R = out.zt_N.narrow(0, r0, R);
+    for (int64_t c0 = 0; c0 < V; c0 += o.chunk_vocab) {
+      const int64_t C = std::min(o.chunk_vocab, V - c0);
+      const torch::Tensor z_RC = logits_block(x_RD, w_VD, b_V, c0, C, o);
+      const torch::Tensor m_new_R = torch::maximum(m_R, std::get<0>(z_RC.max(1)));
+      const torch::Tensor rescale_R = (m_R - m_new_R).exp_();
+      auto [col_R, in_R] = target_in_block(target_R, c0, C);
+      zt_R.add_(z_RC.gather(1, col_R.unsqueeze(1)).squeeze(1).mul_(in_R));
+      if (o.entropy) a_R.mul_(rescale_R).add_((z_RC - m_new_R.unsqueeze(1)).exp_().mul_(z_RC).sum(1));
+      s_R.mul_(rescale_R).add_(z_RC.sub_(m_new_R.unsqueeze(1)).exp_().sum(1));  // z_RC is spent here
+      m_R = m_new_R;
+    }
+    out.lse_N.narrow(0, r0, R).copy_(m_R + s_R.log());
+    if (o.entropy) out.entropy_N.narrow(0, r0, R).copy_(out.lse_N.narrow(0, r0, R) - a_R / s_R);
+  }
+  return out;
+}
+
+// The gradient of a block's linear outputs x W^T + b: (softmax(z) - onehot(target)) * coef, through
+// the capping and the scale. z_RC: the block's logits (columns c0 .. c0 + C - 1), overwritten.
+torch::Tensor block_gradient(torch::Tensor z_RC, const torch::Tensor& lse_R, const torch::Tensor& target_R, int64_t c0,
+                             const torch::Tensor& coef, const HeadOptions& o) {
+  torch::Tensor cap_RC;
+  if (o.softcap > 0.0) cap_RC = 1.0 - (z_RC / o.softcap).square_();  // d(c tanh(u / c)) / du
+  torch::Tensor dz_RC = z_RC.sub_(lse_R.unsqueeze(1)).exp_();           // softmax
+  auto [col_R, in_R] = target_in_block(target_R, c0, dz_RC.size(1));
+  dz_RC.scatter_add_(1, col_R.unsqueeze(1), in_R.to(dz_RC.scalar_type()).neg_().unsqueeze(1));  // - onehot
+  dz_RC.mul_(coef);
+  if (cap_RC.defined()) dz_RC.mul_(cap_RC);
+  if (o.logit_scale != 1.0) dz_RC.mul_(o.logit_scale);
+  return dz_RC;
+}
+
+// acc += a b (acc in the accumulation dtype, a and b in the inputs').
+void add_mm(const torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& b) {
+  if (acc.scalar_type() == a.scalar_type()) {
+    acc.addmm_(a, b);
+  } else {
+    acc.add_(at::mm(a, b));
+  }
+}
+
 }  // namespace
 }  // namespace detail
 
 ScoredHead score_head(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets,
                       const HeadOptions& o, const torch::Tensor& bias) {
   detail::check_head_arguments("collider::score_head", hidden, weight, targets, torch::Tensor(), o, bias);
-  const int64_t D = weight.size(1), V = weight.size(0);
-  const auto acc = detail::accumulation(hidden.scalar_type());
+  const int64_t D = weight.size(1);
   torch::NoGradGuard no_grad;
   const detail::NoAutocast no_autocast;
   const torch::Tensor x_ND = hidden.detach().reshape({-1, D});
   const torch::Tensor target_N = targets.reshape({-1});
-  const int64_t N = x_ND.size(0);
-  torch::Tensor lse_N = torch::empty({N}, x_ND.options().dtype(acc));
-  torch::Tensor zt_N = torch::zeros({N}, x_ND.options().dtype(acc));
-  torch::Tensor entropy_N = o.entropy ? torch::empty({N}, x_ND.options().dtype(acc)) : torch::Tensor();
   const torch::Tensor w = weight.detach(), b = bias.defined() ? bias.detach() : torch::Tensor();
-  for (int64_t r0 = 0; r0 < N; r0 += o.chunk_rows) {
-    const int64_t R = std::min(o.chunk_rows, N - r0);
-    const torch::Tensor x_RD = x_ND.narrow(0, r0, R), target_R = target_N.narrow(0, r0, R);
-    // Running maximum m, sum of exp(z - m) s, and (entropy) sum of exp(z - m) z a, per row.
-    torch::Tensor m_R = torch::full({R}, -std::numeric_limits<double>::infinity(), lse_N.options());
-    torch::Tensor s_R = torch::zeros({R}, lse_N.options());
-    torch::Tensor a_R = o.entropy ? torch::zeros({R}, lse_N.options()) : torch::Tensor();
-    torch::Tensor zt_R = zt_N.narrow(0, r0, R);
-    for (int64_t c0 = 0; c0 < V; c0 += o.chunk_vocab) {
-      const int64_t C = std::min(o.chunk_vocab, V - c0);
-      const torch::Tensor z_RC = detail::logits_block(x_RD, w, b, c0, C, o);
-      const torch::Tensor m_new_R = torch::maximum(m_R, std::get<0>(z_RC.max(1)));
-      const torch::Tensor rescale_R = (m_R - m_new_R).exp_();
-      const torch::Tensor e_RC = (z_RC - m_new_R.unsqueeze(1)).exp_();
-      s_R.mul_(rescale_R).add_(e_RC.sum(1));
-      if (o.entropy) a_R.mul_(rescale_R).add_((e_RC * z_RC).sum(1));
-      m_R = m_new_R;
-      auto [col_R, in_R] = detail::target_in_block(target_R, c0, C);
-      zt_R.add_(z_RC.gather(1, col_R.unsqueeze(1)).squeeze(1).mul_(in_R));
-    }
-    lse_N.narrow(0, r0, R).copy_(m_R + s_R.log());
-    if (o.entropy) entropy_N.narrow(0, r0, R).copy_(lse_N.narrow(0, r0, R) - a_R / s_R);
-  }
+  auto [lse_N, zt_N, entropy_N] = detail::score_rows(x_ND, target_N, w, b, o);
   ScoredHead out;
   out.token_loss = (lse_N - zt_N).mul_(target_N.ne(o.ignore_index)).view(targets.sizes());
   if (o.entropy) out.entropy = entropy_N.view(targets.sizes());
@@ -123,6 +159,7 @@ torch::Tensor ScoredHead::loss(const torch::Tensor& keep, double divisor) const 
   if (!wants_grad) return loss;
   detail::FusedHeadNode::Saved s;
   s.opts = opts_;
+  s.accumulation = lse_.scalar_type();
   s.divisor = divisor;
   s.rows_K = counted_N.nonzero().squeeze(1);
   s.hidden_KD = hidden_.detach().reshape({-1, D}).index_select(0, s.rows_K);
@@ -149,6 +186,7 @@ FusedHeadNode::FusedHeadNode(Saved saved)
 
 void FusedHeadNode::release_variables() {
   s_.hidden_KD = s_.lse_K = s_.target_K = s_.weight_VD = s_.bias_V = torch::Tensor();
+  s_.d_hidden_KD = s_.d_weight_VD = s_.d_bias_V = torch::Tensor();
   released_ = true;
 }
 
@@ -160,6 +198,7 @@ torch::autograd::variable_list FusedHeadNode::apply(torch::autograd::variable_li
         "collider::fused_head_loss: its backward ran a second time, after its saved rows were freed; pass "
         "retain_graph=True to the first backward");
   }
+  if (s_.eager) return emit(grads.at(0));
   if (s_.weight_VD._version() != weight_version_ || (s_.bias_V.defined() && s_.bias_V._version() != bias_version_)) {
     throw Error(
         "collider::fused_head_loss: the head's weight (or bias) was modified in place between the forward and "
@@ -185,23 +224,42 @@ torch::autograd::variable_list FusedHeadNode::apply(torch::autograd::variable_li
       for (int64_t r0 = 0; r0 < K; r0 += o.chunk_rows) {
         const int64_t R = std::min(o.chunk_rows, K - r0);
         const torch::Tensor x_RD = s_.hidden_KD.narrow(0, r0, R);
-        const torch::Tensor z_RC = logits_block(x_RD, w_VD, s_.bias_V, c0, C, o);
-        torch::Tensor dz_RC = (z_RC - s_.lse_K.narrow(0, r0, R).unsqueeze(1)).exp_();  // softmax
-        auto [col_R, in_R] = target_in_block(s_.target_K.narrow(0, r0, R), c0, C);
-        dz_RC.scatter_add_(1, col_R.unsqueeze(1), in_R.to(acc).neg_().unsqueeze(1));  // - onehot(target)
-        dz_RC.mul_(coef);
-        if (o.softcap > 0.0) dz_RC.mul_(1.0 - (z_RC / o.softcap).square_());  // d(c tanh(u / c)) / du
-        if (o.logit_scale != 1.0) dz_RC.mul_(o.logit_scale);
+        const torch::Tensor dz_RC = block_gradient(logits_block(x_RD, w_VD, s_.bias_V, c0, C, o),
+                                                   s_.lse_K.narrow(0, r0, R), s_.target_K.narrow(0, r0, R), c0, coef, o);
         const torch::Tensor dlin_RC = dz_RC.to(s_.hidden_dtype);
-        if (want_hidden) d_hidden_KD.narrow(0, r0, R).add_(at::mm(dlin_RC, w_CD));
-        if (want_weight) d_weight_CD.add_(at::mm(dlin_RC.t(), x_RD));
+        if (want_hidden) add_mm(d_hidden_KD.narrow(0, r0, R), dlin_RC, w_CD);
+        if (want_weight) add_mm(d_weight_CD, dlin_RC.t(), x_RD);
         if (want_bias) d_bias_V.narrow(0, c0, C).add_(dz_RC.sum(0));
       }
       if (want_weight) d_weight_VD.narrow(0, c0, C).copy_(d_weight_CD);
     }
   }
+  return {want_hidden ? to_layout(d_hidden_KD) : torch::Tensor(), d_weight_VD, d_bias_V};
+}
+
+torch::autograd::variable_list FusedHeadNode::emit(const torch::Tensor& upstream) {
+  if (!upstream.defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor()};  // a zero gradient
+  const torch::Tensor g = upstream.to(s_.accumulation);
+  // The last backward through this graph (no retain_graph) scales the saved gradients in place and
+  // hands them on: no second [V, D] buffer. Another backward may follow otherwise (validate runs two).
+  const bool last = !torch::autograd::get_current_graph_task_keep_graph();
+  auto scaled = [&](torch::Tensor& d, c10::ScalarType dtype, bool wanted) {
+    if (!d.defined() || !wanted) return torch::Tensor();
+    torch::Tensor out = last ? d.mul_(g) : d * g;
+    if (last) d = torch::Tensor();
+    return out.to(dtype);
+  };
+  const torch::Tensor d_hidden_KD = scaled(s_.d_hidden_KD, s_.accumulation, should_compute_output(0));
+  return {d_hidden_KD.defined() ? to_layout(d_hidden_KD) : torch::Tensor(),
+          scaled(s_.d_weight_VD, s_.weight_VD.scalar_type(), should_compute_output(1)),
+          s_.bias_V.defined() ? scaled(s_.d_bias_V, s_.bias_V.scalar_type(), should_compute_output(2))
+                              : torch::Tensor()};
+}
+
+torch::Tensor FusedHeadNode::to_layout(const torch::Tensor& d_hidden_KD) const {
+  const int64_t D = d_hidden_KD.size(1), K = d_hidden_KD.size(0);
   torch::Tensor d_hidden;
-  if (want_hidden) {
+  {
     const torch::Tensor d_KD = d_hidden_KD.to(s_.hidden_dtype);
     if (!layout_.slots_K.defined()) {  // full size, zeros at the rows that give no gradient
       const int64_t N = c10::multiply_integers(s_.hidden_sizes) / D;
@@ -214,7 +272,7 @@ torch::autograd::variable_list FusedHeadNode::apply(torch::autograd::variable_li
                      .view(layout_.sizes);
     }
   }
-  return {d_hidden, d_weight_VD, d_bias_V};
+  return d_hidden;
 }
 
 void check_head_arguments(const char* who, const torch::Tensor& hidden, const torch::Tensor& weight,
@@ -258,10 +316,101 @@ void check_head_arguments(const char* who, const torch::Tensor& hidden, const to
 
 }  // namespace detail
 
+namespace {
+
+// fused_head_loss with a gradient to make: the keep mask is known in the forward, so the counted
+// rows (kept, target not ignore_index) are scored a block of whole-vocabulary rows at a time and
+// their gradient made right there, for an upstream gradient of 1; the backward only scales it.
+// 2 N D V + 4 K D V FLOPs, no recompute; the other rows are scored as score_head scores them.
+HeadResult eager_head_loss(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets,
+                           const torch::Tensor& keep, const HeadOptions& o, const torch::Tensor& bias) {
+  const int64_t D = weight.size(1), V = weight.size(0);
+  const auto acc = detail::accumulation(hidden.scalar_type());
+  torch::NoGradGuard no_grad;
+  const detail::NoAutocast no_autocast;
+  const torch::Tensor x_ND = hidden.detach().reshape({-1, D});
+  const torch::Tensor target_N = targets.reshape({-1});
+  const torch::Tensor keep_N = keep.reshape({-1});
+  const torch::Tensor w = weight.detach(), b = bias.defined() ? bias.detach() : torch::Tensor();
+  const torch::Tensor counted_N = target_N.ne(o.ignore_index).logical_and_(keep_N);
+  const torch::Tensor rows_K = counted_N.nonzero().squeeze(1);
+  const torch::Tensor rest_M = counted_N.logical_not().nonzero().squeeze(1);
+  const int64_t K = rows_K.size(0);
+
+  // The rows that give no gradient: online blocks, as score_head.
+  const int64_t N = x_ND.size(0);
+  torch::Tensor lse_N = torch::empty({N}, x_ND.options().dtype(acc));
+  torch::Tensor zt_N = torch::zeros({N}, x_ND.options().dtype(acc));
+  torch::Tensor entropy_N = o.entropy ? torch::empty({N}, x_ND.options().dtype(acc)) : torch::Tensor();
+  if (rest_M.size(0) > 0) {
+    auto rest = detail::score_rows(x_ND.index_select(0, rest_M), target_N.index_select(0, rest_M), w, b, o);
+    lse_N.index_copy_(0, rest_M, rest.lse_N);
+    zt_N.index_copy_(0, rest_M, rest.zt_N);
+    if (o.entropy) entropy_N.index_copy_(0, rest_M, rest.entropy_N);
+  }
+
+  // The counted rows: whole-vocabulary blocks of R rows (R * V within chunk_rows * chunk_vocab).
+  const bool want_hidden = hidden.requires_grad(), want_weight = weight.requires_grad(),
+             want_bias = bias.defined() && bias.requires_grad();
+  detail::FusedHeadNode::Saved s;
+  s.eager = true;
+  s.accumulation = acc;
+  s.d_hidden_KD = torch::empty({K, D}, x_ND.options().dtype(acc));
+  if (want_weight) s.d_weight_VD = torch::zeros({V, D}, x_ND.options().dtype(acc));
+  if (want_bias) s.d_bias_V = torch::zeros({V}, x_ND.options().dtype(acc));
+  const torch::Tensor coef = torch::full({}, 1.0 / o.divisor, x_ND.options().dtype(acc));
+  const int64_t R_max = std::max<int64_t>(1, o.chunk_rows * o.chunk_vocab / V);
+  for (int64_t r0 = 0; r0 < K; r0 += R_max) {
+    const int64_t R = std::min(R_max, K - r0);
+    const torch::Tensor idx_R = rows_K.narrow(0, r0, R);
+    const torch::Tensor x_RD = x_ND.index_select(0, idx_R), target_R = target_N.index_select(0, idx_R);
+    torch::Tensor z_RV = detail::logits_block(x_RD, w, b, 0, V, o);
+    const torch::Tensor lse_R = at::logsumexp(z_RV, {1});
+    lse_N.index_copy_(0, idx_R, lse_R);
+    zt_N.index_copy_(0, idx_R, z_RV.gather(1, target_R.unsqueeze(1)).squeeze(1));
+    if (o.entropy) {
+      entropy_N.index_copy_(0, idx_R, lse_R - (z_RV - lse_R.unsqueeze(1)).exp_().mul_(z_RV).sum(1));
+    }
+    const torch::Tensor dz_RV = detail::block_gradient(z_RV, lse_R, target_R, 0, coef, o);
+    const torch::Tensor dlin_RV = dz_RV.to(hidden.scalar_type());
+    s.d_hidden_KD.narrow(0, r0, R).copy_(at::mm(dlin_RV, w));
+    if (want_weight) detail::add_mm(s.d_weight_VD, dlin_RV.t(), x_RD);
+    if (want_bias) s.d_bias_V.add_(dz_RV.sum(0));
+  }
+  if (!want_hidden) s.d_hidden_KD = torch::Tensor();
+
+  HeadResult out;
+  out.token_loss = (lse_N - zt_N).mul_(target_N.ne(o.ignore_index)).view(targets.sizes());
+  if (o.entropy) out.entropy = entropy_N.view(targets.sizes());
+  out.loss = (out.token_loss.reshape({-1}) * counted_N).sum() / o.divisor;
+  s.opts = o;
+  s.divisor = o.divisor;
+  s.rows_K = rows_K;
+  s.keep = keep;
+  s.weight_VD = w;
+  if (bias.defined()) s.bias_V = b;
+  s.hidden_sizes = hidden.sizes().vec();
+  s.hidden_dtype = hidden.scalar_type();
+  auto node = make_node<detail::FusedHeadNode>(std::move(s));
+  node->set_next_edges(torch::autograd::collect_next_edges(hidden, weight, bias));
+  const uint32_t input_nr = node->add_input_metadata(out.loss);
+  torch::autograd::impl::set_gradient_edge(out.loss, torch::autograd::Edge(NodePtr(node), input_nr));
+  return out;
+}
+
+}  // namespace
+
 HeadResult fused_head_loss(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets,
                            const torch::Tensor& keep, const HeadOptions& opts, const torch::Tensor& bias) {
-  ScoredHead scored = score_head(hidden, weight, targets, opts, bias);
-  return HeadResult{scored.loss(keep, opts.divisor), scored.token_loss, scored.entropy};
+  const bool wants_grad = torch::GradMode::is_enabled() &&
+                          (hidden.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad()));
+  if (!wants_grad || opts.recompute) {
+    ScoredHead scored = score_head(hidden, weight, targets, opts, bias);
+    return HeadResult{scored.loss(keep, opts.divisor), scored.token_loss, scored.entropy};
+  }
+  detail::check_head_arguments("collider::fused_head_loss", hidden, weight, targets, keep, opts, bias);
+  const torch::Tensor keep_all = keep.defined() ? keep : torch::ones(targets.sizes(), targets.options().dtype(torch::kBool));
+  return eager_head_loss(hidden, weight, targets, keep_all, opts, bias);
 }
 
 }  // namespace collider

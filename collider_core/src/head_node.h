@@ -28,10 +28,16 @@ class FusedHeadNode final : public torch::autograd::Node {
   // What the backward reads: the K contributing rows of the hidden states (a copy), their
   // log-sum-exp and targets, their rows in [N]; the weight and bias (detached: they share the
   // originals' version counters, checked in the backward).
+  // Eager (fused_head_loss, where the keep mask is known in the forward): the K rows' gradients
+  // were made in the forward for an upstream gradient of 1 (d_hidden_KD, d_weight_VD, d_bias_V, in
+  // the accumulation dtype); the backward scales them, and nothing is recomputed.
   struct Saved {
     HeadOptions opts;
     double divisor = 1.0;
     torch::Tensor hidden_KD, lse_K, target_K, rows_K, keep, weight_VD, bias_V;
+    bool eager = false;
+    torch::Tensor d_hidden_KD, d_weight_VD, d_bias_V;
+    c10::ScalarType accumulation = c10::ScalarType::Float;
     std::vector<int64_t> hidden_sizes;
     c10::ScalarType hidden_dtype = c10::ScalarType::Float;
   };
@@ -47,6 +53,10 @@ class FusedHeadNode final : public torch::autograd::Node {
   Layout& layout() { return layout_; }
 
  private:
+  // The eager head's saved gradients times the upstream gradient.
+  torch::autograd::variable_list emit(const torch::Tensor& upstream);
+  // d_hidden_KD (the K rows) in the layout the hidden states' gradient goes in (layout_).
+  torch::Tensor to_layout(const torch::Tensor& d_hidden_KD) const;
   Saved s_;
   uint32_t weight_version_ = 0, bias_version_ = 0;
   bool released_ = false;

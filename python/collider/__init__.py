@@ -334,16 +334,25 @@ def score_head(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
 
 def fused_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                     keep: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, *,
-                    divisor: float = 1.0, entropy: bool = False, **options) -> HeadResult:
-    """score_head and ScoredHead.loss in one call: the LM head and its cross-entropy in one op that
-    scores every token but backpropagates only the kept ones (keep: bool of the targets' shape,
-    None: every row), never holding the [N, V] logits. Under filter_backward, pass it the same keep
+                    divisor: float = 1.0, entropy: bool = False, ignore_index: int = -100,
+                    softcap: Optional[float] = None, logit_scale: float = 1.0, chunk_rows: int = 1024,
+                    chunk_vocab: int = 8192, recompute: bool = False) -> HeadResult:
+    """The LM head and its cross-entropy in one op that scores every token but backpropagates only
+    the kept ones (keep: bool of the targets' shape, None: every row), never holding the [N, V]
+    logits; the loss is the kept rows' summed token loss / divisor. The keep mask being known here,
+    the kept rows' gradient is made in the forward, with no recompute (recompute=True: as
+    ScoredHead.loss, recomputed in the backward). Under filter_backward, pass it the same keep
     mask, laid out [B, T] on the hidden states' rows: the hidden states' gradient then leaves the
-    head already cut to the kept rows. `options`: score_head's keywords."""
-    if keep is not None:
-        _check_tensor(keep, "keep", "fused_head_loss")
-    scored = score_head(hidden, weight, targets, bias, entropy=entropy, **options)
-    return HeadResult(scored.loss(keep, float(divisor)), scored.token_loss, scored.entropy if entropy else None)
+    head already cut to the kept rows. The other keywords: score_head's."""
+    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        _check_tensor(t, name, "fused_head_loss")
+    for name, t in (("keep", keep), ("bias", bias)):
+        if t is not None:
+            _check_tensor(t, name, "fused_head_loss")
+    loss, token_loss, ent = _C.fused_head_loss(
+        hidden, weight, targets, keep, bias, int(ignore_index), float(softcap or 0.0), float(logit_scale),
+        float(divisor), bool(entropy), int(chunk_rows), int(chunk_vocab), bool(recompute))
+    return HeadResult(loss, token_loss, ent if entropy else None)
 
 
 def kept_count(seq_len: int, filter_ratio: float, align: int = 8) -> int:

@@ -203,6 +203,30 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("keep"), py::arg("divisor"));
   m.def(
+      "fused_head_loss",
+      [](const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets,
+         std::optional<torch::Tensor> keep, std::optional<torch::Tensor> bias, int64_t ignore_index, double softcap,
+         double logit_scale, double divisor, bool entropy, int64_t chunk_rows, int64_t chunk_vocab, bool recompute) {
+        collider::HeadOptions opts;
+        opts.ignore_index = ignore_index;
+        opts.softcap = softcap;
+        opts.logit_scale = logit_scale;
+        opts.divisor = divisor;
+        opts.entropy = entropy;
+        opts.chunk_rows = chunk_rows;
+        opts.chunk_vocab = chunk_vocab;
+        opts.recompute = recompute;
+        py::gil_scoped_release no_gil;
+        return guarded("fused_head_loss", [&] {
+          auto r = collider::fused_head_loss(hidden, weight, targets, keep.value_or(torch::Tensor()), opts,
+                                             bias.value_or(torch::Tensor()));
+          return std::make_tuple(r.loss, r.token_loss, r.entropy);
+        });
+      },
+      py::arg("hidden"), py::arg("weight"), py::arg("targets"), py::arg("keep"), py::arg("bias"),
+      py::arg("ignore_index"), py::arg("softcap"), py::arg("logit_scale"), py::arg("divisor"), py::arg("entropy"),
+      py::arg("chunk_rows"), py::arg("chunk_vocab"), py::arg("recompute"));
+  m.def(
       "score_head",
       [](const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets,
          std::optional<torch::Tensor> bias, int64_t ignore_index, double softcap, double logit_scale, bool entropy,

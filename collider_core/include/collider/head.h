@@ -9,12 +9,16 @@
 //   loss   = sum over kept rows of score / divisor                      scalar, the only output with a gradient
 //
 // The forward runs over all N rows in chunks of rows and of the vocabulary with an online
-// log-sum-exp (float32 accumulation for 16-bit inputs), so at most one [chunk_rows, chunk_vocab]
-// block of logits is alive. It saves the K contributing rows of `hidden`, their log-sum-exp and
-// targets; its backward recomputes those rows' logits chunk by chunk and gives
+// log-sum-exp (float32 accumulation for 16-bit inputs), so at most one block of chunk_rows *
+// chunk_vocab logits is alive. The gradient, from the K contributing rows only:
 //   dz = (softmax(z) - onehot(target)) * d(loss),  d hidden = dz' W,  d W = dz'^T hidden,  d bias = sum dz'
-// (dz' = dz through the soft-capping and the scale) from the K rows only: 6 K D V FLOPs, against
-// 2 N D V for the forward. Dropped rows get a zero gradient: in plain autograd a full-size hidden
+// (dz' = dz through the soft-capping and the scale). fused_head_loss knows the keep mask in the
+// forward: it scores the K rows in whole-vocabulary blocks and makes their gradient right there
+// (for d(loss) = 1; the backward scales it): 2 N D V + 4 K D V FLOPs, the FLOP ideal of a head that
+// scores every row and trains the kept ones. score_head cannot (RHO-1 picks the keep mask from its
+// scores): it saves each row's log-sum-exp, ScoredHead::loss the K rows of `hidden` and their
+// targets, and the backward recomputes their logits block by block: 2 K D V FLOPs more (also
+// HeadOptions::recompute). Dropped rows get a zero gradient: in plain autograd a full-size hidden
 // gradient with zeros there; inside filter_backward the gradient leaves the head already cut to
 // the kept rows (the rest of the backward runs on them), with no full-size zeros built.
 // Under filter_backward, `keep` must be the keep mask filter_backward is given, laid out [B, T] on
@@ -36,6 +40,10 @@ struct HeadOptions {
   bool entropy = false;         // also every row's entropy of softmax(z) (no gradient)
   int64_t chunk_rows = 1024;    // rows of one block of logits
   int64_t chunk_vocab = 8192;   // vocabulary columns of one block (float32: 32 MiB at the defaults)
+  // fused_head_loss only: the kept rows' logits recomputed in the backward (as ScoredHead::loss
+  // does) instead of their gradient made in the forward (the default: no recompute, the kept rows
+  // scored chunk_rows * chunk_vocab / V whole-vocabulary rows at a time).
+  bool recompute = false;
 };
 
 struct HeadResult {
