@@ -318,6 +318,10 @@ void check_head_arguments(const char* who, const torch::Tensor& hidden, const to
 
 namespace {
 
+// The fewest whole-vocabulary rows per block for which fused_head_loss makes the gradient in the
+// forward (below, it recomputes): chunk_rows * chunk_vocab / V.
+constexpr int64_t kEagerMinRows = 256;
+
 // fused_head_loss with a gradient to make: the keep mask is known in the forward, so the counted
 // rows (kept, target not ignore_index) are scored a block of whole-vocabulary rows at a time and
 // their gradient made right there, for an upstream gradient of 1; the backward only scales it.
@@ -404,7 +408,13 @@ HeadResult fused_head_loss(const torch::Tensor& hidden, const torch::Tensor& wei
                            const torch::Tensor& keep, const HeadOptions& opts, const torch::Tensor& bias) {
   const bool wants_grad = torch::GradMode::is_enabled() &&
                           (hidden.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad()));
-  if (!wants_grad || opts.recompute) {
+  // The eager head accumulates the weight's whole [V, D] gradient once per block of R rows: with
+  // few rows per block (a large vocabulary) that traffic costs more than the recompute, whose
+  // vocabulary-outer order keeps each slice of it in cache (python/bench/bench_head.py, CPU:
+  // eager 1.13-1.20x the unfused head under Collider at V = 32000, R = 262; 1.66-1.71x at 151936,
+  // R = 55, where the recompute took 1.41-1.48x).
+  const bool few_rows = opts.chunk_rows * opts.chunk_vocab / std::max<int64_t>(weight.size(0), 1) < kEagerMinRows;
+  if (!wants_grad || opts.recompute || few_rows) {
     ScoredHead scored = score_head(hidden, weight, targets, opts, bias);
     return HeadResult{scored.loss(keep, opts.divisor), scored.token_loss, scored.entropy};
   }

@@ -119,8 +119,7 @@ void Trainer::ensure_plan(int64_t B, int64_t T) {
     // The same graph as a step's loss; the mask values do not change its structure.
     const auto all_BT = torch::ones_like(rb.labels_BT, torch::kBool);
     Scored scored = score(rb.input_ids_BT, rb.labels_BT, torch::Tensor());
-    return scored.head ? scored.head->loss(all_BT, static_cast<double>(b * t))
-                       : models::masked_mean_loss(scored.loss_BT, all_BT);
+    return head_loss(scored, rb.labels_BT, all_BT);
   };
   try {
     plan_ = collider::trace_plan(loss_on_random_batch);
@@ -149,9 +148,29 @@ Trainer::Scored Trainer::score(const torch::Tensor& input_ids_BT, const torch::T
     w_VD = w_VD.to(torch::kBFloat16);
     if (b_V.defined()) b_V = b_V.to(torch::kBFloat16);
   }
-  out.head = collider::score_head(x_BTD, w_VD, labels_BT, {}, b_V);
-  out.loss_BT = out.head->token_loss;
+  if (models::uses_selection(cfg_.spec.method) &&
+      (cfg_.spec.score == Score::kSelf || cfg_.spec.score == Score::kExcessLoss)) {
+    // The selection reads the model's own per-token losses: score every row now, and the loss
+    // recomputes the kept rows' logits in the backward (RHO-1's order).
+    out.head = collider::score_head(x_BTD, w_VD, labels_BT, {}, b_V);
+    out.loss_BT = out.head->token_loss;
+  } else {  // the keep mask does not depend on them: one fused_head_loss once it is known
+    out.hidden_BTD = x_BTD;
+    out.weight_VD = w_VD;
+    out.bias_V = b_V;
+  }
   return out;
+}
+
+torch::Tensor Trainer::head_loss(Scored& scored, const torch::Tensor& labels_BT, const torch::Tensor& keep_BT) {
+  if (!cfg_.fused_head) return models::masked_mean_loss(scored.loss_BT, keep_BT);
+  const double count = std::max<double>(keep_BT.sum().item<double>(), 1.0);
+  if (scored.head) return scored.head->loss(keep_BT, count);
+  collider::HeadOptions o;
+  o.divisor = count;
+  auto r = collider::fused_head_loss(scored.hidden_BTD, scored.weight_VD, labels_BT, keep_BT, o, scored.bias_V);
+  scored.loss_BT = r.token_loss;
+  return r.loss;
 }
 
 torch::Tensor Trainer::select(const torch::Tensor& loss_BT, const Batch& batch) {
@@ -249,11 +268,12 @@ StepResult Trainer::step(const Batch& batch_in) {
     ScopedRange rg(ranges_, "filter");
     {
       ScopedRange rs(ranges_, "filter.select");
-      keep_BT = select(loss_BT, batch);
+      // (The fused head without its scores yet: a selection that does not read them.)
+      keep_BT = select(loss_BT.defined() ? loss_BT : torch::zeros_like(batch.labels_BT, torch::kFloat), batch);
     }
     m_select = timer_->mark();
-    loss = scored.head ? scored.head->loss(keep_BT, std::max<double>(keep_BT.sum().item<double>(), 1.0))
-                       : models::masked_mean_loss(loss_BT, keep_BT);
+    loss = head_loss(scored, batch.labels_BT, keep_BT);
+    loss_BT = scored.loss_BT;
     m_loss = timer_->mark();
     ScopedRange rr(ranges_, "filter.rewrite");
     collider::FilterOptions fo;

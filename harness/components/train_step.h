@@ -134,12 +134,19 @@ class Trainer {
 
  private:
   // The forward and every token's loss: through the model's own head (loss_BT from the logits), or
-  // through the fused head (StepConfig::fused_head: `head` holds its scores and builds the loss).
+  // through the fused head (StepConfig::fused_head): where the selection reads the model's own
+  // per-token losses, `head` holds the scores of every row and builds the loss (the kept rows'
+  // logits recomputed in the backward); otherwise the head waits for the keep mask (hidden_BTD,
+  // weight_VD, bias_V) and head_loss runs collider::fused_head_loss (their gradient made in the
+  // forward, no recompute), which fills loss_BT.
   struct Scored {
     torch::Tensor loss_BT;
     std::optional<collider::ScoredHead> head;
+    torch::Tensor hidden_BTD, weight_VD, bias_V;
   };
   Scored score(const torch::Tensor& input_ids_BT, const torch::Tensor& labels_BT, const torch::Tensor& middle_BN);
+  // The step's loss, the mean over the kept tokens (keep_BT).
+  torch::Tensor head_loss(Scored& scored, const torch::Tensor& labels_BT, const torch::Tensor& keep_BT);
   void ensure_plan(int64_t B, int64_t T);
   // Refuses a filter ratio outside [0, 1) and forward_drop on fewer than 3 decoder layers.
   void check_method(const MethodSpec& spec, double filter_ratio) const;

@@ -15,7 +15,8 @@
 // (dz' = dz through the soft-capping and the scale). fused_head_loss knows the keep mask in the
 // forward: it scores the K rows in whole-vocabulary blocks and makes their gradient right there
 // (for d(loss) = 1; the backward scales it): 2 N D V + 4 K D V FLOPs, the FLOP ideal of a head that
-// scores every row and trains the kept ones. score_head cannot (RHO-1 picks the keep mask from its
+// scores every row and trains the kept ones (where a block holds 256 rows or more; see
+// HeadOptions::recompute). score_head cannot (RHO-1 picks the keep mask from its
 // scores): it saves each row's log-sum-exp, ScoredHead::loss the K rows of `hidden` and their
 // targets, and the backward recomputes their logits block by block: 2 K D V FLOPs more (also
 // HeadOptions::recompute). Dropped rows get a zero gradient: in plain autograd a full-size hidden
@@ -41,8 +42,9 @@ struct HeadOptions {
   int64_t chunk_rows = 1024;    // rows of one block of logits
   int64_t chunk_vocab = 8192;   // vocabulary columns of one block (float32: 32 MiB at the defaults)
   // fused_head_loss only: the kept rows' logits recomputed in the backward (as ScoredHead::loss
-  // does) instead of their gradient made in the forward (the default: no recompute, the kept rows
-  // scored chunk_rows * chunk_vocab / V whole-vocabulary rows at a time).
+  // does) instead of their gradient made in the forward, which scores them chunk_rows *
+  // chunk_vocab / V whole-vocabulary rows at a time. The forward way is taken where that is at
+  // least 256 rows (V up to 32768 at the defaults); below, the recompute is faster on the CPU.
   bool recompute = false;
 };
 
