@@ -78,6 +78,19 @@ collider::FilterOptions options_for(const std::string& attention) {
 
 }  // namespace
 
+// The fused head's options as score_head and fused_head_loss take them from Python.
+static collider::HeadOptions head_options(int64_t ignore_index, double softcap, double logit_scale, bool entropy,
+                                   int64_t chunk_rows, int64_t chunk_vocab) {
+  collider::HeadOptions opts;
+  opts.ignore_index = ignore_index;
+  opts.softcap = softcap;
+  opts.logit_scale = logit_scale;
+  opts.entropy = entropy;
+  opts.chunk_rows = chunk_rows;
+  opts.chunk_vocab = chunk_vocab;
+  return opts;
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "Collider's C++ core (collider_core); use the wrappers in the collider package.";
 
@@ -207,14 +220,8 @@ PYBIND11_MODULE(_C, m) {
       [](const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets,
          std::optional<torch::Tensor> keep, std::optional<torch::Tensor> bias, int64_t ignore_index, double softcap,
          double logit_scale, double divisor, bool entropy, int64_t chunk_rows, int64_t chunk_vocab, bool recompute) {
-        collider::HeadOptions opts;
-        opts.ignore_index = ignore_index;
-        opts.softcap = softcap;
-        opts.logit_scale = logit_scale;
+        collider::HeadOptions opts = head_options(ignore_index, softcap, logit_scale, entropy, chunk_rows, chunk_vocab);
         opts.divisor = divisor;
-        opts.entropy = entropy;
-        opts.chunk_rows = chunk_rows;
-        opts.chunk_vocab = chunk_vocab;
         opts.recompute = recompute;
         py::gil_scoped_release no_gil;
         return guarded("fused_head_loss", [&] {
@@ -231,13 +238,7 @@ PYBIND11_MODULE(_C, m) {
       [](const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets,
          std::optional<torch::Tensor> bias, int64_t ignore_index, double softcap, double logit_scale, bool entropy,
          int64_t chunk_rows, int64_t chunk_vocab) {
-        collider::HeadOptions opts;
-        opts.ignore_index = ignore_index;
-        opts.softcap = softcap;
-        opts.logit_scale = logit_scale;
-        opts.entropy = entropy;
-        opts.chunk_rows = chunk_rows;
-        opts.chunk_vocab = chunk_vocab;
+        const auto opts = head_options(ignore_index, softcap, logit_scale, entropy, chunk_rows, chunk_vocab);
         py::gil_scoped_release no_gil;
         return guarded("score_head", [&] {
           return collider::score_head(hidden, weight, targets, opts, bias.value_or(torch::Tensor()));

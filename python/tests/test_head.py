@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import collider
 import collider.hf as chf
 from oracle import grads, max_rel_diff, tiny_model
+from test_hf_trainer import Windows
 
 T = 29
 
@@ -156,17 +157,6 @@ def test_hf_head_that_does_more_is_refused():
         chf.training_loss(model, ids, ids, keep, loss="fused_head", logits=torch.zeros(3, T, 128))
 
 
-class Windows(torch.utils.data.Dataset):
-    def __init__(self, n, seed=7):
-        self.ids = torch.randint(0, 128, (n, T), generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i]}
-
-
 def test_rho1_trainer_fused_head_trains_like_the_unfused_one(tmp_path):
     transformers = pytest.importorskip("transformers")
 
@@ -177,7 +167,7 @@ def test_rho1_trainer_fused_head_trains_like_the_unfused_one(tmp_path):
                                               max_steps=2, learning_rate=1e-2, report_to=[], use_cpu=True,
                                               save_strategy="no", logging_steps=1, disable_tqdm=True,
                                               dataloader_num_workers=0, seed=0)
-        trainer = chf.Rho1Trainer(model=model, reference_model=ref, args=args, train_dataset=Windows(8),
+        trainer = chf.Rho1Trainer(model=model, reference_model=ref, args=args, train_dataset=Windows(8, seed=7),
                                   filter_ratio=0.5, attention="exact_query", fused_head=fused,
                                   loss="labels" if fused else "per_token")  # per_token: float64 logits
         trainer.train()
