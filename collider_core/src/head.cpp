@@ -359,7 +359,7 @@ HeadResult eager_head_loss(const torch::Tensor& hidden, const torch::Tensor& wei
   detail::FusedHeadNode::Saved s;
   s.eager = true;
   s.accumulation = acc;
-  s.d_hidden_KD = torch::empty({K, D}, x_ND.options().dtype(acc));
+  if (want_hidden) s.d_hidden_KD = torch::empty({K, D}, x_ND.options().dtype(acc));
   if (want_weight) s.d_weight_VD = torch::zeros({V, D}, x_ND.options().dtype(acc));
   if (want_bias) s.d_bias_V = torch::zeros({V}, x_ND.options().dtype(acc));
   const torch::Tensor coef = torch::full({}, 1.0 / o.divisor, x_ND.options().dtype(acc));
@@ -377,11 +377,10 @@ HeadResult eager_head_loss(const torch::Tensor& hidden, const torch::Tensor& wei
     }
     const torch::Tensor dz_RV = detail::block_gradient(z_RV, lse_R, target_R, 0, coef, o);
     const torch::Tensor dlin_RV = dz_RV.to(hidden.scalar_type());
-    s.d_hidden_KD.narrow(0, r0, R).copy_(at::mm(dlin_RV, w));
+    if (want_hidden) s.d_hidden_KD.narrow(0, r0, R).copy_(at::mm(dlin_RV, w));
     if (want_weight) detail::add_mm(s.d_weight_VD, dlin_RV.t(), x_RD);
     if (want_bias) s.d_bias_V.add_(dz_RV.sum(0));
   }
-  if (!want_hidden) s.d_hidden_KD = torch::Tensor();
 
   HeadResult out;
   out.token_loss = (lse_N - zt_N).mul_(target_N.ne(o.ignore_index)).view(targets.sizes());
