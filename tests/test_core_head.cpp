@@ -94,7 +94,10 @@ INSTANTIATE_TEST_SUITE_P(Sizes, FusedHeadAlone,
                                            HeadCase{21, 5, 37, 64, 64, 0.0, 1.0, true},   // one block, a bias
                                            HeadCase{33, 8, 50, 7, 9, 3.0, 1.0, false},    // soft-capping
                                            HeadCase{33, 8, 50, 7, 9, 0.0, 0.25, true},    // a logit scale
-                                           HeadCase{13, 6, 11, 1, 1, 2.0, 0.5, true}));   // blocks of one
+                                           HeadCase{13, 6, 11, 1, 1, 2.0, 0.5, true},     // blocks of one
+                                           // whole-vocabulary blocks of 138 rows: the eager head's
+                                           // weight gradient added over two blocks
+                                           HeadCase{300, 5, 37, 2, 2560, 2.0, 0.5, true}));
 
 TEST(FusedHead, EveryRowKeptEqualsPlainAutograd) {
   torch::manual_seed(3);

@@ -319,8 +319,12 @@ void check_head_arguments(const char* who, const torch::Tensor& hidden, const to
 namespace {
 
 // The fewest whole-vocabulary rows per block for which fused_head_loss makes the gradient in the
-// forward (below, it recomputes): chunk_rows * chunk_vocab / V.
-constexpr int64_t kEagerMinRows = 256;
+// forward (below, it recomputes, unless one block holds every row): chunk_rows * chunk_vocab / V. The eager head adds each block's
+// share of the weight's [V, D] gradient into it, and with few rows per block that traffic costs
+// more than the recompute (python/bench/bench_head.py, CPU, V = 151936, D = 512, N = 2048: blocks
+// of 55 rows 1.19x the unfused head under Collider, the recompute 1.16x, 128 rows 1.00x, 256 rows
+// 0.91x).
+constexpr int64_t kEagerMinRows = 128;
 
 // fused_head_loss with a gradient to make: the keep mask is known in the forward, so the counted
 // rows (kept, target not ignore_index) are scored a block of whole-vocabulary rows at a time and
@@ -362,20 +366,35 @@ HeadResult eager_head_loss(const torch::Tensor& hidden, const torch::Tensor& wei
   if (want_hidden) s.d_hidden_KD = torch::empty({K, D}, x_ND.options().dtype(acc));
   if (want_weight) s.d_weight_VD = torch::zeros({V, D}, x_ND.options().dtype(acc));
   if (want_bias) s.d_bias_V = torch::zeros({V}, x_ND.options().dtype(acc));
-  const torch::Tensor coef = torch::full({}, 1.0 / o.divisor, x_ND.options().dtype(acc));
   const int64_t R_max = std::max<int64_t>(1, o.chunk_rows * o.chunk_vocab / V);
   for (int64_t r0 = 0; r0 < K; r0 += R_max) {
     const int64_t R = std::min(R_max, K - r0);
     const torch::Tensor idx_R = rows_K.narrow(0, r0, R);
     const torch::Tensor x_RD = x_ND.index_select(0, idx_R), target_R = target_N.index_select(0, idx_R);
+    // One buffer of [R, V] logits, turned in place into the gradient of the linear outputs: five
+    // passes over it (max, shift, exp, sum, scale), no copy.
     torch::Tensor z_RV = detail::logits_block(x_RD, w, b, 0, V, o);
-    const torch::Tensor lse_R = at::logsumexp(z_RV, {1});
-    lse_N.index_copy_(0, idx_R, lse_R);
+    torch::Tensor cap_RV;
+    if (o.softcap > 0.0) cap_RV = 1.0 - (z_RV / o.softcap).square_();  // d(c tanh(u / c)) / du
     zt_N.index_copy_(0, idx_R, z_RV.gather(1, target_R.unsqueeze(1)).squeeze(1));
+    const torch::Tensor m_R = at::amax(z_RV, {1});
+    z_RV.sub_(m_R.unsqueeze(1));  // z - m
+    torch::Tensor zm_e_R;          // (entropy) sum of (z - m) exp(z - m)
     if (o.entropy) {
-      entropy_N.index_copy_(0, idx_R, lse_R - (z_RV - lse_R.unsqueeze(1)).exp_().mul_(z_RV).sum(1));
+      torch::Tensor e_RV = z_RV.exp();
+      zm_e_R = (e_RV * z_RV).sum(1);
+      z_RV = e_RV;
+    } else {
+      z_RV.exp_();
     }
-    const torch::Tensor dz_RV = detail::block_gradient(z_RV, lse_R, target_R, 0, coef, o);
+    const torch::Tensor s_R = z_RV.sum(1), log_s_R = s_R.log();
+    lse_N.index_copy_(0, idx_R, m_R + log_s_R);
+    if (o.entropy) entropy_N.index_copy_(0, idx_R, log_s_R - zm_e_R / s_R);
+    // (softmax - onehot) * f with f = scale / divisor, times the capping's derivative.
+    const double f = o.logit_scale / o.divisor;
+    torch::Tensor dz_RV = z_RV.mul_((f / s_R).unsqueeze(1));
+    dz_RV.scatter_add_(1, target_R.unsqueeze(1), torch::full({R, 1}, -f, dz_RV.options()));
+    if (cap_RV.defined()) dz_RV.mul_(cap_RV);
     const torch::Tensor dlin_RV = dz_RV.to(hidden.scalar_type());
     if (want_hidden) s.d_hidden_KD.narrow(0, r0, R).copy_(at::mm(dlin_RV, w));
     if (want_weight) detail::add_mm(s.d_weight_VD, dlin_RV.t(), x_RD);
@@ -407,12 +426,9 @@ HeadResult fused_head_loss(const torch::Tensor& hidden, const torch::Tensor& wei
                            const torch::Tensor& keep, const HeadOptions& opts, const torch::Tensor& bias) {
   const bool wants_grad = torch::GradMode::is_enabled() &&
                           (hidden.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad()));
-  // The eager head accumulates the weight's whole [V, D] gradient once per block of R rows: with
-  // few rows per block (a large vocabulary) that traffic costs more than the recompute, whose
-  // vocabulary-outer order keeps each slice of it in cache (python/bench/bench_head.py, CPU:
-  // eager 1.13-1.20x the unfused head under Collider at V = 32000, R = 262; 1.66-1.71x at 151936,
-  // R = 55, where the recompute took 1.41-1.48x).
-  const bool few_rows = opts.chunk_rows * opts.chunk_vocab / std::max<int64_t>(weight.size(0), 1) < kEagerMinRows;
+  const int64_t block_rows = opts.chunk_rows * opts.chunk_vocab / std::max<int64_t>(weight.size(0), 1);
+  const int64_t N = weight.size(1) > 0 ? hidden.numel() / weight.size(1) : 0;
+  const bool few_rows = block_rows < kEagerMinRows && block_rows < N;  // one block of all rows is never few
   if (!wants_grad || opts.recompute || few_rows) {
     ScoredHead scored = score_head(hidden, weight, targets, opts, bias);
     return HeadResult{scored.loss(keep, opts.divisor), scored.token_loss, scored.entropy};

@@ -11,6 +11,11 @@ Per point (vocabulary V, width D, N = B * T rows, 40% of the rows dropped by a r
                         (no [N, V] logits), the kept rows' gradient made in the forward
   fused collider        the same under collider.filter_backward: the hidden states' gradient leaves
                         the head cut to the kept rows
+  fused wide            fused collider with blocks of WIDE_ROWS (256) whole-vocabulary rows
+                        (chunk_vocab raised to WIDE_ROWS * V / chunk_rows): fewer, larger GEMMs into
+                        the weight's gradient for one [256, V] block of memory (at V = 151936,
+                        149 MiB in float32; the default blocks hold 8M logits, 55 rows there, and
+                        recompute below 128 rows)
   fused recompute       collider.score_head then ScoredHead.loss (RHO-1's order: the keep mask
                         from the scores) under filter_backward: the kept rows' logits recomputed in
                         the backward
@@ -48,7 +53,10 @@ import torch.utils.checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_hf_backward import collider, median_iqr, provenance, side_by_side  # noqa: E402
 
-METHODS = ("unfused", "unfused collider", "fused", "fused collider", "fused recompute", "compact first")
+METHODS = ("unfused", "unfused collider", "fused", "fused collider", "fused wide", "fused recompute",
+           "compact first")
+WIDE_ROWS = 256
+CHUNK_ROWS = 1024
 FILTER_RATIO = 0.4
 COMPACT_BLOCK = 1024
 
@@ -61,6 +69,12 @@ def unfused_loss(x_BTD, w_VD, target_BT, keep_BT, count):
 
 def fused_loss(x_BTD, w_VD, target_BT, keep_BT, count):
     return collider.fused_head_loss(x_BTD, w_VD, target_BT, keep_BT, divisor=count).loss
+
+
+def wide_loss(x_BTD, w_VD, target_BT, keep_BT, count):
+    chunk_vocab = -(-WIDE_ROWS * w_VD.shape[0] // CHUNK_ROWS)
+    return collider.fused_head_loss(x_BTD, w_VD, target_BT, keep_BT, divisor=count, chunk_rows=CHUNK_ROWS,
+                                    chunk_vocab=chunk_vocab).loss
 
 
 def recompute_loss(x_BTD, w_VD, target_BT, keep_BT, count):
@@ -97,9 +111,10 @@ def bench_point(V, D, N, reps, warmup, dev, seed=0):
         return collider.trace_plan(on_batch)
 
     plans = {"unfused collider": trace(unfused_loss), "fused collider": trace(fused_loss),
-             "fused recompute": trace(recompute_loss)}
+             "fused wide": trace(wide_loss), "fused recompute": trace(recompute_loss)}
     loss_of = {"unfused": unfused_loss, "unfused collider": unfused_loss, "fused": fused_loss,
-               "fused collider": fused_loss, "fused recompute": recompute_loss, "compact first": compact_first_loss}
+               "fused collider": fused_loss, "fused wide": wide_loss, "fused recompute": recompute_loss,
+               "compact first": compact_first_loss}
     cuda = dev.type == "cuda"
 
     def run_once(method):
@@ -127,7 +142,8 @@ def bench_point(V, D, N, reps, warmup, dev, seed=0):
     flops_fwd = 2.0 * N * D * V
     flops = {"unfused": flops_fwd + 4.0 * N * D * V, "unfused collider": flops_fwd + 4.0 * K * D * V,
              "fused": flops_fwd + 4.0 * K * D * V, "fused collider": flops_fwd + 4.0 * K * D * V,
-             "fused recompute": flops_fwd + 6.0 * K * D * V, "compact first": 6.0 * K * D * V}
+             "fused wide": flops_fwd + 4.0 * K * D * V, "fused recompute": flops_fwd + 6.0 * K * D * V,
+             "compact first": 6.0 * K * D * V}
     losses = {m: samples[m][0]["loss"] for m in METHODS}
     ref = losses["unfused"]
     point = {"vocab": V, "dim": D, "rows": N, "kept": K, "filter_ratio": FILTER_RATIO, "methods": {}}
