@@ -103,6 +103,48 @@ torch::Tensor block_gradient(torch::Tensor z_RC, const torch::Tensor& lse_R, con
   return dz_RC;
 }
 
+// The rows' log-sum-exp, target logit and (o.entropy) entropy from a block of whole-vocabulary
+// logits z_RV, which it overwrites: with `gradient`, in place into the gradient of the linear
+// outputs for an upstream gradient of 1, (softmax(z) - onehot(target)) * logit_scale / divisor
+// times the capping's derivative (every target must then be a vocabulary index). Four or five
+// passes (max, shift, exp, sum, scale) over sub-blocks of about 1M logits, each pass of a
+// sub-block reading what the last left in cache.
+RowScores scores_in_place(const torch::Tensor& z_RV, const torch::Tensor& target_R, const HeadOptions& o,
+                          bool gradient) {
+  const int64_t R = z_RV.size(0), V = z_RV.size(1);
+  const int64_t S = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(V, 1));
+  const double f = o.logit_scale / o.divisor;
+  RowScores out;
+  out.lse_N = torch::empty({R}, z_RV.options());
+  auto [col_R, in_R] = target_in_block(target_R, 0, V);
+  out.zt_N = z_RV.gather(1, col_R.unsqueeze(1)).squeeze(1).mul_(in_R);
+  if (o.entropy) out.entropy_N = torch::empty({R}, z_RV.options());
+  for (int64_t r0 = 0; r0 < R; r0 += S) {
+    const int64_t n = std::min(S, R - r0);
+    const torch::Tensor z = z_RV.narrow(0, r0, n), target = target_R.narrow(0, r0, n).unsqueeze(1);
+    torch::Tensor cap;
+    if (gradient && o.softcap > 0.0) cap = 1.0 - (z / o.softcap).square_();  // d(c tanh(u / c)) / du
+    const torch::Tensor m = at::amax(z, {1});
+    z.sub_(m.unsqueeze(1));  // z - m
+    torch::Tensor zm_e;      // (entropy) sum of (z - m) exp(z - m)
+    if (o.entropy) {
+      const torch::Tensor e = z.exp();
+      zm_e = (e * z).sum(1);
+      z.copy_(e);
+    } else {
+      z.exp_();
+    }
+    const torch::Tensor sum = z.sum(1), log_sum = sum.log();
+    out.lse_N.narrow(0, r0, n).copy_(m + log_sum);
+    if (o.entropy) out.entropy_N.narrow(0, r0, n).copy_(log_sum - zm_e / sum);
+    if (!gradient) continue;
+    z.mul_((f / sum).unsqueeze(1));
+    z.scatter_add_(1, target, torch::full({n, 1}, -f, z.options()));
+    if (cap.defined()) z.mul_(cap);
+  }
+  return out;
+}
+
 // acc += a b (acc in the accumulation dtype, a and b in the inputs').
 void add_mm(const torch::Tensor& acc, const torch::Tensor& a, const torch::Tensor& b) {
   if (acc.scalar_type() == a.scalar_type()) {
@@ -345,19 +387,24 @@ HeadResult eager_head_loss(const torch::Tensor& hidden, const torch::Tensor& wei
   const torch::Tensor rest_M = counted_N.logical_not().nonzero().squeeze(1);
   const int64_t K = rows_K.size(0);
 
-  // The rows that give no gradient: online blocks, as score_head.
-  const int64_t N = x_ND.size(0);
+  // Every row in whole-vocabulary blocks of R rows (R * V within chunk_rows * chunk_vocab): first
+  // the rows that give no gradient, scored only, then the counted rows.
+  const int64_t N = x_ND.size(0), M = rest_M.size(0);
+  const int64_t R_max = std::max<int64_t>(1, o.chunk_rows * o.chunk_vocab / V);
   torch::Tensor lse_N = torch::empty({N}, x_ND.options().dtype(acc));
   torch::Tensor zt_N = torch::zeros({N}, x_ND.options().dtype(acc));
   torch::Tensor entropy_N = o.entropy ? torch::empty({N}, x_ND.options().dtype(acc)) : torch::Tensor();
-  if (rest_M.size(0) > 0) {
-    auto rest = detail::score_rows(x_ND.index_select(0, rest_M), target_N.index_select(0, rest_M), w, b, o);
-    lse_N.index_copy_(0, rest_M, rest.lse_N);
-    zt_N.index_copy_(0, rest_M, rest.zt_N);
-    if (o.entropy) entropy_N.index_copy_(0, rest_M, rest.entropy_N);
+  auto record = [&](const torch::Tensor& idx_R, const detail::RowScores& scores) {
+    lse_N.index_copy_(0, idx_R, scores.lse_N);
+    zt_N.index_copy_(0, idx_R, scores.zt_N);
+    if (o.entropy) entropy_N.index_copy_(0, idx_R, scores.entropy_N);
+  };
+  for (int64_t r0 = 0; r0 < M; r0 += R_max) {
+    const torch::Tensor idx_R = rest_M.narrow(0, r0, std::min(R_max, M - r0));
+    torch::Tensor z_RV = detail::logits_block(x_ND.index_select(0, idx_R), w, b, 0, V, o);
+    record(idx_R, detail::scores_in_place(z_RV, target_N.index_select(0, idx_R), o, /*gradient=*/false));
   }
 
-  // The counted rows: whole-vocabulary blocks of R rows (R * V within chunk_rows * chunk_vocab).
   const bool want_hidden = hidden.requires_grad(), want_weight = weight.requires_grad(),
              want_bias = bias.defined() && bias.requires_grad();
   detail::FusedHeadNode::Saved s;
@@ -366,35 +413,12 @@ HeadResult eager_head_loss(const torch::Tensor& hidden, const torch::Tensor& wei
   if (want_hidden) s.d_hidden_KD = torch::empty({K, D}, x_ND.options().dtype(acc));
   if (want_weight) s.d_weight_VD = torch::zeros({V, D}, x_ND.options().dtype(acc));
   if (want_bias) s.d_bias_V = torch::zeros({V}, x_ND.options().dtype(acc));
-  const int64_t R_max = std::max<int64_t>(1, o.chunk_rows * o.chunk_vocab / V);
   for (int64_t r0 = 0; r0 < K; r0 += R_max) {
     const int64_t R = std::min(R_max, K - r0);
     const torch::Tensor idx_R = rows_K.narrow(0, r0, R);
     const torch::Tensor x_RD = x_ND.index_select(0, idx_R), target_R = target_N.index_select(0, idx_R);
-    // One buffer of [R, V] logits, turned in place into the gradient of the linear outputs: five
-    // passes over it (max, shift, exp, sum, scale), no copy.
-    torch::Tensor z_RV = detail::logits_block(x_RD, w, b, 0, V, o);
-    torch::Tensor cap_RV;
-    if (o.softcap > 0.0) cap_RV = 1.0 - (z_RV / o.softcap).square_();  // d(c tanh(u / c)) / du
-    zt_N.index_copy_(0, idx_R, z_RV.gather(1, target_R.unsqueeze(1)).squeeze(1));
-    const torch::Tensor m_R = at::amax(z_RV, {1});
-    z_RV.sub_(m_R.unsqueeze(1));  // z - m
-    torch::Tensor zm_e_R;          // (entropy) sum of (z - m) exp(z - m)
-    if (o.entropy) {
-      torch::Tensor e_RV = z_RV.exp();
-      zm_e_R = (e_RV * z_RV).sum(1);
-      z_RV = e_RV;
-    } else {
-      z_RV.exp_();
-    }
-    const torch::Tensor s_R = z_RV.sum(1), log_s_R = s_R.log();
-    lse_N.index_copy_(0, idx_R, m_R + log_s_R);
-    if (o.entropy) entropy_N.index_copy_(0, idx_R, log_s_R - zm_e_R / s_R);
-    // (softmax - onehot) * f with f = scale / divisor, times the capping's derivative.
-    const double f = o.logit_scale / o.divisor;
-    torch::Tensor dz_RV = z_RV.mul_((f / s_R).unsqueeze(1));
-    dz_RV.scatter_add_(1, target_R.unsqueeze(1), torch::full({R, 1}, -f, dz_RV.options()));
-    if (cap_RV.defined()) dz_RV.mul_(cap_RV);
+    torch::Tensor dz_RV = detail::logits_block(x_RD, w, b, 0, V, o);
+    record(idx_R, detail::scores_in_place(dz_RV, target_R, o, /*gradient=*/true));
     const torch::Tensor dlin_RV = dz_RV.to(hidden.scalar_type());
     if (want_hidden) s.d_hidden_KD.narrow(0, r0, R).copy_(at::mm(dlin_RV, w));
     if (want_weight) detail::add_mm(s.d_weight_VD, dlin_RV.t(), x_RD);
