@@ -20,8 +20,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 
-# torch:transformers. Every supported torch with the default transformers (the newest release).
-ROWS="2.11.0:5.25.0 2.12.1:5.25.0 2.13.0:5.25.0 2.14.1:5.25.0 2.15.0:5.25.0"
+# torch:transformers. Every supported torch with the default transformers (the newest release), then
+# the oldest pair the README claims: the oldest torch with the oldest transformers.
+ROWS="2.11.0:5.25.0 2.12.1:5.25.0 2.13.0:5.25.0 2.14.1:5.25.0 2.15.0:5.25.0 2.11.0:5.23.0"
 # The rest of the environment, as scripts/bootstrap.sh pins it.
 PINS=(peft==0.21.2 accelerate==1.16.0 trl==1.16.0 datasets==5.2.0 pandas==3.1.1 pyarrow==26.0.1
       pytest==9.2.0 expecttest==0.3.0 numpy==2.4.6)

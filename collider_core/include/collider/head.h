@@ -15,7 +15,7 @@
 // (dz' = dz through the soft-capping and the scale). fused_head_loss knows the keep mask in the
 // forward: it scores the K rows in whole-vocabulary blocks and makes their gradient right there
 // (for d(loss) = 1; the backward scales it): 2 N D V + 4 K D V FLOPs, the FLOP ideal of a head that
-// scores every row and trains the kept ones (where a block holds 256 rows or more; see
+// scores every row and trains the kept ones (where a block holds 128 rows or more, or all of them; see
 // HeadOptions::recompute). score_head cannot (RHO-1 picks the keep mask from its
 // scores): it saves each row's log-sum-exp, ScoredHead::loss the K rows of `hidden` and their
 // targets, and the backward recomputes their logits block by block: 2 K D V FLOPs more (also
@@ -44,7 +44,8 @@ struct HeadOptions {
   // fused_head_loss only: the kept rows' logits recomputed in the backward (as ScoredHead::loss
   // does) instead of their gradient made in the forward, which scores them chunk_rows *
   // chunk_vocab / V whole-vocabulary rows at a time. The forward way is taken where that is at
-  // least 256 rows (V up to 32768 at the defaults); below, the recompute is faster on the CPU.
+  // least 128 rows (V up to 65536 at the defaults) or one block holds every row; below, the
+  // recompute is as fast on the CPU (python/bench/bench_head.py).
   bool recompute = false;
 };
 
