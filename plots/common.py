@@ -139,6 +139,10 @@ def load_rows(paths: Sequence[str], require: Sequence[str] = ()) -> list[dict]:
                 if missing:
                     warn(f"{path}:{lineno}: point {row.get('point_id', '?')} lacks {missing}; ignored")
                     continue
+                # A model with Collider's fused LM head (run.head = "fused") is its own group, with
+                # its own regular, floor and A/A rows: "qwen2.5-mini-v152k, fused head".
+                if row.get("head") == "fused" and "model" in row:
+                    row["model"] = f"{row['model']}, fused head"
                 row["_key"] = method_key(row)
                 rows.append(row)
     if not rows:

@@ -302,3 +302,34 @@ TEST(PlotTables, ForwardDropRowHasIdealAndFloorFromItsMiddleTokens) {
   EXPECT_LT(md.find("Collider (exact_query)"), pos) << "forward_drop follows Collider:\n" << md;
   remove_tree(out);
 }
+
+// A run with Collider's fused LM head (run.head = "fused") beside one with the model's own head:
+// the fixture's tinyllama-mini rows again with head "fused" and Collider's backward at 70/72 ms
+// (median 71 = -29.0% vs that run's own regular, 100) form their own group, "tinyllama-mini,
+// fused head", and leave the dense group's -35.0% as it was.
+TEST(PlotTables, FusedHeadRowsAreTheirOwnGroup) {
+  const fs::path out = fresh_dir("tab_backward_fused_head");
+  std::string rows = read_file(kFixtures / "tab_backward_time.jsonl");
+  std::istringstream lines(rows);
+  std::string line;
+  while (std::getline(lines, line)) {
+    auto row = nlohmann::json::parse(line);
+    if (row["model"] != "tinyllama-mini") continue;
+    row["head"] = "fused";
+    if (row["method"] == "collider" && row["seq_len"] == 512 && row["attention_grad"] == "kept_only") {
+      row["bwd_ms"] = row["bwd_ms"].get<double>() == 64.0 ? 70.0 : 72.0;
+    }
+    rows += row.dump() + "\n";
+  }
+  std::ofstream(out / "rows.jsonl") << rows;
+  const RunResult r = run_script("tab_backward_time.py", {out / "rows.jsonl"}, out);
+  ASSERT_EQ(r.exit_code, 0) << r.log;
+  const std::string md = read_file(out / "tab_backward_time.md");
+  EXPECT_NE(md.find("| tinyllama-mini | 512 | 2 | 40% | Collider (kept_only) | 65.00 | -35.0% |"), std::string::npos)
+      << md;
+  EXPECT_NE(md.find("| tinyllama-mini, fused head | 512 | 2 | 40% | Collider (kept_only) | 71.00 | -29.0% |"),
+            std::string::npos)
+      << md;
+  EXPECT_NE(md.find("| tinyllama-mini, fused head | 512 | 2 | 40% | regular | 100.00 |"), std::string::npos) << md;
+  remove_tree(out);
+}
