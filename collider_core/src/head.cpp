@@ -361,11 +361,12 @@ void check_head_arguments(const char* who, const torch::Tensor& hidden, const to
 namespace {
 
 // The fewest whole-vocabulary rows per block for which fused_head_loss makes the gradient in the
-// forward (below, it recomputes, unless one block holds every row): chunk_rows * chunk_vocab / V. The eager head adds each block's
-// share of the weight's [V, D] gradient into it, and with few rows per block that traffic costs
-// more than the recompute (python/bench/bench_head.py, CPU, V = 151936, D = 512, N = 2048: blocks
-// of 55 rows 1.19x the unfused head under Collider, the recompute 1.16x, 128 rows 1.00x, 256 rows
-// 0.91x).
+// forward (below, it recomputes, unless one block holds every row): chunk_rows * chunk_vocab / V.
+// The eager head adds each block's share of the weight's [V, D] gradient into it, and with few
+// rows per block that traffic costs more than the recompute (CPU, V = 151936, D = 512, N = 2048,
+// one quick pass against the unfused head under Collider: blocks of 55 rows 1.19x, the recompute
+// 1.16x, 128 rows 1.00x; the interleaved python/bench/bench_head.py: 256-row blocks 1.18x, the
+// recompute 1.44x).
 constexpr int64_t kEagerMinRows = 128;
 
 // fused_head_loss with a gradient to make: the keep mask is known in the forward, so the counted
@@ -452,7 +453,7 @@ HeadResult fused_head_loss(const torch::Tensor& hidden, const torch::Tensor& wei
                           (hidden.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad()));
   const int64_t block_rows = opts.chunk_rows * opts.chunk_vocab / std::max<int64_t>(weight.size(0), 1);
   const int64_t N = weight.size(1) > 0 ? hidden.numel() / weight.size(1) : 0;
-  const bool few_rows = block_rows < kEagerMinRows && block_rows < N;  // one block of all rows is never few
+  const bool few_rows = block_rows < kEagerMinRows && block_rows < N;  // one block of every row is not few
   if (!wants_grad || opts.recompute || few_rows) {
     ScoredHead scored = score_head(hidden, weight, targets, opts, bias);
     return HeadResult{scored.loss(keep, opts.divisor), scored.token_loss, scored.entropy};
