@@ -9,6 +9,7 @@ Environment:
   COLLIDER_CUDA=ON            also compile collider_core's CUDA sources (needs nvcc)
 Needs CMake >= 3.22, a C++17 compiler with OpenMP (g++) and the Python headers (python3-dev).
 """
+import hashlib
 import os
 import shutil
 import subprocess
@@ -80,8 +81,12 @@ class CMakeBuild(build_ext):
         except ImportError:
             sys.exit("collider setup.py: torch is not importable; install torch first and use "
                      "pip install --no-build-isolation so that the extension is built against it")
-        # One CMake tree per torch: a tree configured for another torch would keep finding that one.
-        build_dir = Path(self.build_temp).resolve() / f"cmake-torch{torch.__version__}"
+        # One CMake tree per installed torch (its release and where it lies): a tree configured for
+        # another torch, or for the same release in another environment (since removed), would keep
+        # linking that one.
+        torch_dir = str(Path(torch.__file__).resolve().parent)
+        build_dir = (Path(self.build_temp).resolve() /
+                     f"cmake-torch{torch.__version__}-{hashlib.sha1(torch_dir.encode()).hexdigest()[:10]}")
         out_dir = build_dir / "module"
         cmake = shutil.which("cmake")
         if not cmake:
