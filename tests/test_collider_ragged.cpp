@@ -228,4 +228,36 @@ TEST(RaggedCollider, EqualCountsArePerSequence) {
   }
 }
 
+
+// The row-by-row attention cores cut their rows when the backward first reaches them (as every
+// saved tensor is cut, saved_cut.h). A backward with retain_graph keeps those rows: a second
+// backward gives the same gradient bit for bit; a third, after one that did not retain the graph,
+// is refused with advice.
+TEST(RaggedCollider, RowAttentionCutsInTheBackwardAndKeepsARetainedGraph) {
+  torch::manual_seed(0);
+  Gpt2 m(97, 32, 4, 2, 128);
+  Plan plan = trace_plan([&](int64_t B, int64_t T) {
+    return masked_ce(m->forward(torch::randint(97, {B, T})), torch::randint(97, {B, T}),
+                     torch::ones({B, T}, torch::kBool));
+  });
+  auto idx = torch::randint(97, {4, kT});
+  auto labels = torch::randint(97, {4, kT});
+  auto keep = very_unequal_keep(4, 31);
+  for (auto a : {AttentionGrad::kKeptOnly, AttentionGrad::kExactQuery}) {
+    zero_grads(*m);
+    auto loss = masked_ce(m->forward(idx), labels, keep);
+    FilterStats st = filter_backward(loss, keep, plan, {a});
+    EXPECT_GT(count_nodes(loss, "collider::RowAttention"), 0) << to_string(a);
+    EXPECT_GT(st.tensors_gathered, 0);
+    loss.backward({}, /*retain_graph=*/true);
+    auto first = grads_of(*m);
+    zero_grads(*m);
+    loss.backward();
+    auto second = grads_of(*m);
+    for (const auto& [name, t] : first) EXPECT_TRUE(torch::equal(t, second.at(name))) << name << " " << to_string(a);
+    auto msg = error_of([&] { loss.backward(); });
+    EXPECT_NE(msg.find("a second time"), std::string::npos) << msg;
+  }
+}
+
 }  // namespace

@@ -11,8 +11,11 @@
 // went from 3-10% over per-sequence ones to within a few percent (results/README.md, "Ragged
 // kept counts").
 // The row's probabilities, Q, K^T and V are cut from the forward's full tensors with the row's
-// own index (the fast per-sequence cut kernels); only the small [H, N_b, E] gradients move
-// between the padded layout and the row (index_select / index_copy_ of the live slots).
+// own index (the fast per-sequence cut kernels) when the node's backward first runs, as every
+// other saved tensor is cut (saved_cut.h): cut in filter_backward instead, the rewrite took 27-44
+// ms of tinyllama-mini's T 1024, B 4 step and the step held every layer's full tensors and their
+// cuts at once. Only the small [H, N_b, E] gradients move between the padded layout and the row
+// (index_select / index_copy_ of the live slots).
 //
 // What it replays, per row b with kept positions K_b (queries) and keys K_b (kept_only) or all T
 // (exact_query), from the saved tensors of the core's nodes:
@@ -195,46 +198,90 @@ NodePtrOf<RowAttentionNode> make_row_attention(const Graph& g, const PlanData& p
     *why = "the saved probabilities are not [B*H, T, T] with softmax over the last dimension";
     return nullptr;
   }
-  torch::NoGradGuard no_grad;
+  RowAttentionNode::Saved saved;
   const bool r_is_p = r.scalar_type() == p.scalar_type() && r.data_ptr() == p.data_ptr();
-  torch::Tensor r3 = r.reshape(p.sizes());
-  const bool cut_keys = !exact;
-  std::vector<RowAttentionNode::Row> rows(ix.B());
-  for (int64_t b = 0; b < ix.B(); ++b) {
-    TokenIndex* rb = ix.row(b);
-    if (!rb) continue;  // keeps nothing: no gradient from this row
-    auto heads = [&](const torch::Tensor& t) { return t.narrow(0, b * H, H); };
-    auto& row = rows[b];
-    row.live = ix.live_slots(b);
-    row.p = rb->cut(heads(p), p_f->shape, cut_keys);
-    row.r = r_is_p ? row.p : rb->cut(heads(r3), p_f->shape, cut_keys);
-    row.v = rb->cut(heads(v), v_f->shape, cut_keys);
-    row.q = rb->cut(heads(q), q_f->shape, cut_keys);
-    row.k_t = rb->cut(heads(k_t), k_f->shape, cut_keys);
-  }
-  auto node = make_node<RowAttentionNode>(shared_index, std::move(rows), std::move(chain), sm->self_scalar_type, H,
+  saved.p = p.detach();
+  if (!r_is_p) saved.r = r.detach().reshape(p.sizes());
+  saved.v = v.detach();
+  saved.q = q.detach();
+  saved.k_t = k_t.detach();
+  saved.p_shape = p_f->shape;
+  saved.v_shape = v_f->shape;
+  saved.q_shape = q_f->shape;
+  saved.k_shape = k_f->shape;
+  for (const auto* t : {&p, &r, &v, &q, &k_t}) saved.versions.push_back(t->_version());
+  auto node = make_node<RowAttentionNode>(shared_index, std::move(saved), std::move(chain), sm->self_scalar_type, H,
                                                  exact, g.nodes[core.qk], g.nodes[core.pv]);
   const auto& meta = g.nodes[core.pv]->input_metadata(0);
   std::vector<int64_t> full;
   for (const auto& d : meta.shape_as_dim_vector()) full.push_back(d.expect_int());
-  auto shape = ix.cut_sizes(full, pv_input->shape, cut_keys);
+  auto shape = ix.cut_sizes(full, pv_input->shape, !exact);
   node->add_input_metadata(meta.options(), std::vector<c10::SymInt>(shape.begin(), shape.end()), false, false,
                            std::nullopt);
   return node;
 }
 
-RowAttentionNode::RowAttentionNode(std::shared_ptr<TokenIndex> index, std::vector<Row> rows, std::vector<Scale> chain,
+RowAttentionNode::RowAttentionNode(std::shared_ptr<TokenIndex> index, Saved saved, std::vector<Scale> chain,
                                    c10::ScalarType softmax_input_dtype, int64_t heads, bool exact,
                                    NodePtr qk, NodePtr pv)
     : Node(pv->sequence_nr()),
       ix_(std::move(index)),
-      rows_(std::move(rows)),
+      saved_(std::move(saved)),
       chain_(std::move(chain)),
       softmax_input_dtype_(softmax_input_dtype),
       H_(heads),
       exact_(exact),
       qk_(std::move(qk)),
       pv_(std::move(pv)) {}
+
+std::vector<int64_t> RowAttentionNode::cut_bytes() const {
+  std::vector<int64_t> out;
+  const bool cut_keys = !exact_;
+  for (int64_t b = 0; b < ix_->B(); ++b) {
+    const TokenIndex* rb = ix_->row(b);
+    if (!rb) continue;
+    auto add = [&](const torch::Tensor& t, const ShapeSpec& shape) {
+      if (!t.defined()) return;
+      int64_t n = 1;
+      for (int64_t s : rb->cut_sizes(t.narrow(0, b * H_, H_).sizes(), shape, cut_keys)) n *= s;
+      out.push_back(n * static_cast<int64_t>(t.element_size()));
+    };
+    add(saved_.p, saved_.p_shape);
+    add(saved_.r, saved_.p_shape);
+    add(saved_.v, saved_.v_shape);
+    add(saved_.q, saved_.q_shape);
+    add(saved_.k_t, saved_.k_shape);
+  }
+  return out;
+}
+
+void RowAttentionNode::cut_rows() {
+  Saved& s = saved_;
+  const torch::Tensor* held[] = {&s.p, &s.r, &s.v, &s.q, &s.k_t};
+  for (size_t i = 0; i < 5; ++i) {
+    if (held[i]->defined() && held[i]->_version() != s.versions[i]) {
+      throw Error(fmt::format(
+          "collider: a tensor saved for the attention backward was modified in place after filter_backward "
+          "(version {} -> {}); call filter_backward right before loss.backward()",
+          s.versions[i], held[i]->_version()));
+    }
+  }
+  const bool cut_keys = !exact_;
+  rows_.assign(ix_->B(), Row{});
+  for (int64_t b = 0; b < ix_->B(); ++b) {
+    TokenIndex* rb = ix_->row(b);
+    if (!rb) continue;  // keeps nothing: no gradient from this row
+    auto heads = [&](const torch::Tensor& t) { return t.narrow(0, b * H_, H_); };
+    Row& row = rows_[b];
+    row.live = ix_->live_slots(b);
+    row.p = rb->cut(heads(s.p), s.p_shape, cut_keys);
+    row.r = s.r.defined() ? rb->cut(heads(s.r), s.p_shape, cut_keys) : row.p;
+    row.v = rb->cut(heads(s.v), s.v_shape, cut_keys);
+    row.q = rb->cut(heads(s.q), s.q_shape, cut_keys);
+    row.k_t = rb->cut(heads(s.k_t), s.k_shape, cut_keys);
+  }
+  saved_ = {};  // the full tensors go now (a retained graph keeps the rows)
+}
 
 void RowAttentionNode::adopt_edges() {
   next_edges_ = {qk_->next_edge(0), qk_->next_edge(1), pv_->next_edge(1)};
@@ -246,12 +293,13 @@ void RowAttentionNode::adopt_edges() {
 variable_list RowAttentionNode::apply(variable_list&& grads) {
   torch::Tensor dO = grads.at(0);  // [B*H, N, E], padded layout
   if (!dO.defined()) return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
-  if (rows_.empty()) {
+  if (released_) {
     throw Error(
         "collider: backward through a filtered graph a second time; its saved tensors are freed "
         "(pass retain_graph=true to the first backward)");
   }
   torch::NoGradGuard no_grad;
+  if (rows_.empty()) cut_rows();
   const int64_t B = ix_->B(), N = ix_->N(), T = ix_->T(), E = dO.size(2), H = H_;
   const Row* any = nullptr;
   for (const auto& r : rows_)

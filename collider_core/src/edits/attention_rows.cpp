@@ -3,7 +3,8 @@
 // its backward one sequence at a time on that sequence's own kept count, instead of on
 // [B, H, N, N] padded to the largest count (row_attention.h says what it replays and what it
 // costs). Every edge into PV leads to the stand-in; the core's other nodes are left unreachable and
-// their saved tensors released once the rewrite stays. A core the stand-in cannot replay is left
+// their saved tensors released once the rewrite stays; the stand-in holds what it needs and cuts
+// it, row by row, when its backward first runs. A core the stand-in cannot replay is left
 // to the later edits, padded, with the same gradients. It runs before the node pass, so the core's
 // nodes are taken from every other edit.
 #include "edit.h"
@@ -45,12 +46,9 @@ class AttentionRowsEdit final : public Edit {
       tx.at_finish([n = g.nodes[c]] { n->release_variables(); });
     }
     tx.replace_node(g, core.pv, node);
-    for (const auto& row : node->rows()) {  // the cuts it made, in the gather statistics
-      for (const auto* t : {&row.p, &row.r, &row.v, &row.q, &row.k_t}) {
-        if (!t->defined() || (t == &row.r && row.r.is_same(row.p))) continue;
-        ++stats.tensors_gathered;
-        stats.bytes_gathered += static_cast<int64_t>(t->numel() * t->element_size());
-      }
+    for (int64_t bytes : node->cut_bytes()) {  // the cuts its backward makes, in the gather statistics
+      ++stats.tensors_gathered;
+      stats.bytes_gathered += bytes;
     }
     tx.after_commit([node] { node->adopt_edges(); });
     ++stats.nodes_rewritten;
