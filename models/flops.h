@@ -9,7 +9,7 @@
 #pragma once
 
 #include "models/method.h"
-#include "models/model.h"
+#include "models/model_config.h"
 
 #include <cstdint>
 #include <string>

@@ -11,7 +11,7 @@
 
 #include <string>
 
-#include "models/model.h"
+#include "models/model_config.h"
 
 namespace collider::models {
 

@@ -9,8 +9,10 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <stdexcept>
+#include <utility>
 
 namespace collider::models {
 
@@ -26,6 +28,34 @@ const char* to_string(Family f) {
       return "mixtral";
   }
   return "unknown";
+}
+
+namespace {
+// The one table of attention implementations and their names.
+constexpr std::pair<AttentionImpl, const char*> kAttentionImpls[] = {{AttentionImpl::kEager, "eager"},
+                                                                     {AttentionImpl::kSdpa, "sdpa"}};
+}  // namespace
+
+const char* to_string(AttentionImpl a) {
+  for (const auto& [impl, name] : kAttentionImpls)
+    if (impl == a) return name;
+  return "unknown";
+}
+
+const std::vector<std::string>& attention_impl_names() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> v;
+    for (const auto& [impl, name] : kAttentionImpls) v.push_back(name);
+    return v;
+  }();
+  return names;
+}
+
+AttentionImpl attention_impl_from_string(const std::string& s) {
+  for (const auto& [impl, name] : kAttentionImpls)
+    if (s == name) return impl;
+  throw std::invalid_argument(
+      fmt::format("unknown attention implementation '{}'; known: {}", s, fmt::join(attention_impl_names(), ", ")));
 }
 
 // Analytic count from the config; must equal the instantiated module's (tests/test_models.cpp).

@@ -136,7 +136,7 @@ INSTANTIATE_TEST_SUITE_P(AllFamilies, ForwardDrop,
                                               std::get<0>(info.param) == "tinyllama-debug" ? "llama"
                                               : std::get<0>(info.param) == "qwen2.5-debug" ? "qwen2"
                                                                                            : "phi",
-                                              std::get<1>(info.param) == AttentionImpl::kEager ? "eager" : "sdpa",
+                                              to_string(std::get<1>(info.param)),
                                               static_cast<int>(std::get<2>(info.param) * 100));
                          });
 

@@ -4,7 +4,7 @@
 #include "harness/config/manifest.h"
 
 #include "harness/config/loader.h"
-#include "models/model.h"
+#include "models/model_config.h"
 
 #include <collider/select.h>
 
@@ -200,7 +200,7 @@ class TimingSchema {
                               {to_string(Score::kSelf), to_string(Score::kRandom), to_string(Score::kExcessLoss)},
                               &models::score_from_string);
     check_data();
-    L_.check_in("run.attention_impl", r.attention_impl, {"eager", "sdpa"});
+    L_.check_in("run.attention_impl", r.attention_impl, models::attention_impl_names());
     L_.check_in("run.head", r.head, {"dense", "fused"});
 
     for (const auto& name : axes_.model) {

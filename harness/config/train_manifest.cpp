@@ -3,7 +3,7 @@
 // and attention_grad; forward_drop per ratio) and the resolved manifest.
 #include "harness/config/train_manifest.h"
 
-#include "models/model.h"
+#include "models/model_config.h"
 
 #include <fmt/format.h>
 #include <toml++/toml.h>

@@ -189,7 +189,7 @@ class Group {
     if (!any_left || stopped()) return;
     try {
       const uint64_t seed = static_cast<uint64_t>(m_.run.seed);
-      const auto attn = m_.run.attention_impl == "sdpa" ? models::AttentionImpl::kSdpa : models::AttentionImpl::kEager;
+      const auto attn = models::attention_impl_from_string(m_.run.attention_impl);
       trainer_ = std::make_unique<Trainer>(models::build_model(*cfg_, attn, seed),
                                            step_config(m_, *members_.front().point), device_, seed, ranges_);
       if (dist_) trainer_->set_reducer(std::make_shared<GradientReducer>(dist_, trainer_->model()->parameters()));
