@@ -6,7 +6,8 @@
 // Tests: tests/test_prepare_data.cpp (sample data from scripts/prepare_data.sh --sample).
 #pragma once
 
-#include "harness/components/train_step.h"
+#include "harness/components/batch.h"
+#include "models/model.h"
 
 #include <torch/torch.h>
 

@@ -9,6 +9,7 @@
 // Tests: tests/test_train_step.cpp (build-harness/tests/test_train_step).
 #pragma once
 
+#include "harness/components/batch.h"
 #include "harness/components/distributed.h"
 #include "harness/components/layer_timing.h"
 #include "harness/components/ranges.h"
@@ -55,12 +56,6 @@ struct StepConfig {
   // collider: the check of a step against mask_backward on first use and every check_every-th
   // step (collider::FilterOptions::check_every); the timing sweeps set 0, training runs keep it.
   int64_t check_every = collider::kDefaultCheckEvery;
-};
-
-struct Batch {
-  torch::Tensor input_ids_BT;                // int64 [B, T]
-  torch::Tensor labels_BT;                   // int64 [B, T], pre-shifted, -100 = no label
-  std::optional<torch::Tensor> ref_loss_BT;  // float [B, T], reference per-token losses (nats)
 };
 
 struct StepResult {
