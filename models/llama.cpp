@@ -4,6 +4,8 @@
 // Tested by tests/test_models.cpp; `build/collider models` lists the presets.
 #include "models/common/architecture.h"
 
+#include <fmt/format.h>
+
 namespace collider::models::detail {
 
 namespace {
@@ -23,6 +25,40 @@ ModelConfig llama(std::string name, int64_t layers, int64_t hidden, int64_t ffn,
   c.rope_theta = 10000.0;
   c.max_position = 2048;
   return c;
+}
+}  // namespace
+
+void read_llama_like_hf(const HfKeys& j, ModelConfig& c) {
+  if (const std::string act = j.string("hidden_act"); !act.empty() && act != "silu")
+    j.fail(fmt::format("hidden_act = '{}' is not supported for {} (allowed: silu)", act, to_string(c.family)));
+  if (c.partial_rotary_factor != 1.0)
+    j.fail(fmt::format("partial_rotary_factor {} is only supported for Phi", c.partial_rotary_factor));
+  c.norm_eps = j.number("rms_norm_eps", 1e-6);
+  c.qkv_bias = false;
+  c.linear_bias = false;
+  c.lm_head_bias = false;
+}
+
+void write_llama_like_hf(const ModelConfig& c, nlohmann::json& j) {
+  j["hidden_act"] = "silu";
+  j["rms_norm_eps"] = c.norm_eps;
+}
+
+namespace {
+void read_hf(const HfKeys& j, ModelConfig& c) {
+  read_llama_like_hf(j, c);
+  j.require_false("attention_bias", "our Llama has no attention biases");
+  j.require_false("mlp_bias", "our Llama has no MLP biases");
+}
+
+void write_hf(const ModelConfig& c, nlohmann::json& j) {
+  if (c.qkv_bias || c.linear_bias || c.lm_head_bias || c.partial_rotary_factor != 1.0)
+    throw std::invalid_argument(fmt::format(
+        "model '{}': a Llama config with biases or partial rotary has no Hugging Face LlamaForCausalLM equivalent",
+        c.name));
+  write_llama_like_hf(c, j);
+  j["attention_bias"] = false;
+  j["mlp_bias"] = false;
 }
 }  // namespace
 
@@ -47,7 +83,8 @@ const Architecture& llama_architecture() {
           llama("tinyllama-micro", 4, 256, 768, 8, 1, 8192),
           // Unit tests: GQA ratio 8, head dim 8.
           llama("tinyllama-debug", 2, 64, 176, 8, 1, 256),
-      }};
+      },
+      {"LlamaForCausalLM", "llama", read_hf, write_hf}};
   return arch;
 }
 

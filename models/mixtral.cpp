@@ -7,6 +7,8 @@
 // lists the presets.
 #include "models/common/architecture.h"
 
+#include <fmt/format.h>
+
 namespace collider::models::detail {
 
 namespace {
@@ -31,6 +33,28 @@ ModelConfig mixtral(std::string name, int64_t layers, int64_t hidden, int64_t ff
 }
 }  // namespace
 
+namespace {
+// Llama's attention and norms, a mixture of experts for the MLP.
+void read_hf(const HfKeys& j, ModelConfig& c) {
+  c.num_experts = j.positive_int("num_local_experts");
+  c.experts_per_token = j.positive_int("num_experts_per_tok");
+  read_llama_like_hf(j, c);
+}
+
+void write_hf(const ModelConfig& c, nlohmann::json& j) {
+  if (c.qkv_bias || c.linear_bias || c.lm_head_bias || c.partial_rotary_factor != 1.0)
+    throw std::invalid_argument(fmt::format(
+        "model '{}': a Mixtral config with biases or partial rotary has no Hugging Face MixtralForCausalLM "
+        "equivalent",
+        c.name));
+  write_llama_like_hf(c, j);
+  j["num_local_experts"] = c.num_experts;
+  j["num_experts_per_tok"] = c.experts_per_token;
+  j["router_jitter_noise"] = 0.0;
+  j["experts_implementation"] = "eager";
+}
+}  // namespace
+
 const Architecture& mixtral_architecture() {
   static const Architecture arch{
       Family::kMixtral,
@@ -46,7 +70,8 @@ const Architecture& mixtral_architecture() {
           mixtral("mixtral-mini", 4, 512, 768, 8, 2, 8192, 8, 2),
           // Unit tests: 4 experts, top-2, GQA ratio 4, head dim 8.
           mixtral("mixtral-debug", 2, 64, 96, 8, 2, 256, 4, 2),
-      }};
+      },
+      {"MixtralForCausalLM", "mixtral", read_hf, write_hf}};
   return arch;
 }
 

@@ -4,6 +4,8 @@
 // HF: Qwen2ForCausalLM. Tested by tests/test_models.cpp.
 #include "models/common/architecture.h"
 
+#include <fmt/format.h>
+
 namespace collider::models::detail {
 
 namespace {
@@ -28,6 +30,22 @@ ModelConfig qwen2(std::string name, int64_t layers, int64_t hidden, int64_t ffn,
 }
 }  // namespace
 
+namespace {
+void read_hf(const HfKeys& j, ModelConfig& c) {
+  read_llama_like_hf(j, c);
+  j.require_false("use_sliding_window", "sliding-window attention is not implemented");
+  c.qkv_bias = true;
+}
+
+void write_hf(const ModelConfig& c, nlohmann::json& j) {
+  if (!c.qkv_bias || c.linear_bias || c.lm_head_bias || c.partial_rotary_factor != 1.0)
+    throw std::invalid_argument(fmt::format(
+        "model '{}': a Qwen2 config must have q/k/v biases only and full rotary to match Qwen2ForCausalLM", c.name));
+  write_llama_like_hf(c, j);
+  j["use_sliding_window"] = false;
+}
+}  // namespace
+
 const Architecture& qwen2_architecture() {
   static const Architecture arch{
       Family::kQwen2,
@@ -47,7 +65,8 @@ const Architecture& qwen2_architecture() {
           // outweigh the decoder (the fused head's whole-step benchmark, experiments/bench_head_step.toml).
           qwen2("qwen2.5-mini-v152k", 4, 480, 2800, 6, 1, 80, 151936),
           qwen2("qwen2.5-debug", 2, 48, 128, 6, 1, 8, 256),
-      }};
+      },
+      {"Qwen2ForCausalLM", "qwen2", read_hf, write_hf}};
   return arch;
 }
 

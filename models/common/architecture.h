@@ -10,16 +10,20 @@
 //  1. models/<family>.cpp: its Architecture (norm, MLP, block, HF names) and presets, with a -debug
 //     and a -mini preset whose attention/linear FLOP ratio stays within 2x of the paper-scale
 //     model's (DESIGN.md section 7; tests/test_flops.cpp checks it);
-//  2. a Family value and its name (model.h, model.cpp), the declaration below and its entry in
+//  2. a Family value and its name (model_config.h, model.cpp), the declaration below and its entry in
 //     architectures() (architecture.cpp);
 //  3. a new NormKind / MlpKind / BlockKind only if no block in common/blocks.h fits, with its
 //     parameter count (model.cpp) and its GEMMs in linear_flops_per_token (flops.cpp);
-//  4. its config.json mapping (hf_config.cpp) so that HF checkpoints load by name;
+//  4. its config.json mapping (the Architecture's hf: class name, model type, the reader and writer
+//     of its own keys) so that HF checkpoints load by name;
 //  5. the family in the lists of tests/test_models.cpp and tests/test_collider_models.cpp (the
 //     gradient oracles of DESIGN.md), and in README.md's family list.
 #pragma once
 
 #include "models/common/blocks.h"
+#include "models/common/hf_keys.h"
+
+#include <nlohmann/json.hpp>
 
 #include <memory>
 #include <vector>
@@ -30,6 +34,18 @@ enum class NormKind { kRMSNorm, kLayerNorm };
 enum class MlpKind { kSwiGLU, kGeluTanh, kMoE };  // SwiGLU: 3 matrices D x F; GELU: 2; MoE: X SwiGLU experts
 enum class BlockKind { kSequential, kParallel };
 
+// The family's config.json beyond the keys every family has (sizes, heads, RoPE theta, tied
+// embeddings: models/hf_config.cpp reads and writes those first).
+struct HfMapping {
+  const char* class_name;  // architectures[0]: "LlamaForCausalLM"
+  const char* model_type;  // "llama"
+  // Reads the family's keys into c (norm, biases, activation, partial rotary, experts), refusing
+  // what the family's blocks cannot reproduce.
+  void (*read)(const HfKeys& j, ModelConfig& c);
+  // Writes them; throws std::invalid_argument when c has no equivalent in that class.
+  void (*write)(const ModelConfig& c, nlohmann::json& j);
+};
+
 struct Architecture {
   Family family;
   NormKind norm;
@@ -38,6 +54,7 @@ struct Architecture {
   const char* attn_out_name;    // "o_proj" (Llama, Qwen2) or "dense" (Phi)
   const char* final_norm_name;  // "norm" (Llama, Qwen2) or "final_layernorm" (Phi)
   std::vector<ModelConfig> presets;
+  HfMapping hf;
 };
 
 const Architecture& llama_architecture();  // llama.cpp
@@ -46,6 +63,11 @@ const Architecture& phi_architecture();    // phi.cpp
 const Architecture& mixtral_architecture();  // mixtral.cpp
 const std::vector<const Architecture*>& architectures();
 const Architecture& architecture(Family f);
+
+// The config.json keys Llama's blocks share with Qwen2 and Mixtral (SiLU, RMSNorm's eps, full
+// rotary, no biases but Qwen2's q/k/v ones), read and written by llama.cpp for all three.
+void read_llama_like_hf(const HfKeys& j, ModelConfig& c);
+void write_llama_like_hf(const ModelConfig& c, nlohmann::json& j);
 
 // Rotary dims per head: int(E * partial_rotary_factor), as HF.
 int64_t rotary_dim(const ModelConfig& cfg);
