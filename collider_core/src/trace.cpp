@@ -216,12 +216,13 @@ void check_python_functions(const Graph& g, const PlanData& plan, const std::vec
   }
 }
 
-PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
-  PlanData plan;
-  plan.batch_a = sa.B;
-  plan.seq_a = sa.T;
-  plan.batch_b = sb.B;
-  plan.seq_b = sb.T;
+namespace {
+
+// The two traces observed node by node (observe.h), refused where they differ other than in
+// sizes: a graph that depends on the batch or sequence size cannot be planned (a mixture of
+// experts whose expert got no token in one trace: AmbiguousRoute, which trace_plan retries).
+void observe_traces(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb, std::vector<ObservedNode>& oa,
+                    std::vector<ObservedNode>& ob) {
   const size_t n = ga.nodes.size();
   // transformers' eager experts skip an expert that receives no token: a mixture-of-experts graph
   // (scatters back into token rows) differs then, and other random tokens may use them all.
@@ -242,7 +243,8 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
                     "the model's graph must not depend on the batch or sequence size",
                     n, sa.B, sa.T, gb.nodes.size(), sb.B, sb.T));
   }
-  std::vector<ObservedNode> oa(n), ob(n);
+  oa.assign(n, {});
+  ob.assign(n, {});
   for (size_t i = 0; i < n; ++i) {
     oa[i] = observe(ga.nodes[i]);
     ob[i] = observe(gb.nodes[i]);
@@ -257,146 +259,155 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
           "trace_plan: node #{} {}; the graph must not depend on the batch or sequence size", i, differs));
     }
   }
-  plan.nodes.resize(n);
-  plan.children.resize(n);
-  for (size_t i = 0; i < n; ++i)
-    for (const auto& e : ga.nodes[i]->next_edges())
-      plan.children[i].push_back(e.function ? ga.index.at(e.function.get()) : -1);
-  // Raw classification.
-  std::vector<std::vector<std::vector<int64_t>>> values(n);  // trace-a values per kept field
-  std::vector<RoutedCandidate> candidates;                   // fields taken as routed (routes.h)
-  std::set<int> python_functions;                            // Python custom Functions with token fields
+}
+
+// What the classification of every node collects for the steps after it.
+struct Classified {
+  std::vector<std::vector<std::vector<int64_t>>> values;  // trace-a values per kept field
+  std::vector<RoutedCandidate> candidates;                 // fields taken as routed (routes.h)
+  std::set<int> python_functions;                          // Python custom Functions with token fields
   std::set<int> sink_ops;  // cat, slice or max along T + c positions: attention sinks, if check_sinks agrees
-  for (size_t i = 0; i < n; ++i) {
-    NodeSpec& ns = plan.nodes[i];
-    ns.type = oa[i].type;
-    if (along_token_plus_dim(oa[i], ob[i], sa, sb)) sink_ops.insert(static_cast<int>(i));
-    if (is_fused_attention_node(ns.type)) {
-      // Replaced whole at filter time (sdpa.h), which cuts its query rows and key columns as token
-      // positions: only where its query positions are the tokens. One over positions of their own
-      // (a vision tower's image patches, a fixed memory) is an ordinary node with nothing
-      // token-shaped, left as it is.
-      switch (fused_attention_sequence(oa[i], ob[i], sa, sb)) {
-        case FusedSequence::kTokens: ns.fused_attention = true; continue;
-        case FusedSequence::kOther: continue;
-        case FusedSequence::kMixed:
-          throw Error(fmt::format(
-              "collider cannot rewrite node {} (#{}): a fused attention whose query and key positions are not both "
-              "the tokens (a cross-attention); use attn_implementation=\"eager\" for that module, or train it "
-              "without token filtering",
-              ns.type, i));
-      }
+};
+
+// Node i's fields classified (classify.h) into plan.nodes[i]: its token-shaped fields kept, the
+// fused attention marked (the fused attention edit replaces it whole), and every node whose
+// token fields no edit can cut refused with what to do.
+void classify_node(const Graph& ga, size_t i, const std::vector<ObservedNode>& oa,
+                   const std::vector<ObservedNode>& ob, Sizes sa, Sizes sb, PlanData& plan, Classified& out) {
+  auto& values = out.values;
+  auto& candidates = out.candidates;
+  auto& python_functions = out.python_functions;
+  auto& sink_ops = out.sink_ops;
+  NodeSpec& ns = plan.nodes[i];
+  ns.type = oa[i].type;
+  if (along_token_plus_dim(oa[i], ob[i], sa, sb)) sink_ops.insert(static_cast<int>(i));
+  if (is_fused_attention_node(ns.type)) {
+    // Replaced whole at filter time (sdpa.h), which cuts its query rows and key columns as token
+    // positions: only where its query positions are the tokens. One over positions of their own
+    // (a vision tower's image patches, a fixed memory) is an ordinary node with nothing
+    // token-shaped, left as it is.
+    switch (fused_attention_sequence(oa[i], ob[i], sa, sb)) {
+      case FusedSequence::kTokens: ns.fused_attention = true; return;
+      case FusedSequence::kOther: return;
+      case FusedSequence::kMixed:
+        throw Error(fmt::format(
+            "collider cannot rewrite node {} (#{}): a fused attention whose query and key positions are not both "
+            "the tokens (a cross-attention); use attn_implementation=\"eager\" for that module, or train it "
+            "without token filtering",
+            ns.type, i));
     }
-    if (is_reentrant_checkpoint(ns.type)) {
+  }
+  if (is_reentrant_checkpoint(ns.type)) {
+    throw Error(
+        fmt::format("collider cannot filter through node {} (#{}): {}", ns.type, i, reentrant_checkpoint_advice()));
+  }
+  for (size_t k = 0; k < oa[i].fields.size(); ++k) {
+    const Observed& a = oa[i].fields[k];
+    const Observed& b = ob[i].fields[k];
+    if (!a.defined || !b.defined) continue;
+    if (a.kind == FieldKind::kStrides) continue;  // recomputed from the sibling sizes when those are cut
+    ShapeSpec spec;
+    std::string why;
+    // A size that follows neither B nor T may be a mixture-of-experts route (routes.h): taken as
+    // routed here, refused by assign_routes unless a route claims it.
+    if (!classify(a, b, sa, sb, spec, why) && classify(a, b, sa, sb, spec, why, /*allow_routed=*/true)) {
+      candidates.push_back(RoutedCandidate{static_cast<int>(i), a.name, why});
+    } else if (!why.empty()) {
+      // Its saved fields, which help whoever extends the rewriter, only under COLLIDER_DEBUG_PLAN=1:
+      // the message itself stays short enough to read (node, reason, what to do).
+      // (A size that follows neither B nor T reaches here only with a rank that differs between
+      // the traces; a routed one is assign_routes' to refuse, with its advice.)
+      throw Error(fmt::format(
+          "collider cannot rewrite node {} (#{}): field {} {}.{}", ns.type, i, a.name, why,
+          debug_plan() ? fmt::format(" Saved fields: {}", oa[i].described.empty() ? "(none)" : oa[i].described)
+                       : std::string()));
+    }
+    if (!spec.has_token()) continue;
+    if (spec.has_routed() && spec.dims.size() != 1) {  // one routed dimension, nothing else that scales
+      throw Error(fmt::format("collider cannot rewrite node {} (#{}): field {} {}", ns.type, i, a.name, why));
+    }
+    if (!oa[i].generated && ns.type.find("CompiledFunction") != std::string::npos) {
       throw Error(
-          fmt::format("collider cannot filter through node {} (#{}): {}", ns.type, i, reentrant_checkpoint_advice()));
+          fmt::format("collider cannot rewrite node {} (#{}): it is a torch.compile (AOTAutograd) graph, "
+                      "whose saved activations live inside compiled code the rewriter cannot cut. Trace "
+                      "and filter the model and loss without torch.compile.",
+                      ns.type, i));
     }
-    for (size_t k = 0; k < oa[i].fields.size(); ++k) {
-      const Observed& a = oa[i].fields[k];
-      const Observed& b = ob[i].fields[k];
-      if (!a.defined || !b.defined) continue;
-      if (a.kind == FieldKind::kStrides) continue;  // recomputed from the sibling sizes when those are cut
-      ShapeSpec spec;
-      std::string why;
-      // A size that follows neither B nor T may be a mixture-of-experts route (routes.h): taken as
-      // routed here, refused by assign_routes unless a route claims it.
-      if (!classify(a, b, sa, sb, spec, why) && classify(a, b, sa, sb, spec, why, /*allow_routed=*/true)) {
-        candidates.push_back(RoutedCandidate{static_cast<int>(i), a.name, why});
-      } else if (!why.empty()) {
-        // Its saved fields, which help whoever extends the rewriter, only under COLLIDER_DEBUG_PLAN=1:
-        // the message itself stays short enough to read (node, reason, what to do).
-        // (A size that follows neither B nor T reaches here only with a rank that differs between
-        // the traces; a routed one is assign_routes' to refuse, with its advice.)
-        throw Error(fmt::format(
-            "collider cannot rewrite node {} (#{}): field {} {}.{}", ns.type, i, a.name, why,
-            debug_plan() ? fmt::format(" Saved fields: {}", oa[i].described.empty() ? "(none)" : oa[i].described)
-                         : std::string()));
-      }
-      if (!spec.has_token()) continue;
-      if (spec.has_routed() && spec.dims.size() != 1) {  // one routed dimension, nothing else that scales
-        throw Error(fmt::format("collider cannot rewrite node {} (#{}): field {} {}", ns.type, i, a.name, why));
-      }
-      if (!oa[i].generated && ns.type.find("CompiledFunction") != std::string::npos) {
-        throw Error(
-            fmt::format("collider cannot rewrite node {} (#{}): it is a torch.compile (AOTAutograd) graph, "
-                        "whose saved activations live inside compiled code the rewriter cannot cut. Trace "
-                        "and filter the model and loss without torch.compile.",
-                        ns.type, i));
-      }
-      // A Python custom Function (its saved tensors visible): taken if its backward maps rows one to
-      // one, which check_python_functions runs it to see once the fields are classified. One
-      // declared passthrough is not run (DDP's and FSDP2's queue work for the end of the backward).
-      if (!oa[i].generated && custom_saved(*ga.nodes[i]) && !is_passthrough(ns.type) &&
-          (a.kind == FieldKind::kSaved || a.kind == FieldKind::kInputMeta)) {
-        python_functions.insert(static_cast<int>(i));
+    // A Python custom Function (its saved tensors visible): taken if its backward maps rows one to
+    // one, which check_python_functions runs it to see once the fields are classified. One
+    // declared passthrough is not run (DDP's and FSDP2's queue work for the end of the backward).
+    if (!oa[i].generated && custom_saved(*ga.nodes[i]) && !is_passthrough(ns.type) &&
+        (a.kind == FieldKind::kSaved || a.kind == FieldKind::kInputMeta)) {
+      python_functions.insert(static_cast<int>(i));
+      ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
+      values[i].push_back(a.values);
+      continue;
+    }
+    if (!oa[i].generated && a.kind == FieldKind::kSaved) {
+      throw Error(fmt::format(
+          "collider cannot filter through node {} (#{}): declared passthrough, but it saves a token-shaped tensor "
+          "([{}]), which its backward would read at full length; registering it does not make that safe. Write "
+          "the op with torch operations",
+          ns.type, i, fmt::join(a.values, ", ")));
+    }
+    if (a.scalar) {
+      if (a.name.find("numel") != std::string::npos) continue;  // a divisor fixed by the forward (mean)
+      if (sink_ops.count(static_cast<int>(i)) && ns.type == "SliceBackward0" && a.name == "end") {
+        spec.dims[0].role = Role::kKey;  // the sinks sliced off the key columns: [..., :T] (check_sinks)
         ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
         values[i].push_back(a.values);
         continue;
       }
-      if (!oa[i].generated && a.kind == FieldKind::kSaved) {
+      throw Error(fmt::format(
+          "collider cannot rewrite node {} (#{}): scalar field {} equals the sequence length; "
+          "the op indexes along the token dimension{}",
+          ns.type, i, a.name, debug_plan() ? fmt::format(". Saved fields: {}", oa[i].described) : std::string()));
+    }
+    if (a.name.rfind("geometry:", 0) == 0) {
+      throw Error(
+          fmt::format("collider cannot rewrite node {} (#{}): field {} (a TensorGeometry) has token "
+                      "dimensions",
+                      ns.type, i, a.name.substr(9)));
+    }
+    if (ns.type == "torch::autograd::CopySlices" && a.kind == FieldKind::kInputMeta) {
+      if (!oa[i].described.empty()) {  // slices.h: the cases it cuts
         throw Error(fmt::format(
-            "collider cannot filter through node {} (#{}): declared passthrough, but it saves a token-shaped tensor "
-            "([{}]), which its backward would read at full length; registering it does not make that safe. Write "
-            "the op with torch operations",
-            ns.type, i, fmt::join(a.values, ", ")));
-      }
-      if (a.scalar) {
-        if (a.name.find("numel") != std::string::npos) continue;  // a divisor fixed by the forward (mean)
-        if (sink_ops.count(static_cast<int>(i)) && ns.type == "SliceBackward0" && a.name == "end") {
-          spec.dims[0].role = Role::kKey;  // the sinks sliced off the key columns: [..., :T] (check_sinks)
-          ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
-          values[i].push_back(a.values);
-          continue;
-        }
-        throw Error(fmt::format(
-            "collider cannot rewrite node {} (#{}): scalar field {} equals the sequence length; "
-            "the op indexes along the token dimension{}",
-            ns.type, i, a.name, debug_plan() ? fmt::format(". Saved fields: {}", oa[i].described) : std::string()));
-      }
-      if (a.name.rfind("geometry:", 0) == 0) {
-        throw Error(
-            fmt::format("collider cannot rewrite node {} (#{}): field {} (a TensorGeometry) has token "
-                        "dimensions",
-                        ns.type, i, a.name.substr(9)));
-      }
-      if (ns.type == "torch::autograd::CopySlices" && a.kind == FieldKind::kInputMeta) {
-        if (!oa[i].described.empty()) {  // slices.h: the cases it cuts
-          throw Error(fmt::format(
-              "collider cannot rewrite node {} (#{}): an in-place write into a slice of a token-shaped tensor "
-              "that collider does not cut ({}). Build the tensor with torch.cat",
-              ns.type, i, oa[i].described));
-        }
-        ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
-        values[i].push_back(a.values);
-        continue;
-      }
-      if (!oa[i].generated && a.kind == FieldKind::kInputMeta && !is_passthrough(ns.type) &&
-          ns.type != "torch::autograd::AccumulateGrad") {
-        // A node of C++ code (a Python custom Function is checked by running it, above): the contract
-        // is the user's to check.
-        throw Error(fmt::format(
-            "collider cannot rewrite node {} (#{}): not an ATen op, and its input has token dimensions. Only if "
-            "it saves nothing token-shaped and its backward maps gradient rows one to one, "
-            "collider.register_passthrough_node(\"{}\") declares it safe",
-            ns.type, i, ns.type));
-      }
-      if (token_mixing_nodes().count(ns.type) && along_token_dim(oa[i], a, spec) &&
-          !is_cat_onto_empty(oa[i], ob[i], sa, sb) && !sink_ops.count(static_cast<int>(i))) {
-        throw Error(
-            fmt::format("collider cannot rewrite node {} (#{}): it mixes or indexes positions along a "
-                        "token dimension (field {}); filtering rows would change its result{}",
-                        ns.type, i, a.name, mixing_hint(ns.type)));
+            "collider cannot rewrite node {} (#{}): an in-place write into a slice of a token-shaped tensor "
+            "that collider does not cut ({}). Build the tensor with torch.cat",
+            ns.type, i, oa[i].described));
       }
       ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
       values[i].push_back(a.values);
+      continue;
     }
+    if (!oa[i].generated && a.kind == FieldKind::kInputMeta && !is_passthrough(ns.type) &&
+        ns.type != "torch::autograd::AccumulateGrad") {
+      // A node of C++ code (a Python custom Function is checked by running it, above): the contract
+      // is the user's to check.
+      throw Error(fmt::format(
+          "collider cannot rewrite node {} (#{}): not an ATen op, and its input has token dimensions. Only if "
+          "it saves nothing token-shaped and its backward maps gradient rows one to one, "
+          "collider.register_passthrough_node(\"{}\") declares it safe",
+          ns.type, i, ns.type));
+    }
+    if (token_mixing_nodes().count(ns.type) && along_token_dim(oa[i], a, spec) &&
+        !is_cat_onto_empty(oa[i], ob[i], sa, sb) && !sink_ops.count(static_cast<int>(i))) {
+      throw Error(
+          fmt::format("collider cannot rewrite node {} (#{}): it mixes or indexes positions along a "
+                      "token dimension (field {}); filtering rows would change its result{}",
+                      ns.type, i, a.name, mixing_hint(ns.type)));
+    }
+    ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
+    values[i].push_back(a.values);
   }
-  refuse_token_gradients_born_opaque(ga, plan);
-  resolve_flat_order(ga, plan);
-  assign_routes(ga, oa, ob, sa, sb, plan, candidates);
-  // Broadcast layouts, resolved parents-first. With B = 1 a batch-less token field is cut as it
-  // is (every row belongs to the one sequence).
-  std::vector<std::optional<RefLayout>> node_ref(n);
+}
+
+// Broadcast layouts, resolved parents-first: a token field without a batch dimension takes the
+// layout of a batch-carrying tensor of its node or of a consumer. With B = 1 a batch-less token
+// field is cut as it is (every row belongs to the one sequence).
+void resolve_broadcast(const Graph& ga, Sizes sa, PlanData& plan,
+                       const std::vector<std::vector<std::vector<int64_t>>>& values) {
+  std::vector<std::optional<RefLayout>> node_ref(plan.nodes.size());
   for (int i : sa.B == 1 ? std::vector<int>{} : topological_order(ga)) {
     NodeSpec& ns = plan.nodes[i];
     std::optional<RefLayout> ref;
@@ -426,9 +437,44 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
     }
     node_ref[i] = ref;
   }
-  check_python_functions(ga, plan, oa, python_functions, sa);
+}
+
+}  // namespace
+
+// The plan: both traces observed, every node classified, then the whole-graph steps in order,
+// each writing its part of the plan for the edits that read it (edits/edit.h):
+//   refuse_token_gradients_born_opaque  every edit: a token gradient must be born in a node it can cut
+//   resolve_flat_order                  field cut: [B*T] rows in batch- or sequence-major order
+//   assign_routes                       route scatters: mixture-of-experts routes (routes.h)
+//   resolve_broadcast                   field cut: token fields without a batch dimension
+//   check_python_functions              field cut: Python custom Functions run to see they map rows
+//   find_attention_cores                attention rows, key rows: QK^T -> softmax -> PV (attention_cores.h)
+//   check_sinks                         field cut: attention sinks' T + c key columns
+//   check_row_rules                     every edit: each cut node acts row by row (row_rules.h)
+PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
+  PlanData plan;
+  plan.batch_a = sa.B;
+  plan.seq_a = sa.T;
+  plan.batch_b = sb.B;
+  plan.seq_b = sb.T;
+  std::vector<ObservedNode> oa, ob;
+  observe_traces(ga, gb, sa, sb, oa, ob);
+  const size_t n = ga.nodes.size();
+  plan.nodes.resize(n);
+  plan.children.resize(n);
+  for (size_t i = 0; i < n; ++i)
+    for (const auto& e : ga.nodes[i]->next_edges())
+      plan.children[i].push_back(e.function ? ga.index.at(e.function.get()) : -1);
+  Classified c;
+  c.values.resize(n);
+  for (size_t i = 0; i < n; ++i) classify_node(ga, i, oa, ob, sa, sb, plan, c);
+  refuse_token_gradients_born_opaque(ga, plan);
+  resolve_flat_order(ga, plan);
+  assign_routes(ga, oa, ob, sa, sb, plan, c.candidates);
+  resolve_broadcast(ga, sa, plan, c.values);
+  check_python_functions(ga, plan, oa, c.python_functions, sa);
   find_attention_cores(ga, plan);
-  check_sinks(plan, oa, sink_ops, sa);
+  check_sinks(plan, oa, c.sink_ops, sa);
   check_row_rules(ga, plan, oa);
   return plan;
 }
