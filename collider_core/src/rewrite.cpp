@@ -420,14 +420,6 @@ FilterStats run_rewrite(const torch::Tensor& loss, const torch::Tensor& keep_BT,
 }  // namespace
 }  // namespace detail
 
-const char* to_string(AttentionGrad a) { return a == AttentionGrad::kKeptOnly ? "kept_only" : "exact_query"; }
-
-AttentionGrad attention_grad_from_string(const std::string& s) {
-  if (s == "kept_only") return AttentionGrad::kKeptOnly;
-  if (s == "exact_query") return AttentionGrad::kExactQuery;
-  throw std::invalid_argument("unknown attention_grad '" + s + "'; allowed: kept_only, exact_query");
-}
-
 // The prepare pass can meet a failure of a tensor op (a TORCH_CHECK, an allocation): it leaves
 // as collider::Error too, the graph untouched.
 static FilterStats rewrite_or_refuse(const torch::Tensor& loss, const torch::Tensor& keep_BT, const Plan& plan,

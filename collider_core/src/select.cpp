@@ -13,14 +13,6 @@
 
 namespace collider {
 
-const char* to_string(SelectPolicy p) { return p == SelectPolicy::kPerSequence ? "per_sequence" : "batch_topk"; }
-
-SelectPolicy select_policy_from_string(const std::string& s) {
-  if (s == "per_sequence") return SelectPolicy::kPerSequence;
-  if (s == "batch_topk") return SelectPolicy::kBatchTopK;
-  throw std::invalid_argument("unknown selection policy '" + s + "'; allowed: per_sequence, batch_topk");
-}
-
 static void check_ratio(double filter_ratio) {
   if (!(filter_ratio >= 0.0 && filter_ratio < 1.0)) {
     throw std::invalid_argument("filter_ratio " + std::to_string(filter_ratio) +
