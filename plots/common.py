@@ -156,7 +156,7 @@ def median(values: Iterable[float]) -> float:
 
 
 def quantile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default, base/stats.h's)."""
+    """Linear interpolation between closest ranks (numpy's default, measuring/stats.h's)."""
     vals = sorted(v for v in values if v is not None and not math.isnan(v))
     if not vals:
         return float("nan")

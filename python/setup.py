@@ -1,10 +1,12 @@
-"""Builds the collider Python package: the extension collider._C is the CMake target
-`collider_python` of python/CMakeLists.txt, compiled against the torch of the running Python.
+"""Builds the collider Python package: the extensions collider._C (the mechanism and its API) and
+collider._measure (the measuring kit the benchmarks use) are the CMake targets `collider_python` and
+`collider_measure_python` of python/CMakeLists.txt, compiled against the torch of the running Python.
 
   pip install --no-build-isolation ./python      # from the Collider checkout; builds collider_core too
 Environment:
-  COLLIDER_PREBUILT_EXT=PATH  copy this already-built _C module instead of compiling (what
-                              scripts/bootstrap.sh does with the one its CMake build made)
+  COLLIDER_PREBUILT_EXT=PATH  copy this already-built _C module, and the _measure module beside it,
+                              instead of compiling (what scripts/bootstrap.sh does with the ones its
+                              CMake build made)
   COLLIDER_JOBS=N             build parallelism (default: number of cores)
   COLLIDER_CUDA=ON            also compile collider_core's CUDA sources (needs nvcc)
 Needs CMake >= 3.22, a C++17 compiler with OpenMP (g++) and the Python headers (python3-dev).
@@ -53,8 +55,9 @@ def copy_build_record(module_dir: Path, package_dir: Path) -> None:
 
 
 class CMakeExtension(Extension):
-    def __init__(self, name: str):
+    def __init__(self, name: str, target: str):
         super().__init__(name, sources=[])
+        self.target = target  # the CMake target that builds it
 
 
 class CMakeBuild(build_ext):
@@ -67,6 +70,12 @@ class CMakeBuild(build_ext):
             src = Path(prebuilt)
             if not src.is_file():
                 sys.exit(f"collider setup.py: COLLIDER_PREBUILT_EXT={prebuilt} is not a file")
+            stem = ext.name.rsplit(".", 1)[1]  # _C, or a module built beside it
+            if stem != src.name.split(".")[0]:
+                src = src.parent / (stem + suffix)
+                if not src.is_file():
+                    sys.exit(f"collider setup.py: {src} is missing beside COLLIDER_PREBUILT_EXT={prebuilt}: "
+                             "build it with the same CMake build (its target is " + ext.target + ")")
             if not src.name.endswith(suffix):
                 sys.exit(f"collider setup.py: {src.name} was built for another Python (expected suffix {suffix})")
             shutil.copyfile(src, target)
@@ -101,12 +110,15 @@ class CMakeBuild(build_ext):
             args += ["-DCMAKE_CXX_COMPILER_LAUNCHER=ccache", "-DCMAKE_CUDA_COMPILER_LAUNCHER=ccache"]
         subprocess.run(args, check=True)
         jobs = os.environ.get("COLLIDER_JOBS", str(os.cpu_count() or 1))
-        subprocess.run([cmake, "--build", str(build_dir), "--target", "collider_python", "-j", jobs], check=True)
-        built = [p for p in out_dir.iterdir() if p.name.startswith("_C") and p.name.endswith(suffix)]
+        subprocess.run([cmake, "--build", str(build_dir), "--target", ext.target, "-j", jobs], check=True)
+        stem = ext.name.rsplit(".", 1)[1]
+        built = [p for p in out_dir.iterdir() if p.name == stem + suffix]
         if len(built) != 1:
-            sys.exit(f"collider setup.py: expected one _C*{suffix} in {out_dir}, found {[p.name for p in built]}")
+            sys.exit(f"collider setup.py: expected {stem}{suffix} in {out_dir}, found {[p.name for p in out_dir.iterdir()]}")
         shutil.copyfile(built[0], target)
         copy_build_record(out_dir, target.parent)
 
 
-setup(ext_modules=[CMakeExtension("collider._C")], cmdclass={"build_ext": CMakeBuild})
+setup(ext_modules=[CMakeExtension("collider._C", "collider_python"),
+                   CMakeExtension("collider._measure", "collider_measure_python")],
+      cmdclass={"build_ext": CMakeBuild})

@@ -154,12 +154,12 @@ say "built in $(( $(date +%s) - start )) s: $ROOT/build/collider"
 echo "$PY" > build/python_path
 echo "$TORCH_VERSION" > build/torch_version
 
-# 5. Install the Python package into the environment: the _C module this build made is copied
-# (COLLIDER_PREBUILT_EXT), so collider_core is not compiled a second time. Skipped when nothing
+# 5. Install the Python package into the environment: the _C and _measure modules this build made
+# are copied (COLLIDER_PREBUILT_EXT), so collider_core is not compiled a second time. Skipped when nothing
 # changed since the last install from this checkout (stamp: hash of the module and the .py files).
 EXT=$(ls build/python/collider/_C*.so 2>/dev/null | head -1)
 if [[ -n "$EXT" ]]; then
-  STAMP=$( (echo "$PY"; sha256sum "$EXT" build/python/collider/_torch_build.py python/collider/*.py python/collider/py.typed python/setup.py python/pyproject.toml) | sha256sum | cut -c1-16)
+  STAMP=$( (echo "$PY"; sha256sum "$EXT" build/python/collider/_measure*.so build/python/collider/_torch_build.py python/collider/*.py python/collider/py.typed python/setup.py python/pyproject.toml) | sha256sum | cut -c1-16)
   SITE=$(cd /tmp && "$PY" -c "import sysconfig;print(sysconfig.get_paths()['purelib'])")
   if [[ "$(cat "$SITE/collider/.bootstrap_stamp" 2>/dev/null)" != "$STAMP" ]]; then
     COLLIDER_PREBUILT_EXT="$ROOT/$EXT" "$PY" -m pip install -q --no-build-isolation --no-deps --force-reinstall ./python \

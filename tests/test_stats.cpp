@@ -1,10 +1,10 @@
-// Tests of the order statistics every timing row and benchmark reports (base/stats.h): quantiles
+// Tests of the order statistics every timing row and benchmark reports (measuring/stats.h): quantiles
 // by linear interpolation (numpy's default), the median, and the relative IQR; and the h:mm:ss
 // durations of progress lines (base/duration.h); the measurement engine's interleaved rounds and
-// per-round medians (base/rounds.h).
+// per-round medians (measuring/rounds.h).
 #include "base/duration.h"
-#include "base/stats.h"
-#include "base/rounds.h"
+#include "measuring/stats.h"
+#include "measuring/rounds.h"
 
 #include <string>
 

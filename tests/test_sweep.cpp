@@ -11,7 +11,7 @@
 #include "harness/recipes/cli.h"
 #include "base/fsutil.h"
 #include "harness/components/token_data.h"
-#include "collider_core/src/memory.h"
+#include "measuring/memory.h"
 #include "harness/run/results.h"
 #include "models/flops.h"
 

@@ -15,6 +15,7 @@
 
 #include "plan_impl.h"
 
+#include "collider/custom_saved.h"
 #include "collider/torch_compat.h"
 #include <torch/csrc/autograd/saved_variable.h>
 
@@ -26,9 +27,8 @@ namespace collider::detail {
 // Whether register_passthrough_node(name) was called. Thread-safe.
 bool is_passthrough(const std::string& name);
 
-// nullptr when the node is not a Python custom Function or no reader is installed.
-using CustomSavedReader = std::vector<torch::autograd::SavedVariable>* (*)(torch::autograd::Node& node);
-void set_custom_saved_reader(CustomSavedReader reader);
+// The reader a binding installed (collider/custom_saved.h: set_custom_saved_reader); nullptr when
+// the node is not a Python custom Function or no reader is installed.
 std::vector<torch::autograd::SavedVariable>* custom_saved(torch::autograd::Node& node);
 
 // A Python custom Function's backward run on the traced batch (B, T) twice: as traced, and with its

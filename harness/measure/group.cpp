@@ -2,9 +2,9 @@
 // their warm-up and interleaved rounds, and their rows (identity, measured keys, work).
 #include "harness/measure/group.h"
 
-#include "base/rounds.h"
-#include "base/stats.h"
-#include "collider_core/src/memory.h"
+#include "measuring/rounds.h"
+#include "measuring/stats.h"
+#include "measuring/memory.h"
 #include "harness/components/timer.h"
 #include "harness/components/token_data.h"
 #include "harness/components/train_step.h"

@@ -1,7 +1,7 @@
 // PointMeasurements (point_measurements.h): the measured keys of a point's row.
 #include "harness/measure/point_measurements.h"
 
-#include "base/stats.h"
+#include "measuring/stats.h"
 #include "harness/run/results.h"
 
 #include <collider/filter_stats_fields.h>

@@ -6,7 +6,7 @@
 
 #include "harness/components/distributed.h"
 #include "harness/components/train_step.h"
-#include "base/rounds.h"
+#include "measuring/rounds.h"
 
 #include <collider/collider.h>
 #include <nlohmann/json.hpp>

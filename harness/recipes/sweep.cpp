@@ -4,7 +4,7 @@
 #include "harness/recipes/sweep.h"
 
 #include "base/duration.h"
-#include "collider_core/src/memory.h"
+#include "measuring/memory.h"
 #include "harness/components/timer.h"
 #include "harness/measure/table.h"
 #include "harness/run/run_dir.h"

@@ -3,7 +3,7 @@
 
 #include "base/fault.h"
 #include "base/fsutil.h"
-#include "collider_core/src/memory.h"
+#include "measuring/memory.h"
 #include "harness/components/ranges.h"
 
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -332,7 +332,7 @@ nlohmann::json environment_record(const Provenance& p) {
   j["nvtx"] = nvtx_enabled();
   j["interop_threads"] = at::get_num_interop_threads();
   j["parallel_info"] = at::get_parallel_info();
-  j["cpu_allocator"] = memory::cpu_allocator_mode();  // caching | tracking | system (collider_core/src/memory.h)
+  j["cpu_allocator"] = memory::cpu_allocator_mode();  // caching | tracking | system (measuring/memory.h)
   j["cpu_cache_limit_mib"] = memory::cpu_cache_limit_bytes() >> 20;
   j["source_dir"] = COLLIDER_SOURCE_DIR;
   return j;

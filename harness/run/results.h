@@ -4,7 +4,7 @@
 // Tests: tests/test_results.cpp.
 #pragma once
 
-#include "collider_core/src/provenance.h"
+#include "measuring/provenance.h"
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -68,7 +68,7 @@ struct ExistingResults {
 // newline or not valid JSON: a run killed mid-write) is cut so that appending stays clean.
 ExistingResults read_results(const std::string& path, bool repair);
 
-// What the numbers ran on (collider_core/src/provenance.h), collected in this checkout
+// What the numbers ran on (measuring/provenance.h), collected in this checkout
 // (COLLIDER_SOURCE_DIR).
 using Provenance = collider::Provenance;
 Provenance collect_provenance(const torch::Device& device);

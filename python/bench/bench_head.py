@@ -125,8 +125,8 @@ def bench_point(V, D, N, reps, warmup, dev, seed=0):
             torch.cuda.reset_peak_memory_stats()
             live = torch.cuda.memory_allocated()
         else:
-            collider._C._cpu_memory_reset_peak()
-            live = collider._C._cpu_memory_peak_bytes()
+            collider._measure.cpu_memory_reset_peak()
+            live = collider._measure.cpu_memory_peak_bytes()
         t0 = time.perf_counter()
         loss = loss_of[method](x, w, target, keep, count)
         if method in plans:
@@ -135,7 +135,7 @@ def bench_point(V, D, N, reps, warmup, dev, seed=0):
         if cuda:
             torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1e3
-        peak = (torch.cuda.max_memory_allocated() if cuda else collider._C._cpu_memory_peak_bytes()) - live
+        peak = (torch.cuda.max_memory_allocated() if cuda else collider._measure.cpu_memory_peak_bytes()) - live
         return {"ms": ms, "peak_bytes": peak, "loss": float(loss.detach())}
 
     samples = side_by_side(run_once, METHODS, warmup, reps)
@@ -196,7 +196,7 @@ def main() -> int:
     args = ap.parse_args()
     dev = torch.device(args.device)
     if dev.type == "cpu":
-        collider._C._install_caching_cpu_allocator()
+        collider._measure.install_caching_cpu_allocator()
     prov = provenance("caching" if dev.type == "cpu" else "cuda", dev, False)
     print(f"head benchmark: commit {prov['git_sha'][:10]}, torch {torch.__version__}, {prov.get('device_name', dev)}, "
           f"{prov['scale']}")

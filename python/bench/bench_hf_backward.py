@@ -6,7 +6,7 @@ downloaded): tinyllama-mini (4 layers, D 512, FFN 1536, 8 heads, 1 KV head, voca
 default), tinyllama-1.1b (the paper's TinyLlama-1.1B) or tinyllama-debug. attn_implementation eager
 and sdpa, batch 2, 40% of each row's labelled positions filtered: the keep mask from
 collider.select_tokens, T' = collider.kept_count of the labelled positions. Per point, in one
-process, through the C++ measurement engine's rounds (base/rounds.h, by the bindings): each method's
+process, through the C++ measurement engine's rounds (measuring/rounds.h, by the bindings): each method's
 warm-up steps in turn, then timed rounds, every round running each method once in serpentine order
 (even rounds in the order below, odd rounds reversed), as the C++ sweeps run:
   regular               dense backward of the mean over every labelled position
@@ -71,6 +71,7 @@ if (BUILD_PKG / "collider").exists() and os.environ.get("COLLIDER_TEST_INSTALLED
 
 try:
     import collider
+    import collider._measure  # the measuring kit: allocator, provenance, rounds, FLOP model
     import collider.hf as chf
 except ImportError as e:
     raise SystemExit(f"error: the collider Python package is not importable ({e}); build this checkout "
@@ -105,7 +106,7 @@ def flop_shape(dims: dict) -> dict:
 
 def forward_flops(dims: dict, B: int, T: int) -> dict:
     """linear, attention and lm_head GEMM FLOPs of the forward (models::forward_flops)."""
-    return collider._C._forward_flops(flop_shape(dims), B, T)
+    return collider._measure.forward_flops(flop_shape(dims), B, T)
 
 
 def backward_flops(dims: dict, B: int, T: int, N: int, mode: str, recompute: bool = False) -> float:
@@ -114,17 +115,17 @@ def backward_flops(dims: dict, B: int, T: int, N: int, mode: str, recompute: boo
     the recomputation is not filtered) the backward runs again."""
     full = forward_flops(dims, B, T)
     again = full["linear"] + full["attention"] if recompute else 0.0
-    return sum(collider._C._backward_flops(flop_shape(dims), T, [N] * B, mode).values()) + again
+    return sum(collider._measure.backward_flops(flop_shape(dims), T, [N] * B, mode).values()) + again
 
 
 # ---- provenance ---------------------------------------------------------------------------------
 def provenance(allocator: str, dev: torch.device, bf16: bool) -> dict:
-    """What the numbers ran on: the C++ rows' record (collider._C._provenance: commit, torch and CUDA
-    versions, device name, threads, host; collider_core/src/provenance.h) and what only Python knows.
+    """What the numbers ran on: the C++ rows' record (collider._measure.provenance: commit, torch and CUDA
+    versions, device name, threads, host; measuring/provenance.h) and what only Python knows.
     Without a .git (a copied tree), the commit comes from COLLIDER_GIT_SHA."""
     import transformers
     cuda = dev.type == "cuda"
-    prov = collider._C._provenance(str(dev), str(ROOT))
+    prov = collider._measure.provenance(str(dev), str(ROOT))
     if prov["git_sha"] == "unknown" and os.environ.get("COLLIDER_GIT_SHA"):
         prov.update(git_sha=os.environ["COLLIDER_GIT_SHA"], git_dirty=None)
     return {**prov, "transformers_version": transformers.__version__, "collider_version": collider.__version__,
@@ -135,7 +136,7 @@ def provenance(allocator: str, dev: torch.device, bf16: bool) -> dict:
             "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-# ---- side by side: the C++ engine's rounds (base/rounds.h) through the bindings -----------------
+# ---- side by side: the C++ engine's rounds (measuring/rounds.h) through the bindings -----------------
 def side_by_side(run_once, methods: tuple, warmup: int, reps: int) -> dict:
     """Each method's `warmup` steps in the order given, then `reps` rounds, each calling run_once(method)
     for every method in serpentine order (collider::stats::interleave, as the C++ sweeps and
@@ -146,18 +147,18 @@ def side_by_side(run_once, methods: tuple, warmup: int, reps: int) -> dict:
         for _ in range(warmup):
             run_once(methods[j])
 
-    collider._C._interleave(len(methods), reps, warm_up, lambda j, rnd: samples[methods[j]].append(run_once(methods[j])))
+    collider._measure.interleave(len(methods), reps, warm_up, lambda j, rnd: samples[methods[j]].append(run_once(methods[j])))
     return samples
 
 
 def median(xs) -> float:
-    """The median as the C++ tables take it (base/stats.h)."""
-    return collider._C._median(list(xs))
+    """The median as the C++ tables take it (measuring/stats.h)."""
+    return collider._measure.median(list(xs))
 
 
 def median_iqr(xs):
-    """Median and interquartile range (q75 - q25) as every C++ table computes them (base/rounds.h: Series)."""
-    series = collider._C._Series()
+    """Median and interquartile range (q75 - q25) as every C++ table computes them (measuring/rounds.h: Series)."""
+    series = collider._measure.Series()
     for x in xs:
         series.add(x)
     med = series.median()
@@ -179,10 +180,10 @@ class Clock:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         else:
-            collider._C._cpu_memory_reset_peak()
+            collider._measure.cpu_memory_reset_peak()
 
     def peak(self) -> int:
-        return torch.cuda.max_memory_allocated() if self.cuda else collider._C._cpu_memory_peak_bytes()
+        return torch.cuda.max_memory_allocated() if self.cuda else collider._measure.cpu_memory_peak_bytes()
 
 
 # ---- one point ----------------------------------------------------------------------------------
@@ -467,7 +468,7 @@ def main() -> int:
     methods, dev = parse_methods(args.methods), torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    allocator = collider._C._install_caching_cpu_allocator() if args.allocator == "caching" else "system"
+    allocator = collider._measure.install_caching_cpu_allocator() if args.allocator == "caching" else "system"
     prov = provenance(allocator, dev, args.bf16)
     print(f"# {' '.join([Path(sys.argv[0]).name] + sys.argv[1:])}")
     print("# " + ", ".join(f"{k} {v}" for k, v in prov.items()))

@@ -5,24 +5,14 @@
 // no TORCH_CHECK or raw shape error leaves the package as something else). A Python exception
 // raised inside the trace callable comes back unchanged (pybind11::error_already_set).
 // Built by python/CMakeLists.txt (in the main CMake build, or by python/setup.py standalone) with
-// the pybind11 that torch ships. Tested by python/tests/test_api.py. For the benchmark
-// python/bench/bench_hf_backward.py it also exposes what the C++ measurements use, so that its
-// numbers are measured and counted as theirs are: the core's caching CPU allocator
-// (collider_core/src/memory.h), the rows' provenance (provenance.h), the engine's rounds and order
-// statistics (base/rounds.h, base/stats.h) and the FLOP model (models/flops.h); tested by
-// python/tests/test_bench_hf_backward.py.
+// the pybind11 that torch ships. Tested by python/tests/test_api.py. The mechanism and its API
+// only: what the benchmarks measure with (allocator, provenance, rounds, FLOP model) is the
+// measuring kit's module, collider._measure (measure_bindings.cpp).
 #include <collider/collider.h>
+#include <collider/custom_saved.h>
 #include <collider/filter_stats_fields.h>
 #include <collider/select.h>
 #include <collider/torch_compat.h>
-
-#include "collider_core/src/passthrough.h"
-#include "collider_core/src/memory.h"
-#include "collider_core/src/provenance.h"
-
-#include "base/rounds.h"
-#include "base/stats.h"
-#include "models/flops.h"
 
 #include <torch/csrc/autograd/python_function.h>
 #include <torch/extension.h>
@@ -105,7 +95,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("DEFAULT_CHECK_EVERY") = collider::kDefaultCheckEvery;
 
   // What ctx.save_for_backward kept in a Python custom Function's node, so that trace_plan can
-  // refuse one that saves token-shaped tensors (collider_core/src/passthrough.h).
+  // refuse one that saves token-shaped tensors (collider/custom_saved.h).
   collider::detail::set_custom_saved_reader(
       [](torch::autograd::Node& node) -> std::vector<torch::autograd::SavedVariable>* {
         // By the type's (Itanium ABI) name: libtorch_python does not export PyNode's type info, which a
@@ -266,107 +256,6 @@ PYBIND11_MODULE(_C, m) {
     for (const auto& r : collider::row_rules()) out.emplace_back(r.node_type, r.rule, r.reason);
     return out;
   });
-
-  // For benchmarks: the C++ harness's CPU allocator (caches freed blocks >= 64 KiB as CUDA's caching
-  // allocator does; COLLIDER_CPU_CACHING=0 turns caching off). Returns its mode.
-  m.def("_install_caching_cpu_allocator", [] {
-    collider::memory::install_cpu_memory_tracking();
-    return std::string(collider::memory::cpu_allocator_mode());
-  });
-  // Its live-tensor peak, as the C++ rows' peak_mem_bytes: reset, then read after a step.
-  m.def("_cpu_memory_reset_peak", [] { collider::memory::MemoryProbe(torch::kCPU).reset_peak(); });
-  m.def("_cpu_memory_peak_bytes", [] { return collider::memory::MemoryProbe(torch::kCPU).peak_bytes(); });
-
-  // What the numbers ran on, collected as the C++ rows collect it (collider_core/src/provenance.h),
-  // under the rows' keys (harness/run/results.cpp: to_json). source_dir: the checkout measured.
-  m.def(
-      "_provenance",
-      [](const std::string& device, const std::string& source_dir) {
-        const collider::Provenance p = collider::collect_provenance(torch::Device(device), source_dir);
-        py::dict d;
-        collider::for_each_field(p, [&](const char* key, const auto& value) {
-          if constexpr (std::is_same_v<std::decay_t<decltype(value)>, const std::string*>) {
-            d[key] = value ? py::object(py::str(*value)) : py::object(py::none());
-          } else {
-            d[key] = value;
-          }
-        });
-        return d;
-      },
-      py::arg("device"), py::arg("source_dir"));
-
-  // The measurement engine's rounds: warm_up(j) for each variant in order, then `rounds` rounds of
-  // measure(j, round) in serpentine order (base/rounds.h), as every C++ side-by-side run.
-  m.def(
-      "_interleave",
-      [](size_t n, int64_t rounds, const std::function<void(size_t)>& warm_up,
-         const std::function<void(size_t, int64_t)>& measure) {
-        collider::stats::Interleaving how;
-        how.warm_up = warm_up;
-        how.measure = measure;
-        collider::stats::interleave(n, rounds, how);
-      },
-      py::arg("n"), py::arg("rounds"), py::arg("warm_up"), py::arg("measure"));
-  // One timed quantity's samples with each round's median (base/rounds.h: Series).
-  py::class_<collider::stats::Series>(m, "_Series")
-      .def(py::init<>())
-      .def("add", &collider::stats::Series::add)
-      .def("end_round", &collider::stats::Series::end_round)
-      .def("median", &collider::stats::Series::median)
-      .def("rel_iqr", &collider::stats::Series::rel_iqr)
-      .def_property_readonly("samples", &collider::stats::Series::samples)
-      .def_property_readonly("round_medians", &collider::stats::Series::round_medians);
-  m.def("_median", &collider::stats::median, py::arg("values"));
-
-  // The FLOP model (models/flops.h) on a shape given as a dict of FlopShape's fields; `mode` is
-  // dense (the regular backward), kept_only or exact_query (Collider's). Counts as dicts of
-  // linear, attention and lm_head.
-  auto shape_of = [](const py::dict& d) {
-    collider::models::FlopShape s;
-    auto get = [&](const char* key, int64_t& field, bool required) {
-      if (d.contains(key))
-        field = d[key].cast<int64_t>();
-      else if (required)
-        throw collider::Error(std::string("FLOP shape: missing ") + key);
-    };
-    if (d.contains("name")) s.name = d["name"].cast<std::string>();
-    get("vocab_size", s.vocab_size, true);
-    get("hidden_size", s.hidden_size, true);
-    get("intermediate_size", s.intermediate_size, true);
-    get("num_layers", s.num_layers, true);
-    get("num_heads", s.num_heads, true);
-    get("num_kv_heads", s.num_kv_heads, true);
-    get("head_dim", s.head_dim, true);
-    get("mlp_matrices", s.mlp_matrices, false);
-    get("num_experts", s.num_experts, false);
-    get("experts_per_token", s.experts_per_token, false);
-    return s;
-  };
-  auto spec_of = [](const std::string& mode) {
-    collider::models::MethodSpec spec;
-    if (mode == "dense") return spec;
-    spec.method = collider::models::Method::kCollider;
-    spec.attention_grad = collider::attention_grad_from_string(mode);
-    return spec;
-  };
-  auto counts = [](const collider::models::FlopCount& f) {
-    return py::dict(py::arg("linear") = f.linear, py::arg("attention") = f.attention, py::arg("lm_head") = f.lm_head);
-  };
-  m.def(
-      "_forward_flops",
-      [=](const py::dict& shape, int64_t B, int64_t T) {
-        return guarded("_forward_flops",
-                       [&] { return counts(collider::models::forward_flops(shape_of(shape), B, T)); });
-      },
-      py::arg("shape"), py::arg("batch"), py::arg("seq_len"));
-  m.def(
-      "_backward_flops",
-      [=](const py::dict& shape, int64_t T, const std::vector<int64_t>& kept_per_row, const std::string& mode) {
-        return guarded("_backward_flops", [&] {
-          return counts(collider::models::backward_flops_rows(shape_of(shape), T, kept_per_row, spec_of(mode)));
-        });
-      },
-      py::arg("shape"), py::arg("seq_len"), py::arg("kept_per_row"), py::arg("mode"));
 
   // The torch this module was compiled against (its C++ ABI is tied to that exact version).
   m.attr("TORCH_VERSION_BUILT") =

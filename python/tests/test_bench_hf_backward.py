@@ -3,7 +3,7 @@ models/llama.cpp's presets) and its FLOP counts (the C++ FLOP model through the 
 it builds from a transformers config) equal what `collider models --json` (harness/recipes/cli.cpp)
 prints: each preset's shapes and, at T = 512 and 2048 with 40% filtered, the kept count, forward and
 backward FLOPs per token (dense, kept_only, exact_query) and the attention/linear ratio. And its
-rounds are the C++ engine's (base/rounds.h): warm-ups in order, then serpentine rounds; its
+rounds are the C++ engine's (measuring/rounds.h): warm-ups in order, then serpentine rounds; its
 provenance the C++ rows' record; its --json rows keyed as the C++ sweeps' rows.
 Skipped without the C++ CLI (build/collider, from the C++ build).
   pytest python/tests/test_bench_hf_backward.py

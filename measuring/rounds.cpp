@@ -1,7 +1,7 @@
 // Series and interleave (rounds.h).
-#include "base/rounds.h"
+#include "measuring/rounds.h"
 
-#include "base/stats.h"
+#include "measuring/stats.h"
 
 namespace collider::stats {
 

@@ -1,6 +1,6 @@
 // Provenance (provenance.h): git through popen, the CPU's model from /proc/cpuinfo, a GPU's name
 // through the CUDA driver looked up at run time (no CUDA headers needed).
-#include "provenance.h"
+#include "measuring/provenance.h"
 
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/headeronly/version.h>

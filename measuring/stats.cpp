@@ -1,5 +1,5 @@
 // Order statistics of timing samples (stats.h).
-#include "base/stats.h"
+#include "measuring/stats.h"
 
 #include <algorithm>
 #include <cmath>

@@ -5,7 +5,7 @@
 // (capacity rounded up to 64 KiB below 1 MiB, to 1 MiB above) and handed out again, as CUDA's
 // caching allocator does; glibc would munmap them (or trim its heap) and every step would
 // page-fault fresh zeroed memory in again (a [304, 512] fp32 gather: 0.16 ms fresh, 0.03 reused).
-#include "memory.h"
+#include "measuring/memory.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>

@@ -1,7 +1,7 @@
 // What a measurement ran on: the commit, torch and CUDA versions, the device's name, the intra-op
 // threads and the host. Every timing row carries it (DESIGN.md section 6); the harness writes it
 // (harness/run/results.h: to_json, the rows' keys) and the Python benchmark takes the same record
-// through the bindings (collider._C._provenance), so both collect it one way. Like memory.h, a
+// through collider._measure.provenance, so both collect it one way. Like memory.h, a
 // helper for measuring, not part of the filtering API. Tests: tests/test_results.cpp.
 #pragma once
 

@@ -1,7 +1,7 @@
 // The order every side-by-side measurement runs its variants in, and what one timed quantity of a
 // variant adds up to over it. interleave(): each variant's warm-up in the order given, then
 // `rounds` rounds in which every variant still standing runs once, in serpentine order (even
-// rounds forward, odd rounds reversed: base/stats.h), so drift on a shared machine hits every
+// rounds forward, odd rounds reversed: measuring/stats.h), so drift on a shared machine hits every
 // variant alike and each round pairs their medians. Series: the samples of one quantity, each
 // round's median, the median and relative IQR of all of them.
 // Used by the measurement engine (harness/measure/group.h) and, through the Python bindings,
