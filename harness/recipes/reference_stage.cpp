@@ -16,6 +16,17 @@
 
 namespace collider::harness {
 
+StepConfig step_config(const TrainSettings& s, const models::MethodSpec& spec, double filter_ratio) {
+  StepConfig sc;
+  sc.spec = spec;
+  sc.filter_ratio = filter_ratio;
+  sc.align = s.align;
+  sc.weight_decay = s.weight_decay;
+  sc.grad_clip = s.grad_clip;
+  sc.fused_head = s.head == "fused";
+  return sc;
+}
+
 ReferenceStage run_reference_stage(const TrainSettings& s, const std::string& data_dir, int64_t pool,
                                    const std::shared_ptr<TokenShard>& reference_shard, const TokenShard& train_shard,
                                    const Evaluate& evaluate, ProcessGroup* dist, std::ostream& log) {
@@ -40,10 +51,8 @@ ReferenceStage run_reference_stage(const TrainSettings& s, const std::string& da
         models::load_hf_weights(ref_model, ref_model_dir);
         log << "reference: model from " << ref_model_dir << "\n";
       } else {
-        StepConfig sc;
-        sc.spec.method = Method::kRegular;
-        sc.weight_decay = s.weight_decay;
-        sc.grad_clip = s.grad_clip;
+        StepConfig sc = step_config(s, models::MethodSpec{}, 0.0);  // method regular
+        sc.fused_head = false;  // the reference model trains with its own LM head
         Trainer tr(ref_model, sc, device, s.seed);
         WindowLoader loader(reference_shard, s.seq_len, s.ref_batch_size, static_cast<uint64_t>(s.seed) + 1000);
         RunSpec spec;

@@ -8,6 +8,7 @@
 
 #include "harness/components/distributed.h"
 #include "harness/components/token_data.h"
+#include "harness/components/train_step.h"
 #include "harness/config/train_manifest.h"
 #include "models/model.h"
 
@@ -25,6 +26,12 @@ struct ReferenceStage {
   std::string dir;          // DATA/reference/<tag>
   std::string losses_path;  // the training pool's per-token reference losses
 };
+
+// The StepConfig of a training run's steps, the reference run's and each point's: `spec` and
+// `filter_ratio`, the run's align, weight decay, gradient clipping and LM head (its learning rate
+// follows the run's schedule, RunSpec). The sweeps' steps take theirs from the timing manifest
+// (harness/measure/group.cpp).
+StepConfig step_config(const TrainSettings& s, const models::MethodSpec& spec, double filter_ratio);
 
 // Mean loss of a model on each evaluation set: (set name, nats).
 using Evaluate = std::function<std::vector<std::pair<std::string, double>>(models::CausalLM&)>;

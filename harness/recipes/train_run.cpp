@@ -181,13 +181,7 @@ void train_point(const RunContext& c, size_t i, const nlohmann::json& base, cons
                  const std::string& ckpt_dir) {
   const TrainSettings& s = c.m.train;
   const TrainPoint& p = c.m.points[i];
-  StepConfig sc;
-  sc.spec = p.spec;
-  sc.filter_ratio = p.filter_ratio;
-  sc.align = s.align;
-  sc.weight_decay = s.weight_decay;
-  sc.grad_clip = s.grad_clip;
-  sc.fused_head = s.head == "fused";
+  const StepConfig sc = step_config(s, p.spec, p.filter_ratio);
   Trainer tr(models::build_model(c.cfg, models::AttentionImpl::kEager, s.seed), sc, c.device, s.seed);
   if (c.dist) tr.set_reducer(std::make_shared<GradientReducer>(c.dist, tr.model()->parameters()));
   RunSpec spec;
