@@ -274,13 +274,9 @@ struct Classified {
 // token fields no edit can cut refused with what to do.
 void classify_node(const Graph& ga, size_t i, const std::vector<ObservedNode>& oa,
                    const std::vector<ObservedNode>& ob, Sizes sa, Sizes sb, PlanData& plan, Classified& out) {
-  auto& values = out.values;
-  auto& candidates = out.candidates;
-  auto& python_functions = out.python_functions;
-  auto& sink_ops = out.sink_ops;
   NodeSpec& ns = plan.nodes[i];
   ns.type = oa[i].type;
-  if (along_token_plus_dim(oa[i], ob[i], sa, sb)) sink_ops.insert(static_cast<int>(i));
+  if (along_token_plus_dim(oa[i], ob[i], sa, sb)) out.sink_ops.insert(static_cast<int>(i));
   if (is_fused_attention_node(ns.type)) {
     // Replaced whole at filter time (sdpa.h), which cuts its query rows and key columns as token
     // positions: only where its query positions are the tokens. One over positions of their own
@@ -311,7 +307,7 @@ void classify_node(const Graph& ga, size_t i, const std::vector<ObservedNode>& o
     // A size that follows neither B nor T may be a mixture-of-experts route (routes.h): taken as
     // routed here, refused by assign_routes unless a route claims it.
     if (!classify(a, b, sa, sb, spec, why) && classify(a, b, sa, sb, spec, why, /*allow_routed=*/true)) {
-      candidates.push_back(RoutedCandidate{static_cast<int>(i), a.name, why});
+      out.candidates.push_back(RoutedCandidate{static_cast<int>(i), a.name, why});
     } else if (!why.empty()) {
       // Its saved fields, which help whoever extends the rewriter, only under COLLIDER_DEBUG_PLAN=1:
       // the message itself stays short enough to read (node, reason, what to do).
@@ -338,9 +334,9 @@ void classify_node(const Graph& ga, size_t i, const std::vector<ObservedNode>& o
     // declared passthrough is not run (DDP's and FSDP2's queue work for the end of the backward).
     if (!oa[i].generated && custom_saved(*ga.nodes[i]) && !is_passthrough(ns.type) &&
         (a.kind == FieldKind::kSaved || a.kind == FieldKind::kInputMeta)) {
-      python_functions.insert(static_cast<int>(i));
+      out.python_functions.insert(static_cast<int>(i));
       ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
-      values[i].push_back(a.values);
+      out.values[i].push_back(a.values);
       continue;
     }
     if (!oa[i].generated && a.kind == FieldKind::kSaved) {
@@ -352,10 +348,10 @@ void classify_node(const Graph& ga, size_t i, const std::vector<ObservedNode>& o
     }
     if (a.scalar) {
       if (a.name.find("numel") != std::string::npos) continue;  // a divisor fixed by the forward (mean)
-      if (sink_ops.count(static_cast<int>(i)) && ns.type == "SliceBackward0" && a.name == "end") {
+      if (out.sink_ops.count(static_cast<int>(i)) && ns.type == "SliceBackward0" && a.name == "end") {
         spec.dims[0].role = Role::kKey;  // the sinks sliced off the key columns: [..., :T] (check_sinks)
         ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
-        values[i].push_back(a.values);
+        out.values[i].push_back(a.values);
         continue;
       }
       throw Error(fmt::format(
@@ -377,7 +373,7 @@ void classify_node(const Graph& ga, size_t i, const std::vector<ObservedNode>& o
             ns.type, i, oa[i].described));
       }
       ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
-      values[i].push_back(a.values);
+      out.values[i].push_back(a.values);
       continue;
     }
     if (!oa[i].generated && a.kind == FieldKind::kInputMeta && !is_passthrough(ns.type) &&
@@ -391,14 +387,14 @@ void classify_node(const Graph& ga, size_t i, const std::vector<ObservedNode>& o
           ns.type, i, ns.type));
     }
     if (token_mixing_nodes().count(ns.type) && along_token_dim(oa[i], a, spec) &&
-        !is_cat_onto_empty(oa[i], ob[i], sa, sb) && !sink_ops.count(static_cast<int>(i))) {
+        !is_cat_onto_empty(oa[i], ob[i], sa, sb) && !out.sink_ops.count(static_cast<int>(i))) {
       throw Error(
           fmt::format("collider cannot rewrite node {} (#{}): it mixes or indexes positions along a "
                       "token dimension (field {}); filtering rows would change its result{}",
                       ns.type, i, a.name, mixing_hint(ns.type)));
     }
     ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
-    values[i].push_back(a.values);
+    out.values[i].push_back(a.values);
   }
 }
 
