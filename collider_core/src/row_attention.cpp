@@ -240,30 +240,25 @@ std::vector<int64_t> RowAttentionNode::cut_bytes() const {
   for (int64_t b = 0; b < ix_->B(); ++b) {
     const TokenIndex* rb = ix_->row(b);
     if (!rb) continue;
-    auto add = [&](const torch::Tensor& t, const ShapeSpec& shape) {
-      if (!t.defined()) return;
+    for (const auto& [t, shape] : saved_.held()) {
+      if (!t->defined()) continue;
       int64_t n = 1;
-      for (int64_t s : rb->cut_sizes(t.narrow(0, b * H_, H_).sizes(), shape, cut_keys)) n *= s;
-      out.push_back(n * static_cast<int64_t>(t.element_size()));
-    };
-    add(saved_.p, saved_.p_shape);
-    add(saved_.r, saved_.p_shape);
-    add(saved_.v, saved_.v_shape);
-    add(saved_.q, saved_.q_shape);
-    add(saved_.k_t, saved_.k_shape);
+      for (int64_t s : rb->cut_sizes(t->narrow(0, b * H_, H_).sizes(), *shape, cut_keys)) n *= s;
+      out.push_back(n * static_cast<int64_t>(t->element_size()));
+    }
   }
   return out;
 }
 
 void RowAttentionNode::cut_rows() {
-  Saved& s = saved_;
-  const torch::Tensor* held[] = {&s.p, &s.r, &s.v, &s.q, &s.k_t};
-  for (size_t i = 0; i < 5; ++i) {
-    if (held[i]->defined() && held[i]->_version() != s.versions[i]) {
+  const auto held = saved_.held();
+  for (size_t i = 0; i < held.size(); ++i) {
+    const torch::Tensor& t = *held[i].first;
+    if (t.defined() && t._version() != saved_.versions[i]) {
       throw Error(fmt::format(
           "collider: a tensor saved for the attention backward was modified in place after filter_backward "
           "(version {} -> {}); call filter_backward right before loss.backward()",
-          s.versions[i], held[i]->_version()));
+          saved_.versions[i], t._version()));
     }
   }
   const bool cut_keys = !exact_;
@@ -271,14 +266,14 @@ void RowAttentionNode::cut_rows() {
   for (int64_t b = 0; b < ix_->B(); ++b) {
     TokenIndex* rb = ix_->row(b);
     if (!rb) continue;  // keeps nothing: no gradient from this row
-    auto heads = [&](const torch::Tensor& t) { return t.narrow(0, b * H_, H_); };
     Row& row = rows_[b];
     row.live = ix_->live_slots(b);
-    row.p = rb->cut(heads(s.p), s.p_shape, cut_keys);
-    row.r = s.r.defined() ? rb->cut(heads(s.r), s.p_shape, cut_keys) : row.p;
-    row.v = rb->cut(heads(s.v), s.v_shape, cut_keys);
-    row.q = rb->cut(heads(s.q), s.q_shape, cut_keys);
-    row.k_t = rb->cut(heads(s.k_t), s.k_shape, cut_keys);
+    torch::Tensor* cut[] = {&row.p, &row.r, &row.v, &row.q, &row.k_t};  // in held()'s order
+    for (size_t i = 0; i < held.size(); ++i) {
+      const auto& [t, shape] = held[i];
+      if (t->defined()) *cut[i] = rb->cut(t->narrow(0, b * H_, H_), *shape, cut_keys);
+    }
+    if (!row.r.defined()) row.r = row.p;  // r is p: one cut serves both
   }
   saved_ = {};  // the full tensors go now (a retained graph keeps the rows)
 }

@@ -13,6 +13,7 @@
 
 #include "collider/torch_compat.h"
 
+#include <array>
 #include <memory>
 #include <string>
 
@@ -41,6 +42,10 @@ class RowAttentionNode final : public torch::autograd::Node {
     torch::Tensor p, r, v, q, k_t;  // r undefined when it is p (one cut serves both)
     ShapeSpec p_shape, v_shape, q_shape, k_shape;
     std::vector<uint32_t> versions;  // of p, r, v, q, k_t when held: a change in place is refused
+    // The five tensors, each with the plan shape it is cut by, in the order of `versions`.
+    std::array<std::pair<const torch::Tensor*, const ShapeSpec*>, 5> held() const {
+      return {{{&p, &p_shape}, {&r, &p_shape}, {&v, &v_shape}, {&q, &q_shape}, {&k_t, &k_shape}}};
+    }
   };
   struct Scale {  // one step of the score chain, softmax -> QK^T, applied to the gradient in order
     enum Kind { kMul, kDiv, kCast } kind;
