@@ -42,12 +42,7 @@ void read_hf(const HfKeys& j, ModelConfig& c) {
 }
 
 void write_hf(const ModelConfig& c, nlohmann::json& j) {
-  if (c.qkv_bias || c.linear_bias || c.lm_head_bias || c.partial_rotary_factor != 1.0)
-    throw std::invalid_argument(fmt::format(
-        "model '{}': a Mixtral config with biases or partial rotary has no Hugging Face MixtralForCausalLM "
-        "equivalent",
-        c.name));
-  write_llama_like_hf(c, j);
+  write_llama_like_hf(c, j, "MixtralForCausalLM", /*qkv_bias=*/false);
   j["num_local_experts"] = c.num_experts;
   j["num_experts_per_tok"] = c.experts_per_token;
   j["router_jitter_noise"] = 0.0;

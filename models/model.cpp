@@ -16,19 +16,8 @@
 
 namespace collider::models {
 
-const char* to_string(Family f) {
-  switch (f) {
-    case Family::kLlama:
-      return "llama";
-    case Family::kQwen2:
-      return "qwen2";
-    case Family::kPhi:
-      return "phi";
-    case Family::kMixtral:
-      return "mixtral";
-  }
-  return "unknown";
-}
+// The family's word is its Hugging Face model_type (each family's file, HfMapping).
+const char* to_string(Family f) { return detail::architecture(f).hf.model_type; }
 
 namespace {
 // The one table of attention implementations and their names.

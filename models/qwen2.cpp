@@ -38,10 +38,7 @@ void read_hf(const HfKeys& j, ModelConfig& c) {
 }
 
 void write_hf(const ModelConfig& c, nlohmann::json& j) {
-  if (!c.qkv_bias || c.linear_bias || c.lm_head_bias || c.partial_rotary_factor != 1.0)
-    throw std::invalid_argument(fmt::format(
-        "model '{}': a Qwen2 config must have q/k/v biases only and full rotary to match Qwen2ForCausalLM", c.name));
-  write_llama_like_hf(c, j);
+  write_llama_like_hf(c, j, "Qwen2ForCausalLM", /*qkv_bias=*/true);
   j["use_sliding_window"] = false;
 }
 }  // namespace

@@ -67,7 +67,9 @@ const Architecture& architecture(Family f);
 // The config.json keys Llama's blocks share with Qwen2 and Mixtral (SiLU, RMSNorm's eps, full
 // rotary, no biases but Qwen2's q/k/v ones), read and written by llama.cpp for all three.
 void read_llama_like_hf(const HfKeys& j, ModelConfig& c);
-void write_llama_like_hf(const ModelConfig& c, nlohmann::json& j);
+// The writer first checks that c has the biases of `hf_class` (q/k/v biases when qkv_bias, no
+// other) and full rotary, and throws std::invalid_argument naming both otherwise.
+void write_llama_like_hf(const ModelConfig& c, nlohmann::json& j, const char* hf_class, bool qkv_bias);
 
 // Rotary dims per head: int(E * partial_rotary_factor), as HF.
 int64_t rotary_dim(const ModelConfig& cfg);
