@@ -2,8 +2,9 @@
 // (portable, and AVX-512 with per-sequence permutation tables) and row gathers (memcpy, and
 // AVX-512 streaming stores). They run on torch's intra-op threads through at::parallel_for, which
 // is why this file alone is compiled with OpenMP (collider_core/CMakeLists.txt). On this
-// project's 2-core machine they run at its copy bandwidth (results/README.md, the side-by-side
-// backward benchmark). Tested by tests/test_core_token_index.cpp (also with COLLIDER_NO_AVX512=1).
+// project's 2-core machine they run at its copy bandwidth (results/bm_collider_backward/README.md,
+// the side-by-side backward benchmark). Tested by tests/test_core_token_index.cpp (also with
+// COLLIDER_NO_AVX512=1).
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>

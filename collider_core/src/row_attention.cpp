@@ -8,8 +8,8 @@
 // core's ops alone (bmm, masked_fill, softmax, bmm; their backward timed with torch, 2 CPU cores,
 // fp32, 8 heads of 64) took 26.1 ms per layer padded to 371 against 19.4 ms row by row. Row by
 // row, every GEMM is [H, N_b, N_b] and nothing is padded; in the whole backward the ragged rows
-// went from 3-10% over per-sequence ones to within a few percent (results/README.md, "Ragged
-// kept counts").
+// went from 3-10% over per-sequence ones to within a few percent
+// (results/bm_collider_backward/README.md, "Ragged kept counts").
 // The row's probabilities, Q, K^T and V are cut from the forward's full tensors with the row's
 // own index (the fast per-sequence cut kernels) when the node's backward first runs, as every
 // other saved tensor is cut (saved_cut.h): cut in filter_backward instead, the rewrite took 27-44
