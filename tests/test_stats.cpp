@@ -1,11 +1,14 @@
 // Tests of the order statistics every timing row and benchmark reports (measuring/stats.h): quantiles
 // by linear interpolation (numpy's default), the median, and the relative IQR; and the h:mm:ss
 // durations of progress lines (base/duration.h); the measurement engine's interleaved rounds and
-// per-round medians (measuring/rounds.h).
+// per-round medians (measuring/rounds.h); a group's figures against its references
+// (measuring/figures.h).
 #include "base/duration.h"
+#include "measuring/figures.h"
 #include "measuring/stats.h"
 #include "measuring/rounds.h"
 
+#include <cmath>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -72,6 +75,43 @@ TEST(Rounds, SeriesKeepsEveryRoundsMedian) {
   EXPECT_DOUBLE_EQ(s.median(), 3.0);
   EXPECT_EQ(s.samples().size(), 5u);
   EXPECT_DOUBLE_EQ(s.rel_iqr(), cs::rel_iqr({3, 1, 2, 10, 20}));
+}
+
+// One group: regular 100 ms (step 200), its A/A copy, collider at T' 16 (backward + rewrite 70 ms,
+// FLOP ideal 0.4), loss_only with no ideal and no floor, the floor at T' 16 (56 ms), and a
+// collider row whose T' has no floor.
+TEST(Figures, EachRowAgainstTheGroupsRegularIdealAndFloor) {
+  using Role = cs::GroupRow::Role;
+  auto row = [](Role role, double cost, double step, double ideal, int64_t t) {
+    cs::GroupRow r;
+    r.role = role;
+    r.cost_ms = cost;
+    r.step_ms = step;
+    r.flop_ideal = ideal;
+    r.t_prime = t;
+    return r;
+  };
+  const auto f = cs::group_figures({row(Role::kBaseline, 100, 200, NAN, -1), row(Role::kCopy, 98, 202, NAN, -1),
+                                    row(Role::kMethod, 70, 160, 0.4, 16), row(Role::kMethod, 99, 199, NAN, -1),
+                                    row(Role::kFloor, 56, 150, NAN, 16), row(Role::kMethod, 80, 170, 0.3, 24)});
+  ASSERT_EQ(f.size(), 6u);
+  EXPECT_DOUBLE_EQ(f[0].reduction, 0.0);
+  EXPECT_DOUBLE_EQ(f[0].step_reduction, 0.0);
+  EXPECT_TRUE(std::isnan(f[0].of_ideal) && std::isnan(f[0].vs_floor));
+  EXPECT_NEAR(f[1].reduction, 0.02, 1e-12);  // the A/A copy's: the noise
+  EXPECT_NEAR(f[2].reduction, 0.30, 1e-12);
+  EXPECT_NEAR(f[2].step_reduction, 0.20, 1e-12);
+  EXPECT_NEAR(f[2].of_ideal, 0.75, 1e-12);
+  EXPECT_NEAR(f[2].vs_floor, 1.25, 1e-12);
+  EXPECT_NEAR(f[3].reduction, 0.01, 1e-12);
+  EXPECT_TRUE(std::isnan(f[3].of_ideal) && std::isnan(f[3].vs_floor));
+  EXPECT_NEAR(f[4].reduction, 0.44, 1e-12);  // the floor against regular
+  EXPECT_TRUE(std::isnan(f[4].vs_floor));
+  EXPECT_TRUE(std::isnan(f[5].vs_floor)) << "no floor measured at T' 24";
+  // With no regular row there is no reduction, and so no share of the ideal.
+  const auto alone = cs::group_figures({row(Role::kMethod, 70, 160, 0.4, 16), row(Role::kFloor, 56, 150, NAN, 16)});
+  EXPECT_TRUE(std::isnan(alone[0].reduction) && std::isnan(alone[0].of_ideal));
+  EXPECT_NEAR(alone[0].vs_floor, 1.25, 1e-12);
 }
 
 TEST(Duration, ProgressLinesPrintHoursMinutesSeconds) {

@@ -18,6 +18,7 @@
 #include "temp_dir.h"
 #include "utility_test_util.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <torch/version.h>
 
@@ -341,8 +342,22 @@ method = ["regular", "collider"]
   EXPECT_GT(rows[1]["copy_floor_ms"].get<double>(), 0.0) << "run.copy_probe: collider's cut bytes, copied cold";
   EXPECT_FALSE(rows.front().contains("copy_floor_ms"));
   for (const auto& row : rows) EXPECT_TRUE(ch::validate_row(row).empty()) << row["point_id"];
+  // The figures, written once into the rows by the engine (measuring/figures.h) and printed by the
+  // table; recomputed here from the rows' timings as the file holds them (rounded: 1e-3 relative).
+  const double reg = rows[0]["bwd_ms"].get<double>();
+  const double cost = rows[1]["bwd_ms"].get<double>() + rows[1]["rewrite_ms"].get<double>();
+  auto near = [](double a, double b) { return std::abs(a - b) <= 1e-3 * std::max(std::abs(b), 1.0); };
+  EXPECT_DOUBLE_EQ(rows[0]["reduction"].get<double>(), 0.0);
+  EXPECT_TRUE(near(rows[1]["reduction"].get<double>(), 1.0 - cost / reg)) << rows[1]["reduction"];
+  EXPECT_TRUE(near(rows[1]["vs_floor"].get<double>(), cost / floor["bwd_ms"].get<double>())) << rows[1]["vs_floor"];
+  EXPECT_TRUE(near(rows[1]["of_ideal"].get<double>(),
+                   rows[1]["reduction"].get<double>() / rows[1]["flop_ideal_bwd_reduction"].get<double>()));
+  EXPECT_TRUE(rows[0]["vs_floor"].is_null() && rows[0]["of_ideal"].is_null());
+  EXPECT_TRUE(near(rows[1]["step_reduction"].get<double>(),
+                   1.0 - rows[1]["step_ms"].get<double>() / rows[0]["step_ms"].get<double>()));
   EXPECT_NE(r.err.find("floor (regular at T'=16)"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("vs floor"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(fmt::format("{:.2f}x", rows[1]["vs_floor"].get<double>())), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("collider kept_only@0.5"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("a plain cold copy of those bytes"), std::string::npos) << r.err;
 }

@@ -239,6 +239,7 @@ class Group {
       mb.row["timestamp"] = utc_timestamp();
       out_.rows.push_back(std::move(mb.row));
     }
+    write_group_figures(out_.rows);  // against the group's regular, FLOP ideal and floors (measuring/figures.h)
     return std::move(out_);
   }
 

@@ -1,5 +1,8 @@
-// group_table (table.h): a group's rows as a console table.
+// write_group_figures and group_table (table.h): a group's figures written into its rows, and the
+// rows as a console table.
 #include "harness/measure/table.h"
+
+#include "measuring/figures.h"
 
 #include <fmt/format.h>
 
@@ -38,16 +41,66 @@ std::string point_label(const std::string& method, const std::string& attention_
   return s;
 }
 
+namespace {
+
+// What a filtering row (collider, forward_drop) is held to: its T' floor (collider's kept count per
+// row, ragged rows: their mean rounded, the floor of the same total; forward_drop's middle count).
+int64_t t_prime_of(const nlohmann::json& row) {
+  int64_t t = row.value("method", "") == "forward_drop" && row["middle_tokens_per_seq"].is_number_integer()
+                  ? row["middle_tokens_per_seq"].get<int64_t>()
+                  : row.value("kept_per_seq", int64_t{-1});
+  if (t < 0 && !std::isnan(number(row, "kept_per_row_mean"))) t = std::llround(number(row, "kept_per_row_mean"));
+  return t;
+}
+
+bool filters(const nlohmann::json& row) {
+  const std::string method = row.value("method", "");
+  return method == "collider" || method == "forward_drop";
+}
+
+nlohmann::json value_or_null(double v) { return std::isnan(v) ? nlohmann::json(nullptr) : nlohmann::json(v); }
+
+}  // namespace
+
+void write_group_figures(std::vector<nlohmann::json>& rows) {
+  using Role = stats::GroupRow::Role;
+  std::vector<stats::GroupRow> in;
+  std::vector<nlohmann::json*> measured;
+  for (auto& row : rows) {
+    if (!ok(row)) continue;
+    stats::GroupRow r;
+    const bool regular = row.value("method", "") == "regular";
+    r.role = is_floor(row)                    ? Role::kFloor
+             : regular && row.value("aa_copy", false) ? Role::kCopy
+             : regular                                ? Role::kBaseline
+                                                      : Role::kMethod;
+    const double rewrite = number(row, "rewrite_ms");
+    r.cost_ms = number(row, "bwd_ms") + (std::isnan(rewrite) ? 0.0 : rewrite);
+    r.step_ms = number(row, "step_ms");
+    if (filters(row)) {
+      r.flop_ideal = number(row, "flop_ideal_bwd_reduction");
+      r.t_prime = t_prime_of(row);
+    }
+    if (r.role == Role::kFloor) r.t_prime = row["seq_len"].get<int64_t>();
+    in.push_back(r);
+    measured.push_back(&row);
+  }
+  const std::vector<stats::GroupFigures> out = stats::group_figures(in);
+  for (size_t i = 0; i < out.size(); ++i) {
+    nlohmann::json& row = *measured[i];
+    row["reduction"] = value_or_null(out[i].reduction);
+    row["step_reduction"] = value_or_null(out[i].step_reduction);
+    row["of_ideal"] = value_or_null(out[i].of_ideal);
+    row["vs_floor"] = value_or_null(out[i].vs_floor);
+  }
+}
+
 std::string group_table(const std::vector<nlohmann::json>& rows) {
   double regular_ms = std::nan("");
-  std::map<int64_t, double> floor_ms;  // by T'
   for (const auto& row : rows) {
-    if (!ok(row)) continue;
-    if (is_floor(row)) {
-      floor_ms[row["seq_len"].get<int64_t>()] = number(row, "bwd_ms");
-    } else if (row.value("method", "") == "regular" && !row.value("aa_copy", false) && std::isnan(regular_ms)) {
+    if (ok(row) && row.value("method", "") == "regular" && !is_floor(row) && !row.value("aa_copy", false) &&
+        std::isnan(regular_ms))
       regular_ms = number(row, "bwd_ms");
-    }
   }
   std::string out = fmt::format("  {:<34} {:>9} {:>6} {:>10} {:>8} {:>8} {:>10} {:>7} {:>9} {:>9} {:>9}\n", "method",
                                 "bwd_ms", "+-IQR", "rewrite_ms", "rewrite%", "rw/reg%", "reduction", "ideal",
@@ -59,29 +112,16 @@ std::string group_table(const std::vector<nlohmann::json>& rows) {
                          row["error"].is_string() ? row["error"].get<std::string>().substr(0, 80) : "");
       continue;
     }
-    const std::string method = row.value("method", "");
-    const bool filters = method == "collider" || method == "forward_drop";
     const double bwd = number(row, "bwd_ms"), rewrite = number(row, "rewrite_ms");
-    const double cost = bwd + (std::isnan(rewrite) ? 0.0 : rewrite);
-    const bool baseline = method == "regular" && !is_floor(row) && !row.value("aa_copy", false);
-    const double reduction = baseline ? 0.0 : 1.0 - cost / regular_ms;
-    const double ideal = filters ? number(row, "flop_ideal_bwd_reduction") : std::nan("");
-    // The floor at this point's T': collider's kept count per row (ragged rows: their mean, the
-    // floor of the same total), forward_drop's middle count.
-    double over_floor = std::nan("");
-    int64_t t_prime = method == "forward_drop" && row["middle_tokens_per_seq"].is_number_integer()
-                          ? row["middle_tokens_per_seq"].get<int64_t>()
-                          : row.value("kept_per_seq", int64_t{-1});
-    if (t_prime < 0 && !std::isnan(number(row, "kept_per_row_mean")))
-      t_prime = std::llround(number(row, "kept_per_row_mean"));
-    if (filters && floor_ms.count(t_prime)) over_floor = cost / floor_ms.at(t_prime);
-    // The rewrite against this point's backward (rewrite%) and regular's (rw/reg%).
+    const double ideal = filters(row) ? number(row, "flop_ideal_bwd_reduction") : std::nan("");
+    // The rewrite against this point's backward (rewrite%) and regular's (rw/reg%); the reduction,
+    // the share of the ideal and the ratio to the floor as write_group_figures wrote them.
     const double rw = std::isnan(rewrite) ? 0.0 : rewrite;
     out += fmt::format(
         "  {:<34} {:>9.2f} {:>5.1f}% {:>10.2f} {:>7.2f}% {:>7.2f}% {:>9.1f}% {:>7} {:>9} {:>9} {:>9.1f}\n", label(row),
-        bwd, 100 * number(row, "bwd_ms_rel_iqr"), rw, 100 * rw / bwd, 100 * rw / regular_ms, 100 * reduction,
-        cell(100 * ideal, "{:.1f}%"), cell(ideal > 0 ? reduction / ideal : std::nan(""), "{:.3f}"),
-        cell(over_floor, "{:.2f}x"), number(row, "peak_mem_bytes") / 1048576.0);
+        bwd, 100 * number(row, "bwd_ms_rel_iqr"), rw, 100 * rw / bwd, 100 * rw / regular_ms,
+        100 * number(row, "reduction"), cell(100 * ideal, "{:.1f}%"), cell(number(row, "of_ideal"), "{:.3f}"),
+        cell(number(row, "vs_floor"), "{:.2f}x"), number(row, "peak_mem_bytes") / 1048576.0);
     // run.copy_probe: the rewrite's cut bytes against a plain cold copy of them.
     if (row.contains("copy_floor_ms") && row.contains("filter_stats")) {
       const auto& fs = row["filter_stats"];

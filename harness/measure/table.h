@@ -1,10 +1,11 @@
-// The console table of one measured group (what `collider run` prints after each group, and what
+// A measured group's figures and its console table. write_group_figures: the engine writes each
+// row's reduction, step_reduction, of_ideal and vs_floor (measuring/figures.h, one computation for
+// every reader) when the group ends; Collider's cost counts bwd_ms + rewrite_ms (the rewrite is part
+// of its backward's cost), collider and forward_drop rows are held to the FLOP ideal and to the
+// floor at their T'. group_table: what `collider run` prints after each group (and what
 // bench_backward.toml is read by): per point its backward median and spread, the rewrite (in ms,
-// and as a share of the point's backward and of regular's), the reduction against the group's
-// regular point, the FLOP ideal and the share of it reached, the
-// time over the T' floor (run.floor) and the peak memory. Collider's reduction and "vs floor"
-// count bwd_ms + rewrite_ms (the rewrite is part of its backward's cost). Read from the rows
-// alone (DESIGN.md section 6), so the same table can be printed for any results.jsonl.
+// and as a share of the point's backward and of regular's), and the figures as the rows hold them,
+// beside the FLOP ideal and the peak memory.
 // Tests: tests/test_sweep.cpp.
 #pragma once
 
@@ -15,7 +16,10 @@
 
 namespace collider::harness {
 
-// The rows of one group, in manifest order; a failed row shows its status.
+// Writes the figures into the measured ("ok") rows of one group.
+void write_group_figures(std::vector<nlohmann::json>& rows);
+
+// The rows of one group, in manifest order, their figures written; a failed row shows its status.
 std::string group_table(const std::vector<nlohmann::json>& rows);
 
 // A point's name in the table and in a round's progress line, from its identity: method[ attention_grad]

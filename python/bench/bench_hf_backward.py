@@ -299,7 +299,7 @@ def collider_figures(samples: list, row: dict, ideal: float, bwd: list, reg: lis
     rewrite = [s["rewrite_ms"] for s in samples]
     over = [c - r for c, r in zip(call, rewrite)]
     call_med, rw_med = median(call), median(rewrite)
-    return {"ideal": ideal, "of_ideal": None if row["reduction"] is None else row["reduction"] / ideal,
+    return {"ideal": ideal,
            "of_ideal_per_round": None if reg is None else per_round_median(bwd, reg) / ideal,
            "filter_call_ms": call_med, "rewrite_ms": rw_med, "python_overhead_ms": median(over),
            "python_overhead_of_bwd": median(over) / (row["bwd_ms"] - call_med),
@@ -307,20 +307,31 @@ def collider_figures(samples: list, row: dict, ideal: float, bwd: list, reg: lis
 
 
 def method_figures(samples: dict, method: str, ideal: float | None) -> dict:
-    """A method's row from its samples; reduction and vs_floor are None when regular or floor did not run."""
+    """A method's row from its samples (its reduction, share of the ideal and ratio to the floor come
+    from group_figures, once every method's row is made)."""
     bwd = [s["bwd_ms"] for s in samples[method]]
     reg = [s["bwd_ms"] for s in samples["regular"]] if "regular" in samples else None
-    floor = [s["bwd_ms"] for s in samples["floor"]] if "floor" in samples else None
     med, iqr = median_iqr(bwd)
     row = {"bwd_ms": med, "iqr_ms": iqr, "samples_bwd_ms": bwd,
            "fwd_ms": median(s["fwd_ms"] for s in samples[method]),
-           "reduction": None if reg is None else 1 - med / median_iqr(reg)[0],
            "reduction_per_round": None if reg is None else per_round_median(bwd, reg),
            "peak_mem_bytes": max(s["peak"] for s in samples[method])}
     if method in ATTENTION:
         row.update(collider_figures(samples[method], row, ideal, bwd, reg))
-    row["vs_floor"] = None if floor is None else med / median_iqr(floor)[0]
     return row
+
+
+def group_figures(methods: dict) -> None:
+    """Each method's reduction against regular, share of the FLOP ideal and ratio to the floor, by the
+    function the C++ engine writes its rows with (collider._measure.group_figures, measuring/figures.h);
+    None where regular or the floor did not run. bwd_ms includes the filter_backward call, so it is the
+    whole cost; every method but the floor is held to the floor at the point's T'."""
+    roles = {"regular": "baseline", "floor": "floor"}
+    rows = [{"role": roles.get(label, "method"), "cost_ms": fig["bwd_ms"], "flop_ideal": fig.get("ideal"), "t_prime": 0}
+            for label, fig in methods.items()]
+    for fig, figures in zip(methods.values(), collider._measure.group_figures(rows)):
+        fig.update(reduction=figures["reduction"], of_ideal=figures["of_ideal"] if fig.get("ideal") else None,
+                   vs_floor=figures["vs_floor"])
 
 
 @dataclass
@@ -360,6 +371,7 @@ def bench_point(p: Point, args, dev: torch.device, methods: tuple) -> dict:
         if method in ATTENTION:
             ideal = 1 - backward_flops(dims, B, p.T, N, ATTENTION[method], recompute) / dense
         point["methods"][method] = method_figures(samples, method, ideal)
+    group_figures(point["methods"])
     return point
 
 

@@ -2,11 +2,13 @@
 // Python benchmarks (python/bench/), so that they measure and count as the C++ harness does: the
 // tracking and caching CPU allocator and its peak (measuring/memory.h), the rows' provenance
 // (measuring/provenance.h), the engine's interleaved rounds and order statistics
-// (measuring/rounds.h, measuring/stats.h) and the FLOP formulas. A module of its own beside
+// (measuring/rounds.h, measuring/stats.h), a group's figures against its references
+// (measuring/figures.h) and the FLOP formulas. A module of its own beside
 // collider._C, which is the mechanism and its API only. Errors in its arguments raise ValueError.
 // Built by python/CMakeLists.txt; tested by python/tests/test_bench_hf_backward.py.
 #include <collider/collider.h>
 
+#include "measuring/figures.h"
 #include "measuring/memory.h"
 #include "measuring/provenance.h"
 #include "measuring/rounds.h"
@@ -18,6 +20,7 @@
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <exception>
 #include <string>
 #include <type_traits>
@@ -93,6 +96,41 @@ PYBIND11_MODULE(_measure, m) {
       .def_property_readonly("samples", &collider::stats::Series::samples)
       .def_property_readonly("round_medians", &collider::stats::Series::round_medians);
   m.def("median", &collider::stats::median, py::arg("values"));
+
+  // A group's figures (measuring/figures.h), as the engine writes them into its rows: rows are dicts
+  // of role ("baseline", "copy", "floor" or "method"), cost_ms, and optionally step_ms, flop_ideal
+  // and t_prime; the result, one dict per row of reduction, step_reduction, of_ideal and vs_floor
+  // (None where a reference is missing).
+  m.def(
+      "group_figures",
+      [](const std::vector<py::dict>& rows) {
+        using Role = collider::stats::GroupRow::Role;
+        std::vector<collider::stats::GroupRow> in;
+        for (const auto& d : rows) {
+          collider::stats::GroupRow r;
+          const std::string role = d.contains("role") ? d["role"].cast<std::string>() : "";
+          if (role == "baseline") r.role = Role::kBaseline;
+          else if (role == "copy") r.role = Role::kCopy;
+          else if (role == "floor") r.role = Role::kFloor;
+          else if (role == "method") r.role = Role::kMethod;
+          else throw py::value_error("group_figures: role '" + role + "'; allowed: baseline, copy, floor, method");
+          auto number = [&](const char* key) {
+            return d.contains(key) && !d[key].is_none() ? d[key].cast<double>() : NAN;
+          };
+          r.cost_ms = number("cost_ms");
+          r.step_ms = number("step_ms");
+          r.flop_ideal = number("flop_ideal");
+          r.t_prime = d.contains("t_prime") && !d["t_prime"].is_none() ? d["t_prime"].cast<int64_t>() : -1;
+          in.push_back(r);
+        }
+        auto value = [](double v) { return std::isnan(v) ? py::object(py::none()) : py::object(py::float_(v)); };
+        py::list out;
+        for (const auto& f : collider::stats::group_figures(in))
+          out.append(py::dict(py::arg("reduction") = value(f.reduction), py::arg("step_reduction") = value(f.step_reduction),
+                              py::arg("of_ideal") = value(f.of_ideal), py::arg("vs_floor") = value(f.vs_floor)));
+        return out;
+      },
+      py::arg("rows"));
 
   // The FLOP model (models/flops.h) on a shape given as a dict of FlopShape's fields; `mode` is
   // dense (the regular backward), kept_only or exact_query (Collider's). Counts as dicts of

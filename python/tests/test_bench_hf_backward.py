@@ -16,6 +16,7 @@ import sys
 import pytest
 
 import collider
+import collider._measure  # the measuring kit (allocator, provenance, rounds, figures, FLOP model)
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +117,20 @@ def test_rows_are_result_rows(bench, tmp_path):
     floor = by["floor"]
     assert (floor["method"], floor["floor_of"], floor["seq_len"]) == ("regular", 32, floor["kept"] + 1)
     assert len({r["point_id"] for r in rows}) == len(rows)
+
+
+def test_group_figures_are_the_engines(bench):
+    """Its reduction, share of the FLOP ideal and ratio to the floor come from the engine's own
+    computation (collider._measure.group_figures, measuring/figures.h), which the C++ rows are written
+    with: regular 100 ms, collider 70 ms with ideal 0.4, loss_only 99 ms, the floor 56 ms."""
+    methods = {"regular": {"bwd_ms": 100.0}, "collider kept_only": {"bwd_ms": 70.0, "ideal": 0.4},
+               "loss_only": {"bwd_ms": 99.0}, "floor": {"bwd_ms": 56.0}}
+    bench.group_figures(methods)
+    assert methods["regular"]["reduction"] == 0.0
+    assert methods["collider kept_only"]["reduction"] == pytest.approx(0.30)
+    assert methods["collider kept_only"]["of_ideal"] == pytest.approx(0.75)
+    assert methods["collider kept_only"]["vs_floor"] == pytest.approx(1.25)
+    assert methods["loss_only"]["of_ideal"] is None
+    assert methods["floor"]["vs_floor"] is None and methods["floor"]["reduction"] == pytest.approx(0.44)
+    with pytest.raises(ValueError, match="allowed: baseline, copy, floor, method"):
+        collider._measure.group_figures([{"role": "reference", "cost_ms": 1.0}])

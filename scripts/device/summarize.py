@@ -139,6 +139,24 @@ def junit(d: Dest, name: str, title: str) -> str:
     return "\n".join(lines)
 
 
+def change(row: dict, key: str) -> float:
+    """A reduction the engine wrote into the row (measuring/figures.h), as a time change: negative = faster;
+    NaN where the row has none (no regular in its group, or rows written before the engine wrote them)."""
+    v = row.get(key)
+    return -v if v is not None else math.nan
+
+
+def over_floor(row: dict, floor: dict | None) -> float:
+    """The row's backward (its rewrite counted) over the T' floor: the engine's vs_floor where the floor
+    was measured in the row's group (run.floor); else against a floor measured as a point of its own
+    (a manifest that lists T' among its sequence lengths), by the same definition."""
+    if row.get("vs_floor") is not None:
+        return row["vs_floor"]
+    if not floor:
+        return math.nan
+    return (row["bwd_ms"] + (row.get("rewrite_ms") or 0.0)) / floor["bwd_ms"]
+
+
 def reductions(rows: list[dict], peak_override: float | None, label: str) -> str:
     """Backward and step rows per (model, T, B): time, change vs regular, FLOP ideal, of ideal, T' floor,
     and MFU on the dense-equivalent (regular's) and on the executed FLOPs."""
@@ -160,7 +178,7 @@ def reductions(rows: list[dict], peak_override: float | None, label: str) -> str
         reg = next((r for r in rs if r["method"] == "regular"), None)
         if reg is None or all(r["method"] == "regular" for r in rs):
             continue  # a T' floor point alone: shown under its T below
-        floor = None
+        floor = None  # the T' floor's own row, shown under its T
         kept = next((r.get("kept_per_seq") for r in rs if r["method"] == "collider"), None)
         if kept is not None:
             floor = next((f for f in ok if f["model"] == model and f["method"] == "regular" and f["seq_len"] == kept
@@ -179,14 +197,15 @@ def reductions(rows: list[dict], peak_override: float | None, label: str) -> str
             bwd_s, step_s = r["bwd_ms"] / 1e3, r["step_ms"] / 1e3
             fwd, fb, fbd = r.get("flops_fwd", math.nan), r.get("flops_bwd", math.nan), r.get("flops_bwd_dense", math.nan)
             mfu = (lambda fl, s: fl / s / peak if peak and s > 0 else math.nan)
-            bwd_red = r["bwd_ms"] / reg["bwd_ms"] - 1
-            step_red = r["step_ms"] / reg["step_ms"] - 1
+            # The row's figures as the engine wrote them (measuring/figures.h; changes here: negative = faster).
+            bwd_red = change(r, "reduction")
+            step_red = change(r, "step_reduction")
             ideal = -r.get("flop_ideal_bwd_reduction", math.nan)
             e2e_ideal = (fwd + fb) / (fwd + fbd) - 1 if fwd == fwd and fbd else math.nan
             is_filter = r["method"] != "regular"
             body.append([model, T, B, method_key(r), ms(r["bwd_ms"]), pct(bwd_red) if is_filter else "",
-                         pct(ideal) if is_filter else "", frac(bwd_red / ideal) if is_filter and ideal else "",
-                         pct(r["bwd_ms"] / floor["bwd_ms"] - 1) if floor and is_filter else "",
+                         pct(ideal) if is_filter else "", frac(r.get("of_ideal")) if is_filter and ideal else "",
+                         pct(over_floor(r, floor) - 1) if is_filter else "",
                          ms(r.get("filter_ms")) if r["method"] == "collider" else "",
                          ms(r["step_ms"]), pct(step_red) if is_filter else "", pct(e2e_ideal) if is_filter else "",
                          f"{frac(mfu(fbd, bwd_s))} / {frac(mfu(fb, bwd_s))}",
@@ -196,8 +215,9 @@ def reductions(rows: list[dict], peak_override: float | None, label: str) -> str
             body.append([model, floor["seq_len"], B, "T' floor (regular at T')", ms(floor["bwd_ms"]), "", "", "", "", "",
                          ms(floor["step_ms"]), "", "", "", "", f"{floor.get('peak_mem_bytes', 0) / 2**30:.1f}"])
     out.append(table(headers, body))
-    out += ["", "Changes are time vs regular at the same model, T and B (negative = faster); bwd is `loss.backward()` "
-            "(Collider's rewrite is its own column, inside the step); FLOP ideal = change in analytic backward "
+    out += ["", "Changes are time vs regular at the same model, T and B (negative = faster), as the engine wrote them "
+            "into the rows (measuring/figures.h): bwd counts `loss.backward()` and Collider's rewrite (also its own "
+            "column), over T' floor the same against the floor (measured in the same rounds, or as a point of its own); FLOP ideal = change in analytic backward "
             "FLOPs (models/flops.h), e2e FLOP ideal the same for forward + backward; of ideal = measured / ideal. "
             "MFU dense-eq = the FLOPs a regular step would do (flops_bwd_dense, + flops_fwd for the step) over the "
             "time; executed = the FLOPs this method runs (flops_bwd). " + (peak_note or "No peak FLOP/s known for "
@@ -212,8 +232,8 @@ def headline(rows_by_impl: dict[str, list[dict]]) -> str:
     """TinyLlama-1.1B (or its rehearsal stand-in) at T = 2048: the four numbers the paper quotes."""
     lines = ["## TinyLlama-1.1B, T = 2048, 40% filtered: the paper's claims", "",
              table(["attention", "semantics", "backward", "paper backward", "end-to-end", "paper end-to-end"],
-                   [[impl, key.split()[1], pct(r["bwd_ms"] / reg["bwd_ms"] - 1), pct(PAPER["bwd"]),
-                     pct(r["step_ms"] / reg["step_ms"] - 1), pct(PAPER["e2e"])]
+                   [[impl, key.split()[1], pct(change(r, "reduction")), pct(PAPER["bwd"]),
+                     pct(change(r, "step_reduction")), pct(PAPER["e2e"])]
                     for impl, rows in rows_by_impl.items()
                     for reg in [next((x for x in rows if x.get("status") == "ok" and x["method"] == "regular"
                                       and x["seq_len"] == 2048 and x["model"].startswith("tinyllama")), None)] if reg
@@ -239,27 +259,23 @@ def side_by_side(rows: list[dict], peak: float | None) -> str:
     for group in groups.values():
         reg = next((r for r in group if r["method"] == "regular" and not r.get("aa_copy") and r.get("floor_of") is None),
                    None)
-        floor = {r["seq_len"]: r for r in group if r.get("floor_of") is not None}
         for r in group:
             name = method_key(r) + (" (A/A copy)" if r.get("aa_copy") else "")
             if r.get("floor_of") is not None:
                 name = f"floor (regular at T' = {r['seq_len']})"
             t = r["bwd_ms"] + (r.get("filter_stats") or {}).get("rewrite_ms", 0.0)
             ideal = r.get("flop_ideal_bwd_reduction") if r["method"] == "collider" else None
-            change = t / reg["bwd_ms"] - 1 if reg and r is not reg else None
-            # the floor at its T' (ragged rows: their mean kept count, the floor of the same total)
-            t_prime = r.get("kept_per_seq")
-            if t_prime in (None, -1) and r.get("kept_per_row_mean") is not None:
-                t_prime = round(r["kept_per_row_mean"])
-            fl = floor.get(t_prime) if r["method"] == "collider" else None
+            # the row's figures as the engine wrote them (measuring/figures.h)
+            delta = change(r, "reduction") if reg and r is not reg else None
             pk = peak or r.get("device_peak_flops")
             s = t / 1e3
             mfu = f"{frac(r['flops_bwd_dense'] / s / pk)} / {frac(r['flops_bwd'] / s / pk)}" if pk else "n/a"
             body.append([r["model"], r.get("floor_of") or r["seq_len"], r["batch_size"], name, ms(r["bwd_ms"]),
                          ms((r.get("filter_stats") or {}).get("rewrite_ms")) if r["method"] == "collider" else "",
-                         pct(change) if change is not None else "", pct(-ideal) if ideal else "",
-                         frac(-change / ideal) if ideal and change is not None else "",
-                         frac(t / fl["bwd_ms"]) if fl else "", mfu, r.get("dtype"), r.get("device")])
+                         pct(delta) if delta is not None else "", pct(-ideal) if ideal else "",
+                         frac(r.get("of_ideal")) if ideal else "",
+                         frac(r.get("vs_floor")) if r["method"] == "collider" else "", mfu, r.get("dtype"),
+                         r.get("device")])
     out.append(table(["model", "T", "B", "method", "bwd ms", "rewrite ms", "vs regular (with rewrite)", "FLOP ideal",
                       "of ideal", "x floor", "bwd MFU dense-eq / executed", "dtype", "device"], body))
     out += ["", "MFU on the row's analytic FLOPs (a regular backward's, and those executed; n/a where the peak is "
