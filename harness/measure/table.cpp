@@ -7,7 +7,6 @@
 #include <fmt/format.h>
 
 #include <cmath>
-#include <map>
 
 namespace collider::harness {
 namespace {
@@ -70,10 +69,10 @@ void write_group_figures(std::vector<nlohmann::json>& rows) {
     if (!ok(row)) continue;
     stats::GroupRow r;
     const bool regular = row.value("method", "") == "regular";
-    r.role = is_floor(row)                    ? Role::kFloor
-             : regular && row.value("aa_copy", false) ? Role::kCopy
-             : regular                                ? Role::kBaseline
-                                                      : Role::kMethod;
+    if (is_floor(row))
+      r.role = Role::kFloor;
+    else if (regular)
+      r.role = row.value("aa_copy", false) ? Role::kCopy : Role::kBaseline;
     const double rewrite = number(row, "rewrite_ms");
     r.cost_ms = number(row, "bwd_ms") + (std::isnan(rewrite) ? 0.0 : rewrite);
     r.step_ms = number(row, "step_ms");
