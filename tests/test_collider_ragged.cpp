@@ -77,6 +77,14 @@ int count_nodes(const torch::Tensor& loss, const std::string& name) {
   return n;
 }
 
+// The plan of the small GPT-2 (vocabulary 97) under the masked mean loss that the single tests use.
+Plan gpt2_plan(Gpt2& m) {
+  return trace_plan([&](int64_t B, int64_t T) {
+    return masked_ce(m->forward(torch::randint(97, {B, T})), torch::randint(97, {B, T}),
+                     torch::ones({B, T}, torch::kBool));
+  });
+}
+
 class RaggedGrad : public ::testing::TestWithParam<Case> {};
 
 TEST_P(RaggedGrad, MatchesOracle) {
@@ -178,9 +186,7 @@ INSTANTIATE_TEST_SUITE_P(BatchTopK, RaggedGrad, ::testing::ValuesIn(all_cases())
 TEST(RaggedCollider, UnmaskedLossIsRefused) {
   torch::manual_seed(0);
   Gpt2 m(97, 32, 4, 2, 128);
-  Plan plan = trace_plan([&](int64_t B, int64_t T) {
-    return masked_ce(m->forward(torch::randint(97, {B, T})), torch::randint(97, {B, T}), torch::ones({B, T}, torch::kBool));
-  });
+  Plan plan = gpt2_plan(m);
   auto idx = torch::randint(97, {3, kT});
   auto labels = torch::randint(97, {3, kT});
   auto keep = very_unequal_keep(3, 29);
@@ -203,10 +209,7 @@ TEST(RaggedCollider, UnmaskedLossIsRefused) {
 TEST(RaggedCollider, EqualCountsArePerSequence) {
   torch::manual_seed(0);
   Gpt2 m(97, 32, 4, 2, 128);
-  Plan plan = trace_plan([&](int64_t B, int64_t T) {
-    return masked_ce(m->forward(torch::randint(97, {B, T})), torch::randint(97, {B, T}),
-                     torch::ones({B, T}, torch::kBool));
-  });
+  Plan plan = gpt2_plan(m);
   auto idx = torch::randint(97, {3, kT});
   auto labels = torch::randint(97, {3, kT});
   auto scores = torch::rand({3, kT});
@@ -236,10 +239,7 @@ TEST(RaggedCollider, EqualCountsArePerSequence) {
 TEST(RaggedCollider, RowAttentionCutsInTheBackwardAndKeepsARetainedGraph) {
   torch::manual_seed(0);
   Gpt2 m(97, 32, 4, 2, 128);
-  Plan plan = trace_plan([&](int64_t B, int64_t T) {
-    return masked_ce(m->forward(torch::randint(97, {B, T})), torch::randint(97, {B, T}),
-                     torch::ones({B, T}, torch::kBool));
-  });
+  Plan plan = gpt2_plan(m);
   auto idx = torch::randint(97, {4, kT});
   auto labels = torch::randint(97, {4, kT});
   auto keep = very_unequal_keep(4, 31);
