@@ -42,9 +42,9 @@ void read_llama_like_hf(const HfKeys& j, ModelConfig& c) {
 void write_llama_like_hf(const ModelConfig& c, nlohmann::json& j, const char* hf_class, bool qkv_bias) {
   if (c.qkv_bias != qkv_bias || c.linear_bias || c.lm_head_bias || c.partial_rotary_factor != 1.0)
     throw std::invalid_argument(fmt::format(
-        "model '{}': Hugging Face {} has {} and full rotary; this config's biases or rotary differ, so it has no {} "
-        "equivalent",
-        c.name, hf_class, qkv_bias ? "q/k/v biases and no other" : "no biases", hf_class));
+        "model '{}': Hugging Face {} has {}, and full rotary; this config's biases or rotary differ, so it has no "
+        "{} equivalent",
+        c.name, hf_class, qkv_bias ? "biases on q/k/v only" : "no biases", hf_class));
   j["hidden_act"] = "silu";
   j["rms_norm_eps"] = c.norm_eps;
 }
