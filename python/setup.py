@@ -65,12 +65,12 @@ class CMakeBuild(build_ext):
         target = Path(self.get_ext_fullpath(ext.name)).resolve()
         target.parent.mkdir(parents=True, exist_ok=True)
         suffix = sysconfig.get_config_var("EXT_SUFFIX")
+        stem = ext.name.rsplit(".", 1)[1]  # _C, or a module built beside it
         prebuilt = os.environ.get("COLLIDER_PREBUILT_EXT")
         if prebuilt:
             src = Path(prebuilt)
             if not src.is_file():
                 sys.exit(f"collider setup.py: COLLIDER_PREBUILT_EXT={prebuilt} is not a file")
-            stem = ext.name.rsplit(".", 1)[1]  # _C, or a module built beside it
             if stem != src.name.split(".")[0]:
                 src = src.parent / (stem + suffix)
                 if not src.is_file():
@@ -111,7 +111,6 @@ class CMakeBuild(build_ext):
         subprocess.run(args, check=True)
         jobs = os.environ.get("COLLIDER_JOBS", str(os.cpu_count() or 1))
         subprocess.run([cmake, "--build", str(build_dir), "--target", ext.target, "-j", jobs], check=True)
-        stem = ext.name.rsplit(".", 1)[1]
         built = [p for p in out_dir.iterdir() if p.name == stem + suffix]
         if len(built) != 1:
             sys.exit(f"collider setup.py: expected {stem}{suffix} in {out_dir}, found {[p.name for p in out_dir.iterdir()]}")

@@ -330,8 +330,7 @@ def group_figures(methods: dict) -> None:
     rows = [{"role": roles.get(label, "method"), "cost_ms": fig["bwd_ms"], "flop_ideal": fig.get("ideal"), "t_prime": 0}
             for label, fig in methods.items()]
     for fig, figures in zip(methods.values(), collider._measure.group_figures(rows)):
-        fig.update(reduction=figures["reduction"], of_ideal=figures["of_ideal"] if fig.get("ideal") else None,
-                   vs_floor=figures["vs_floor"])
+        fig.update(reduction=figures["reduction"], of_ideal=figures["of_ideal"], vs_floor=figures["vs_floor"])
 
 
 @dataclass
