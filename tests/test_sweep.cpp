@@ -360,6 +360,32 @@ method = ["regular", "collider"]
   EXPECT_NE(r.err.find(fmt::format("{:.2f}x", rows[1]["vs_floor"].get<double>())), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("collider kept_only@0.5"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("a plain cold copy of those bytes"), std::string::npos) << r.err;
+
+  // collider figures: rows written without the figures get the engine's (from the file's rounded
+  // timings), every other key unchanged.
+  const std::string path = (tmp / "out") + "/results.jsonl";
+  const std::vector<const char*> figures = {"reduction", "step_reduction", "of_ideal", "vs_floor"};
+  auto without_figures = [&](nlohmann::json row) {
+    for (const char* key : figures) row.erase(key);
+    return row;
+  };
+  std::string stripped;
+  for (const auto& row : rows) stripped += without_figures(row).dump() + "\n";
+  fsu::write_file(path, stripped);
+  std::ostringstream out;
+  ASSERT_EQ(ch::run_figures_command({path}, out), 0);
+  EXPECT_NE(out.str().find("1 groups, 3 rows"), std::string::npos) << out.str();
+  const auto again = rows_of(tmp / "out");
+  ASSERT_EQ(again.size(), rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    EXPECT_EQ(without_figures(again[i]), without_figures(rows[i])) << rows[i]["point_id"];
+    for (const char* key : figures) {
+      ASSERT_TRUE(again[i].contains(key)) << key;
+      EXPECT_EQ(again[i][key].is_null(), rows[i][key].is_null()) << key;
+      if (!rows[i][key].is_null()) EXPECT_TRUE(near(again[i][key].get<double>(), rows[i][key].get<double>())) << key;
+    }
+  }
+  EXPECT_THROW(ch::run_figures_command({tmp / "missing.jsonl"}, out), std::invalid_argument);
 }
 
 // RHO-1's batch selection through Collider: batch_topk rows keep different counts; the row

@@ -4,6 +4,8 @@
 #include "harness/components/distributed.h"
 #include "base/fsutil.h"
 #include "harness/config/manifest.h"
+#include "harness/measure/table.h"
+#include "harness/run/results.h"
 #include "harness/run/run_dir.h"
 #include "harness/recipes/score.h"
 #include "harness/recipes/sweep.h"
@@ -17,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include <iostream>
+#include <map>
 
 namespace collider::harness {
 
@@ -41,7 +44,40 @@ std::string usage() {
          "      method, periodic evaluation, checkpoints; --resume continues unfinished runs; data-parallel as\n"
          "      above (batch_size windows per rank; rank 0 evaluates and writes rows and checkpoints)\n"
          "  collider score --checkpoint DIR --tokens FILE [--out FILE]\n"
-         "      per-token losses of a Hugging Face-layout checkpoint (RHO-1 reference scores)\n";
+         "      per-token losses of a Hugging Face-layout checkpoint (RHO-1 reference scores)\n"
+         "  collider figures RESULTS.jsonl...\n"
+         "      (re)write each measured group's figures (reduction, step_reduction, of_ideal, vs_floor;\n"
+         "      DESIGN.md section 6) into its rows, as the engine writes them when a group ends: for rows\n"
+         "      written before it did; each file is replaced atomically, its other keys unchanged\n";
+}
+
+int run_figures_command(const std::vector<std::string>& paths, std::ostream& out) {
+  if (paths.empty()) throw std::invalid_argument("no results file given (collider figures RESULTS.jsonl...)");
+  for (const auto& path : paths) {
+    if (!fsutil::exists(path)) throw std::invalid_argument("'" + path + "' does not exist");
+    ExistingResults existing = read_results(path, /*repair=*/false);
+    if (existing.torn_bytes > 0 || existing.bad_lines > 0)
+      throw std::invalid_argument("'" + path + "' has an incomplete or unparseable line; repair it first (collider "
+                                  "run --resume repairs a run's own results.jsonl)");
+    // A group's rows, in file order; rows without a group (training rows) keep no figures.
+    std::map<std::string, std::vector<size_t>> groups;
+    for (size_t i = 0; i < existing.rows.size(); ++i) {
+      const auto& row = existing.rows[i];
+      if (row.contains("group") && row["group"].is_string() && row.contains("bwd_ms"))
+        groups[row["group"].get<std::string>()].push_back(i);
+    }
+    for (const auto& [name, index] : groups) {
+      std::vector<nlohmann::json> rows;
+      for (size_t i : index) rows.push_back(existing.rows[i]);
+      write_group_figures(rows);
+      for (size_t k = 0; k < index.size(); ++k) existing.rows[index[k]] = std::move(rows[k]);
+    }
+    std::string text;
+    for (const auto& row : existing.rows) text += row.dump() + "\n";
+    fsutil::write_file_atomic(path, text);
+    out << fmt::format("collider figures: {}: {} groups, {} rows\n", path, groups.size(), existing.rows.size());
+  }
+  return 0;
 }
 
 int run_models_command(const std::vector<std::string>& args, std::ostream& out) {
@@ -283,6 +319,7 @@ int cli_main(const std::vector<std::string>& args) {
     if (cmd == "models") return run_models_command(rest, std::cout);
     if (cmd == "run") return run_run_command(rest, std::cout, std::cerr);
     if (cmd == "score") return run_score(args);
+    if (cmd == "figures") return run_figures_command(rest, std::cout);
   } catch (const std::exception& e) {
     std::cerr << "collider " << cmd << ": error: " << e.what() << "\n";
     return 1;

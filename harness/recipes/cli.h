@@ -17,6 +17,8 @@ namespace collider::harness {
 
 int cli_main(const std::vector<std::string>& args);  // args without the program name
 int run_models_command(const std::vector<std::string>& args, std::ostream& out);
+// collider figures: each group's figures (harness/measure/table.h) written into existing results files.
+int run_figures_command(const std::vector<std::string>& paths, std::ostream& out);
 int run_run_command(const std::vector<std::string>& args, std::ostream& out, std::ostream& err);
 std::string usage();
 }  // namespace collider::harness
