@@ -39,7 +39,7 @@ bool is_sdpa(const std::string& t) { return t.rfind("ScaledDotProduct", 0) == 0 
 
 // Attention sinks (GPT-OSS): the scores get c fixed columns appended (CatBackward0) before the
 // softmax, which the probabilities lose again (SliceBackward0, [..., :T]); both have a field of
-// T + c key positions (kTokenPlus; trace.cpp's check_sinks checks how they cat and slice).
+// T + c key positions (kTokenPlus; the field cut's check_sinks, edits/field_cut.cpp, checks how they cat and slice).
 bool has_token_plus(const NodeSpec& ns) {
   for (const auto& f : ns.fields)
     for (const auto& d : f.shape.dims)

@@ -8,8 +8,8 @@
 // Tests: tests/test_core_plan.cpp, tests/test_collider_*.cpp.
 #include <collider/collider.h>
 
-#include "attention_cores.h"
 #include "classify.h"
+#include "edits/edit.h"
 #include "graph.h"
 #include "head_node.h"
 #include "node_fields.h"
@@ -78,7 +78,7 @@ void refuse_token_gradients_born_opaque(const Graph& g, const PlanData& plan) {
 // Whether node a (b: the same node in the other trace) is a cat, slice or maximum along a dimension
 // of T + c positions (c <= kMaxTokenPlus): what attention sinks look like (GPT-OSS: scores [.., T]
 // and sinks [.., 1] concatenated, the row maximum subtracted, the sinks sliced off after the
-// softmax). Such a node is taken provisionally; check_sinks keeps it only inside an attention core.
+// softmax). Such a node is taken provisionally; check_sinks (edits/field_cut.cpp) keeps it only inside an attention core.
 bool along_token_plus_dim(const ObservedNode& a, const ObservedNode& b, Sizes sa, Sizes sb) {
   if (a.type != "CatBackward0" && a.type != "SliceBackward0" && a.type != "MaxBackward0") return false;
   if (!a.dim || !b.dim || a.fields.size() != b.fields.size()) return false;
@@ -93,57 +93,6 @@ bool along_token_plus_dim(const ObservedNode& a, const ObservedNode& b, Sizes sa
     if (c >= 1 && c <= kMaxTokenPlus && y.values[d] - sb.T == c) return true;
   }
   return false;
-}
-
-// Attention sinks (kTokenPlus): every field with T + c positions must lie in a recognised attention
-// core, its cat must append the c fixed columns after the T scores and its slice keep [..., :T].
-void check_sinks(const PlanData& plan, const std::vector<ObservedNode>& oa, const std::set<int>& sink_ops, Sizes sa) {
-  auto refuse = [&](int i, const std::string& why) {
-    throw Error(
-        fmt::format("collider cannot rewrite node {} (#{}): {}; collider follows T + c positions only as "
-                    "attention sinks (cat(scores, sinks) -> softmax -> [..., :T])",
-                    plan.nodes[i].type, i, why));
-  };
-  for (size_t i = 0; i < plan.nodes.size(); ++i) {
-    const NodeSpec& ns = plan.nodes[i];
-    bool plus = false;
-    for (const auto& f : ns.fields)
-      for (const auto& d : f.shape.dims) plus = plus || d.kind == DimKind::kTokenPlus;
-    const int node = static_cast<int>(i);
-    if (!plus && !sink_ops.count(node)) continue;
-    if (ns.type == "MaxBackward0" && ns.fields.empty()) continue;  // a detached row maximum (attention_cores.cpp)
-    if (!ns.attention_core) refuse(node, "T + c positions outside an attention core");
-    if (!sink_ops.count(node)) continue;
-    const ObservedNode& o = oa[i];
-    if (ns.type == "SliceBackward0") {
-      int64_t start = 0, end = -1, step = 1;
-      for (const auto& f : o.fields) {
-        if (f.name == "start" && f.scalar) start = f.values[0];
-        if (f.name == "end" && f.scalar) end = f.values[0];
-        if (f.name == "step" && f.scalar) step = f.values[0];
-      }
-      int64_t fixed = 0;  // c
-      if (const FieldSpec* self = ns.find(FieldKind::kSizes, 0, "self_sym_sizes"))
-        for (const auto& d : self->shape.dims)
-          if (d.kind == DimKind::kTokenPlus) fixed = d.mult;
-      if (start != 0 || step != 1 || (end != sa.T && end != -fixed) || fixed == 0) {
-        refuse(node, "a slice other than [..., :T] of T + c positions");
-      }
-    } else if (ns.type == "CatBackward0") {
-      const FieldSpec* scores = ns.find(FieldKind::kSizes, 0, "tensors_args_sizes_symint");
-      const FieldSpec* sinks = ns.find(FieldKind::kSizes, 1, "tensors_args_sizes_symint");
-      const int64_t rank = scores ? scores->shape.rank : 0;
-      const int64_t d = *o.dim < 0 ? *o.dim + rank : *o.dim;
-      bool scores_first = false,
-           fixed_after = sinks != nullptr && !ns.find(FieldKind::kSizes, 2, "tensors_args_sizes_symint");
-      if (scores)
-        for (const auto& dim : scores->shape.dims)
-          scores_first = scores_first || (dim.dim == d && dim.kind == DimKind::kToken);
-      if (sinks)
-        for (const auto& dim : sinks->shape.dims) fixed_after = fixed_after && dim.dim != d;
-      if (!scores_first || !fixed_after) refuse(node, "a concatenation other than cat(scores [.., T], sinks [.., c])");
-    }
-  }
 }
 
 // What differs between the two traces' observations of one node: its type, else its fields (a cat of
@@ -187,37 +136,6 @@ FusedSequence fused_attention_sequence(const ObservedNode& a, const ObservedNode
   return tokens ? FusedSequence::kMixed : FusedSequence::kOther;
 }
 
-}  // namespace
-
-// Python custom Functions with token-shaped inputs or saved tensors (BLOOM's GELU) are cut like an
-// ATen op where their backward maps rows one to one: rows only (no key or routed dimension), every
-// gradient they return token-shaped, and the backward run on cut rows giving the full run's kept
-// rows (passthrough.h: row_mismatch).
-void check_python_functions(const Graph& g, const PlanData& plan, const std::vector<ObservedNode>& observed,
-                            const std::set<int>& nodes, Sizes s) {
-  for (int i : nodes) {
-    const NodeSpec& ns = plan.nodes[i];
-    std::string why;
-    for (const auto& f : ns.fields)
-      if (why.empty() && (f.shape.has_routed() || token_dims(f.shape).size() > 1))
-        why = fmt::format("field {} has more than one token dimension", f.name);
-    std::vector<const FieldSpec*> outputs;
-    for (const auto& e : g.nodes[i]->next_edges()) {
-      outputs.push_back(e.function ? plan.nodes[g.index.at(e.function.get())].find(FieldKind::kInputMeta,
-                                                                                   static_cast<int32_t>(e.input_nr))
-                                   : nullptr);
-    }
-    if (why.empty()) why = row_mismatch(g.nodes[i], ns, observed[i].custom_saved, outputs, s.B, s.T);
-    if (why.empty()) continue;
-    throw Error(fmt::format(
-        "collider cannot filter through node {} (#{}): a custom autograd Function not seen to map gradient rows one "
-        "to one ({}; run on the traced batch). Write the op with torch operations",
-        ns.type, i, why));
-  }
-}
-
-namespace {
-
 // The two traces observed node by node (observe.h), refused where they differ other than in
 // sizes: a graph that depends on the batch or sequence size cannot be planned (a mixture of
 // experts whose expert got no token in one trace: AmbiguousRoute, which trace_plan retries).
@@ -260,14 +178,6 @@ void observe_traces(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb, std::v
     }
   }
 }
-
-// What the classification of every node collects for the steps after it.
-struct Classified {
-  std::vector<std::vector<std::vector<int64_t>>> values;  // trace-a values per kept field
-  std::vector<RoutedCandidate> candidates;                 // fields taken as routed (routes.h)
-  std::set<int> python_functions;                          // Python custom Functions with token fields
-  std::set<int> sink_ops;  // cat, slice or max along T + c positions: attention sinks, if check_sinks agrees
-};
 
 // Node i's fields classified (classify.h) into plan.nodes[i]: its token-shaped fields kept, the
 // fused attention marked (the fused attention edit replaces it whole), and every node whose
@@ -330,7 +240,7 @@ void classify_node(const Graph& ga, size_t i, const std::vector<ObservedNode>& o
                       ns.type, i));
     }
     // A Python custom Function (its saved tensors visible): taken if its backward maps rows one to
-    // one, which check_python_functions runs it to see once the fields are classified. One
+    // one, which check_python_functions (edits/field_cut.cpp) runs it to see once the fields are classified. One
     // declared passthrough is not run (DDP's and FSDP2's queue work for the end of the backward).
     if (!oa[i].generated && custom_saved(*ga.nodes[i]) && !is_passthrough(ns.type) &&
         (a.kind == FieldKind::kSaved || a.kind == FieldKind::kInputMeta)) {
@@ -398,55 +308,12 @@ void classify_node(const Graph& ga, size_t i, const std::vector<ObservedNode>& o
   }
 }
 
-// Broadcast layouts, resolved parents-first: a token field without a batch dimension takes the
-// layout of a batch-carrying tensor of its node or of a consumer. With B = 1 a batch-less token
-// field is cut as it is (every row belongs to the one sequence).
-void resolve_broadcast(const Graph& ga, Sizes sa, PlanData& plan,
-                       const std::vector<std::vector<std::vector<int64_t>>>& values) {
-  std::vector<std::optional<RefLayout>> node_ref(plan.nodes.size());
-  for (int i : sa.B == 1 ? std::vector<int>{} : topological_order(ga)) {
-    NodeSpec& ns = plan.nodes[i];
-    std::optional<RefLayout> ref;
-    for (const auto& f : ns.fields)  // input metadata first, then saved fields
-      if (f.kind == FieldKind::kInputMeta && !ref) ref = layout_of(f.shape);
-    for (const auto& f : ns.fields)
-      if (!ref) ref = layout_of(f.shape);
-    if (!ref) {
-      for (const auto& [p, e] : ga.parents[i])
-        if (!ref && node_ref[p]) ref = node_ref[p];
-    }
-    for (size_t k = 0; k < ns.fields.size(); ++k) {
-      FieldSpec& f = ns.fields[k];
-      if (batch_dim(f.shape) || has_flat(f.shape) || f.shape.has_route()) continue;
-      if (ns.type == "SliceBackward0" && f.name == "end") continue;  // a scalar: T key positions, not a tensor
-      if (!ref || !align_broadcast(f.shape, values[i][k], *ref)) {
-        throw Error(
-            fmt::format("collider cannot rewrite node {} (#{}): field {} has token dimensions but no "
-                        "batch dimension, and no batch-carrying tensor of the node or its consumers "
-                        "shows how it broadcasts",
-                        ns.type, i, f.name));
-      }
-    }
-    if (!ref) {
-      for (const auto& f : ns.fields)
-        if (!ref && f.kind == FieldKind::kInputMeta) ref = layout_of(f.shape);
-    }
-    node_ref[i] = ref;
-  }
-}
-
 }  // namespace
 
-// The plan: both traces observed, every node classified, then the whole-graph steps in order,
-// each writing its part of the plan for the edits that read it (edits/edit.h):
-//   refuse_token_gradients_born_opaque  every edit: a token gradient must be born in a node it can cut
-//   resolve_flat_order                  field cut: [B*T] rows in batch- or sequence-major order
-//   assign_routes                       route scatters: mixture-of-experts routes (routes.h)
-//   resolve_broadcast                   field cut: token fields without a batch dimension
-//   check_python_functions              field cut: Python custom Functions run to see they map rows
-//   find_attention_cores                attention rows, key rows: QK^T -> softmax -> PV (attention_cores.h)
-//   check_sinks                         field cut: attention sinks' T + c key columns
-//   check_row_rules                     every edit: each cut node acts row by row (row_rules.h)
+// The plan: both traces observed, every node classified, then the whole-graph steps in order:
+// first the check that every token gradient is born in a node an edit can cut, then each edit's
+// analysis step in the order of the analysis table (edits/table.cpp), each writing the part of the
+// plan its edit reads, last the check that each cut node acts row by row (row_rules.h).
 PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
   PlanData plan;
   plan.batch_a = sa.B;
@@ -465,12 +332,8 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
   c.values.resize(n);
   for (size_t i = 0; i < n; ++i) classify_node(ga, i, oa, ob, sa, sb, plan, c);
   refuse_token_gradients_born_opaque(ga, plan);
-  resolve_flat_order(ga, plan);
-  assign_routes(ga, oa, ob, sa, sb, plan, c.candidates);
-  resolve_broadcast(ga, sa, plan, c.values);
-  check_python_functions(ga, plan, oa, c.python_functions, sa);
-  find_attention_cores(ga, plan);
-  check_sinks(plan, oa, c.sink_ops, sa);
+  const TraceFacts facts{ga, gb, sa, sb, oa, ob, c};
+  for (const Analysis& step : analysis_table()) step.run(facts, plan);
   check_row_rules(ga, plan, oa);
   return plan;
 }

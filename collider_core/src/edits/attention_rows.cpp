@@ -9,6 +9,8 @@
 // nodes are taken from every other edit.
 #include "edit.h"
 
+#include "../attention_cores.h"
+
 #include "../row_attention.h"
 
 namespace collider::detail {
@@ -56,6 +58,10 @@ class AttentionRowsEdit final : public Edit {
 };
 
 }  // namespace
+
+// The analysis step: the eager attention cores located structurally (attention_cores.h), for this
+// edit, the key-rows edit (exact_query) and the field cut's attention sinks.
+void attention_rows_cores(const TraceFacts& t, PlanData& plan) { find_attention_cores(t.ga, plan); }
 
 std::unique_ptr<Edit> make_attention_rows_edit() { return std::make_unique<AttentionRowsEdit>(); }
 

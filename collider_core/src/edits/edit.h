@@ -8,12 +8,18 @@
 //      accepts it, and that edit's cut() rewrites it;
 //   3. after(): every edit in table order, over the whole graph (nodes inserted on edges, edges
 //      removed), with every node's own cut known.
+// Before any of this, when the plan is built (trace.cpp: build_plan), an edit that needs more of the
+// plan than each node's token fields has an analysis step: it reads both traces (trace_facts.h) and
+// writes its part of the plan (the flattened rows' order, the routes, the attention cores), or
+// refuses what it cannot cut. The steps run in the order of the analysis table (table.cpp).
 // To add an edit: a file here that opens with what it cuts and why, its make_ function below, and
-// its line in table.cpp, at the place where it must win over the edits after it.
+// its line in table.cpp, at the place where it must win over the edits after it; if it needs an
+// analysis step, that step in the same file, declared below, with its line in the analysis table.
 #pragma once
 
 #include "../graph.h"
 #include "../node_fields.h"
+#include "../trace_facts.h"
 #include "../transaction.h"
 
 #include <memory>
@@ -45,6 +51,21 @@ std::unique_ptr<Edit> make_field_cut_edit();        // every other node: its sav
 std::unique_ptr<Edit> make_detach_edit();           // edges whose gradient is zero by construction
 std::unique_ptr<Edit> make_zero_padding_edit();     // ragged masks: padding rows zeroed where gradients are born
 std::unique_ptr<Edit> make_key_rows_edit();         // exact_query: dK/dV cut to the kept rows
+
+// An edit's analysis step, and the table of them in the order build_plan runs them (table.cpp).
+struct Analysis {
+  const char* edit;  // the edit whose plan it writes
+  void (*run)(const TraceFacts&, PlanData&);
+};
+const std::vector<Analysis>& analysis_table();
+
+// The analysis steps, in the files of their edits.
+void field_cut_flat_order(const TraceFacts&, PlanData&);         // [B*T] rows: batch- or sequence-major
+void route_scatters_routes(const TraceFacts&, PlanData&);        // mixture-of-experts routes (routes.h)
+void field_cut_broadcast(const TraceFacts&, PlanData&);          // token fields without a batch dimension
+void field_cut_python_functions(const TraceFacts&, PlanData&);   // Python custom Functions: rows one to one
+void attention_rows_cores(const TraceFacts&, PlanData&);         // QK^T -> softmax -> PV (key rows reads them)
+void field_cut_sinks(const TraceFacts&, PlanData&);              // attention sinks' T + c key columns
 
 // Runs the table on g: every write recorded in tx, none made (Transaction::commit makes them).
 void run_edits(const Graph& g, Transaction& tx);

@@ -3,6 +3,9 @@
 // shapes cut to the kept rows, so its backward runs on [B, N] tokens (DESIGN.md section 3). A
 // Python custom Function that trace_plan ran row for row has its ctx.saved_tensors cut the same
 // way; x[..., :n].copy_(y) (CopySlices) has its two geometries cut together (slices.h).
+// Its analysis steps, run when the plan is built (edit.h), at the end of this file: the row order of
+// flattened [B*T] rows, the broadcast layouts of token fields without a batch dimension, Python
+// custom Functions run to see they map rows one to one, and attention sinks' T + c key columns.
 #include "field_cut.h"
 
 #include "edit.h"
@@ -11,7 +14,11 @@
 #include "../routes.h"
 #include "../slices.h"
 
+#include <fmt/format.h>
+
 #include <cstring>
+#include <optional>
+#include <set>
 
 namespace collider::detail {
 
@@ -247,5 +254,137 @@ class FieldCutEdit final : public Edit {
 }  // namespace
 
 std::unique_ptr<Edit> make_field_cut_edit() { return std::make_unique<FieldCutEdit>(); }
+
+// ---- the analysis steps (edit.h): what build_plan runs for the field cut ----
+
+namespace {
+
+// Broadcast layouts, resolved parents-first: a token field without a batch dimension takes the
+// layout of a batch-carrying tensor of its node or of a consumer. With B = 1 a batch-less token
+// field is cut as it is (every row belongs to the one sequence).
+void resolve_broadcast(const Graph& ga, Sizes sa, PlanData& plan,
+                       const std::vector<std::vector<std::vector<int64_t>>>& values) {
+  std::vector<std::optional<RefLayout>> node_ref(plan.nodes.size());
+  for (int i : sa.B == 1 ? std::vector<int>{} : topological_order(ga)) {
+    NodeSpec& ns = plan.nodes[i];
+    std::optional<RefLayout> ref;
+    for (const auto& f : ns.fields)  // input metadata first, then saved fields
+      if (f.kind == FieldKind::kInputMeta && !ref) ref = layout_of(f.shape);
+    for (const auto& f : ns.fields)
+      if (!ref) ref = layout_of(f.shape);
+    if (!ref) {
+      for (const auto& [p, e] : ga.parents[i])
+        if (!ref && node_ref[p]) ref = node_ref[p];
+    }
+    for (size_t k = 0; k < ns.fields.size(); ++k) {
+      FieldSpec& f = ns.fields[k];
+      if (batch_dim(f.shape) || has_flat(f.shape) || f.shape.has_route()) continue;
+      if (ns.type == "SliceBackward0" && f.name == "end") continue;  // a scalar: T key positions, not a tensor
+      if (!ref || !align_broadcast(f.shape, values[i][k], *ref)) {
+        throw Error(
+            fmt::format("collider cannot rewrite node {} (#{}): field {} has token dimensions but no "
+                        "batch dimension, and no batch-carrying tensor of the node or its consumers "
+                        "shows how it broadcasts",
+                        ns.type, i, f.name));
+      }
+    }
+    if (!ref) {
+      for (const auto& f : ns.fields)
+        if (!ref && f.kind == FieldKind::kInputMeta) ref = layout_of(f.shape);
+    }
+    node_ref[i] = ref;
+  }
+}
+
+// Python custom Functions with token-shaped inputs or saved tensors (BLOOM's GELU) are cut like an
+// ATen op where their backward maps rows one to one: rows only (no key or routed dimension), every
+// gradient they return token-shaped, and the backward run on cut rows giving the full run's kept
+// rows (passthrough.h: row_mismatch).
+void check_python_functions(const Graph& g, const PlanData& plan, const std::vector<ObservedNode>& observed,
+                            const std::set<int>& nodes, Sizes s) {
+  for (int i : nodes) {
+    const NodeSpec& ns = plan.nodes[i];
+    std::string why;
+    for (const auto& f : ns.fields)
+      if (why.empty() && (f.shape.has_routed() || token_dims(f.shape).size() > 1))
+        why = fmt::format("field {} has more than one token dimension", f.name);
+    std::vector<const FieldSpec*> outputs;
+    for (const auto& e : g.nodes[i]->next_edges()) {
+      outputs.push_back(e.function ? plan.nodes[g.index.at(e.function.get())].find(FieldKind::kInputMeta,
+                                                                                   static_cast<int32_t>(e.input_nr))
+                                   : nullptr);
+    }
+    if (why.empty()) why = row_mismatch(g.nodes[i], ns, observed[i].custom_saved, outputs, s.B, s.T);
+    if (why.empty()) continue;
+    throw Error(fmt::format(
+        "collider cannot filter through node {} (#{}): a custom autograd Function not seen to map gradient rows one "
+        "to one ({}; run on the traced batch). Write the op with torch operations",
+        ns.type, i, why));
+  }
+}
+
+// Attention sinks (kTokenPlus): every field with T + c positions must lie in a recognised attention
+// core, its cat must append the c fixed columns after the T scores and its slice keep [..., :T].
+void check_sinks(const PlanData& plan, const std::vector<ObservedNode>& oa, const std::set<int>& sink_ops, Sizes sa) {
+  auto refuse = [&](int i, const std::string& why) {
+    throw Error(
+        fmt::format("collider cannot rewrite node {} (#{}): {}; collider follows T + c positions only as "
+                    "attention sinks (cat(scores, sinks) -> softmax -> [..., :T])",
+                    plan.nodes[i].type, i, why));
+  };
+  for (size_t i = 0; i < plan.nodes.size(); ++i) {
+    const NodeSpec& ns = plan.nodes[i];
+    bool plus = false;
+    for (const auto& f : ns.fields)
+      for (const auto& d : f.shape.dims) plus = plus || d.kind == DimKind::kTokenPlus;
+    const int node = static_cast<int>(i);
+    if (!plus && !sink_ops.count(node)) continue;
+    if (ns.type == "MaxBackward0" && ns.fields.empty()) continue;  // a detached row maximum (attention_cores.cpp)
+    if (!ns.attention_core) refuse(node, "T + c positions outside an attention core");
+    if (!sink_ops.count(node)) continue;
+    const ObservedNode& o = oa[i];
+    if (ns.type == "SliceBackward0") {
+      int64_t start = 0, end = -1, step = 1;
+      for (const auto& f : o.fields) {
+        if (f.name == "start" && f.scalar) start = f.values[0];
+        if (f.name == "end" && f.scalar) end = f.values[0];
+        if (f.name == "step" && f.scalar) step = f.values[0];
+      }
+      int64_t fixed = 0;  // c
+      if (const FieldSpec* self = ns.find(FieldKind::kSizes, 0, "self_sym_sizes"))
+        for (const auto& d : self->shape.dims)
+          if (d.kind == DimKind::kTokenPlus) fixed = d.mult;
+      if (start != 0 || step != 1 || (end != sa.T && end != -fixed) || fixed == 0) {
+        refuse(node, "a slice other than [..., :T] of T + c positions");
+      }
+    } else if (ns.type == "CatBackward0") {
+      const FieldSpec* scores = ns.find(FieldKind::kSizes, 0, "tensors_args_sizes_symint");
+      const FieldSpec* sinks = ns.find(FieldKind::kSizes, 1, "tensors_args_sizes_symint");
+      const int64_t rank = scores ? scores->shape.rank : 0;
+      const int64_t d = *o.dim < 0 ? *o.dim + rank : *o.dim;
+      bool scores_first = false,
+           fixed_after = sinks != nullptr && !ns.find(FieldKind::kSizes, 2, "tensors_args_sizes_symint");
+      if (scores)
+        for (const auto& dim : scores->shape.dims)
+          scores_first = scores_first || (dim.dim == d && dim.kind == DimKind::kToken);
+      if (sinks)
+        for (const auto& dim : sinks->shape.dims) fixed_after = fixed_after && dim.dim != d;
+      if (!scores_first || !fixed_after) refuse(node, "a concatenation other than cat(scores [.., T], sinks [.., c])");
+    }
+  }
+}
+
+}  // namespace
+
+// The order of flattened [B*T] rows (classify.h).
+void field_cut_flat_order(const TraceFacts& t, PlanData& plan) { resolve_flat_order(t.ga, plan); }
+
+void field_cut_broadcast(const TraceFacts& t, PlanData& plan) { resolve_broadcast(t.ga, t.sa, plan, t.classified.values); }
+
+void field_cut_python_functions(const TraceFacts& t, PlanData& plan) {
+  check_python_functions(t.ga, plan, t.oa, t.classified.python_functions, t.sa);
+}
+
+void field_cut_sinks(const TraceFacts& t, PlanData& plan) { check_sinks(plan, t.oa, t.classified.sink_ops, t.sa); }
 
 }  // namespace collider::detail

@@ -39,6 +39,12 @@ class RouteScattersEdit final : public Edit {
 
 }  // namespace
 
+// The analysis step: every field the classification took as routed claimed by a route, each route's
+// scatter found (routes.h), or the field refused.
+void route_scatters_routes(const TraceFacts& t, PlanData& plan) {
+  assign_routes(t.ga, t.oa, t.ob, t.sa, t.sb, plan, t.classified.candidates);
+}
+
 std::unique_ptr<Edit> make_route_scatters_edit() { return std::make_unique<RouteScattersEdit>(); }
 
 }  // namespace collider::detail

@@ -27,6 +27,20 @@ std::vector<std::unique_ptr<Edit>> make_table() {
 
 }  // namespace
 
+// The analysis steps in the order build_plan runs them: the flattened rows' order first (the routes
+// and the broadcast layouts read it), the attention cores before the sinks that must lie in one.
+const std::vector<Analysis>& analysis_table() {
+  static const std::vector<Analysis> table = {
+      {"field cut", field_cut_flat_order},
+      {"route scatters", route_scatters_routes},
+      {"field cut", field_cut_broadcast},
+      {"field cut", field_cut_python_functions},
+      {"attention rows", attention_rows_cores},
+      {"field cut", field_cut_sinks},
+  };
+  return table;
+}
+
 void run_edits(const Graph& g, Transaction& tx) {
   // One table per rewrite: an edit may keep what its before() found for its takes() and cut().
   const auto table = make_table();
