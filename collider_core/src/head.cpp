@@ -44,6 +44,9 @@ torch::Tensor logits_block(const torch::Tensor& x_RD, const torch::Tensor& weigh
   return z_RC;
 }
 
+// The soft-capping's derivative at the capped logits z: d(c tanh(u / c)) / du = 1 - (z / c)^2.
+torch::Tensor cap_derivative(const torch::Tensor& z, double softcap) { return 1.0 - (z / softcap).square_(); }
+
 // The block's column of each row's target (clamped into the block) and whether it lies there.
 std::pair<torch::Tensor, torch::Tensor> target_in_block(const torch::Tensor& target_R, int64_t c0, int64_t C) {
   torch::Tensor in_R = target_R.ge(c0).logical_and_(target_R.lt(c0 + C));
@@ -93,7 +96,7 @@ RowScores score_rows(const torch::Tensor& x_ND, const torch::Tensor& target_N, c
 torch::Tensor block_gradient(torch::Tensor z_RC, const torch::Tensor& lse_R, const torch::Tensor& target_R, int64_t c0,
                              const torch::Tensor& coef, const HeadOptions& o) {
   torch::Tensor cap_RC;
-  if (o.softcap > 0.0) cap_RC = 1.0 - (z_RC / o.softcap).square_();  // d(c tanh(u / c)) / du
+  if (o.softcap > 0.0) cap_RC = cap_derivative(z_RC, o.softcap);
   torch::Tensor dz_RC = z_RC.sub_(lse_R.unsqueeze(1)).exp_();           // softmax
   auto [col_R, in_R] = target_in_block(target_R, c0, dz_RC.size(1));
   dz_RC.scatter_add_(1, col_R.unsqueeze(1), in_R.to(dz_RC.scalar_type()).neg_().unsqueeze(1));  // - onehot
@@ -123,7 +126,7 @@ RowScores scores_in_place(const torch::Tensor& z_RV, const torch::Tensor& target
     const int64_t n = std::min(S, R - r0);
     const torch::Tensor z = z_RV.narrow(0, r0, n), target = target_R.narrow(0, r0, n).unsqueeze(1);
     torch::Tensor cap;
-    if (gradient && o.softcap > 0.0) cap = 1.0 - (z / o.softcap).square_();  // d(c tanh(u / c)) / du
+    if (gradient && o.softcap > 0.0) cap = cap_derivative(z, o.softcap);
     const torch::Tensor m = at::amax(z, {1});
     z.sub_(m.unsqueeze(1));  // z - m
     torch::Tensor zm_e;      // (entropy) sum of (z - m) exp(z - m)
@@ -447,14 +450,18 @@ HeadResult eager_head_loss(const torch::Tensor& hidden, const torch::Tensor& wei
 
 }  // namespace
 
+bool fused_head_recomputes(int64_t rows, int64_t vocab, const HeadOptions& opts) {
+  const int64_t block_rows = opts.chunk_rows * opts.chunk_vocab / std::max<int64_t>(vocab, 1);
+  const bool few_rows = block_rows < kEagerMinRows && block_rows < rows;  // one block of every row is not few
+  return opts.recompute || few_rows;
+}
+
 HeadResult fused_head_loss(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets,
                            const torch::Tensor& keep, const HeadOptions& opts, const torch::Tensor& bias) {
   const bool wants_grad = torch::GradMode::is_enabled() &&
                           (hidden.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad()));
-  const int64_t block_rows = opts.chunk_rows * opts.chunk_vocab / std::max<int64_t>(weight.size(0), 1);
   const int64_t N = weight.size(1) > 0 ? hidden.numel() / weight.size(1) : 0;
-  const bool few_rows = block_rows < kEagerMinRows && block_rows < N;  // one block of every row is not few
-  if (!wants_grad || opts.recompute || few_rows) {
+  if (!wants_grad || fused_head_recomputes(N, weight.size(0), opts)) {
     ScoredHead scored = score_head(hidden, weight, targets, opts, bias);
     return HeadResult{scored.loss(keep, opts.divisor), scored.token_loss, scored.entropy};
   }

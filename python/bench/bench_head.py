@@ -140,10 +140,10 @@ def bench_point(V, D, N, reps, warmup, dev, seed=0):
 
     samples = side_by_side(run_once, METHODS, warmup, reps)
     flops_fwd = 2.0 * N * D * V
-    # The default blocks (1024 x 8192 logits) make the gradient in the forward where they hold at
-    # least 128 whole-vocabulary rows or every row (collider_core/src/head.cpp), else recompute.
-    default_rows = CHUNK_ROWS * 8192 // V
-    fused_flops = flops_fwd + (4.0 if default_rows >= 128 or default_rows >= N else 6.0) * K * D * V
+    # The default blocks (1024 x 8192 logits) make the gradient in the forward or recompute it in the
+    # backward by the library's own rule (collider::fused_head_recomputes).
+    recomputes = collider.fused_head_recomputes(N, V, chunk_rows=CHUNK_ROWS, chunk_vocab=8192)
+    fused_flops = flops_fwd + (6.0 if recomputes else 4.0) * K * D * V
     flops = {"unfused": flops_fwd + 4.0 * N * D * V, "unfused collider": flops_fwd + 4.0 * K * D * V,
              "fused": fused_flops, "fused collider": fused_flops,
              "fused wide": flops_fwd + 4.0 * K * D * V, "fused recompute": flops_fwd + 6.0 * K * D * V,

@@ -355,6 +355,15 @@ def fused_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return HeadResult(loss, token_loss, ent if entropy else None)
 
 
+def fused_head_recomputes(rows: int, vocab: int, *, chunk_rows: int = 1024, chunk_vocab: int = 8192,
+                          recompute: bool = False) -> bool:
+    """Whether fused_head_loss on `rows` rows of a `vocab`-word head, with a gradient to make,
+    recomputes the kept rows' logits in the backward (6 K D V backward FLOPs) instead of making their
+    gradient in the forward (4 K D V): with recompute=True, or where a block holds fewer than 128
+    whole-vocabulary rows (chunk_rows * chunk_vocab // vocab) and not every row."""
+    return _C.fused_head_recomputes(int(rows), int(vocab), int(chunk_rows), int(chunk_vocab), bool(recompute))
+
+
 def kept_count(seq_len: int, filter_ratio: float, align: int = 8) -> int:
     """Kept count per row that per_sequence selection gives for a row of `seq_len` valid positions."""
     return _C.kept_count(int(seq_len), float(filter_ratio), int(align))

@@ -224,6 +224,16 @@ PYBIND11_MODULE(_C, m) {
       py::arg("ignore_index"), py::arg("softcap"), py::arg("logit_scale"), py::arg("divisor"), py::arg("entropy"),
       py::arg("chunk_rows"), py::arg("chunk_vocab"), py::arg("recompute"));
   m.def(
+      "fused_head_recomputes",
+      [](int64_t rows, int64_t vocab, int64_t chunk_rows, int64_t chunk_vocab, bool recompute) {
+        collider::HeadOptions opts;
+        opts.chunk_rows = chunk_rows;
+        opts.chunk_vocab = chunk_vocab;
+        opts.recompute = recompute;
+        return collider::fused_head_recomputes(rows, vocab, opts);
+      },
+      py::arg("rows"), py::arg("vocab"), py::arg("chunk_rows"), py::arg("chunk_vocab"), py::arg("recompute"));
+  m.def(
       "score_head",
       [](const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets,
          std::optional<torch::Tensor> bias, int64_t ignore_index, double softcap, double logit_scale, bool entropy,

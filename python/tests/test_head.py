@@ -84,6 +84,16 @@ def test_fused_head_loss_tied_weights_equal_plain_autograd():
     assert res.entropy is None
 
 
+def test_fused_head_says_which_way_it_takes():
+    # Blocks of 1024 x 8192 logits: 262 whole-vocabulary rows at V = 32000 (gradient in the forward),
+    # 55 at V = 151936 (recompute), unless one block holds every row.
+    assert not collider.fused_head_recomputes(2048, 32000)
+    assert collider.fused_head_recomputes(2048, 151936)
+    assert not collider.fused_head_recomputes(40, 151936)
+    assert not collider.fused_head_recomputes(2048, 151936, chunk_vocab=256 * 151936 // 1024)
+    assert collider.fused_head_recomputes(2048, 32000, recompute=True)
+
+
 def test_bad_arguments_are_refused():
     x, w = torch.randn(4, 3), torch.randn(7, 3)
     with pytest.raises(collider.Error, match=r"\[0, 7\)"):

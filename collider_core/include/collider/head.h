@@ -86,4 +86,10 @@ HeadResult fused_head_loss(const torch::Tensor& hidden, const torch::Tensor& wei
                            const torch::Tensor& keep, const HeadOptions& opts = {},
                            const torch::Tensor& bias = torch::Tensor());
 
+// Whether fused_head_loss, with a gradient to make, recomputes the kept rows' logits in the backward
+// (6 K D V backward FLOPs) rather than making their gradient in the forward (4 K D V): where
+// opts.recompute, or where a block holds fewer than 128 whole-vocabulary rows (chunk_rows *
+// chunk_vocab / vocab) and not every one of the `rows`.
+bool fused_head_recomputes(int64_t rows, int64_t vocab, const HeadOptions& opts = {});
+
 }  // namespace collider
