@@ -337,6 +337,9 @@ def require_figures(rows: Iterable[dict]) -> None:
         missing = [k for k in FIGURE_KEYS if k not in r]
         if missing:
             path = r.get("_file", "?")
+            if "group" not in r:  # sequential rows of before the engine's groups: nothing to add
+                sys.exit(f"error: {path}: point {r.get('point_id', '?')} has no group, so no group figures "
+                         "(rows measured before the engine measured in groups); these scripts need them")
             sys.exit(f"error: {path}: point {r.get('point_id', '?')} lacks the engine's group figures "
                      f"({', '.join(missing)}); add them with `build/collider figures {path}`")
 
