@@ -2,6 +2,11 @@
 filter ratio and method, with time, reduction vs regular, the FLOP ideal, reduction / ideal, and
 the T' floor (DESIGN.md section 7). Not run directly; see those two scripts.
 
+The reductions, shares of the ideal and ratios to the floor are the engine's group figures
+(DESIGN.md section 6), taken from the rows (common.summarize_filtering): the backward's reduction
+counts the rewrite, 1 - (bwd_ms + rewrite_ms) / regular's bwd_ms. The tables compute only the
+spread below, the end-to-end FLOP ideal, and a floor for rows whose group measured none.
+
 Spread (rows from interleaved repetitions, `run.repetitions` > 1): a time is printed with its
 spread over every measured step (412.30 +-1.1%, +- half the relative IQR); a change vs regular
 with its spread (-30.1% +-1.2 pt): half the width of a distribution-free 90% interval for the
@@ -22,7 +27,7 @@ import common
 def make_table(description: str, stem: str, metric: str, end_to_end: bool) -> None:
     args = common.parse_args(description)
     rows = common.load_rows(args.results, require=["model", "method", "seq_len", "batch_size", metric])
-    recs = common.summarize_filtering(rows, metric, end_to_end=end_to_end)
+    recs = common.summarize_filtering(rows, metric)
     reg = common.regular_index(rows, metric)
     what = "step" if end_to_end else "backward"
     headers = ["Model", "T", "B", "Filtered", "Method", f"{what} (ms)", "vs regular", "FLOP ideal",
@@ -45,25 +50,42 @@ def make_table(description: str, stem: str, metric: str, end_to_end: bool) -> No
             table.append([rec["model"], rec["seq_len"], rec["batch_size"], f"{rec['filter_ratio']:.0%}",
                           common.label("regular"), with_spread(base[metric], base["rel_iqr"]), aa, "", "", "",
                           "", "", band])
-        over = rec["value"] / rec["floor"] - 1 if rec["floor"] and not math.isnan(rec["floor"]) else float("nan")
+        over = common.pct(rec["over_floor"])
+        if not math.isnan(rec["over_floor"]) and not rec["floor_from_group"]:
+            over += "*"  # the table's own floor ratio (no floor in the row's group): see the caption
         t_prime = "n/a" if math.isnan(rec["t_prime"]) else f"{rec['t_prime']:g}"
         table.append([rec["model"], rec["seq_len"], rec["batch_size"], f"{rec['filter_ratio']:.0%}",
                       common.label(rec["method"]), with_spread(rec["value"], rec["rel_iqr"]), change(rec),
                       common.pct(-rec["ideal"]), common.fmt_ratio(rec["of_ideal"]), t_prime,
-                      common.fmt_ms(rec["floor"]), common.pct(over), ""])
+                      common.fmt_ms(rec["floor"]), over, ""])
     if not table:
         raise SystemExit("error: no filtering rows (loss_only / collider / forward_drop at filter_ratio > 0) to tabulate")
-    floor_note = ("T' floor: regular's backward on T' tokens per sequence" if not end_to_end else
-                  "T' floor: this method's step with its backward replaced by regular's backward on T' tokens")
+    if end_to_end:
+        figures = ("vs regular = the engine's step_reduction (the step's time change); FLOP ideal = change in "
+                   "analytic forward+backward FLOPs, computed by this table (not an engine figure); of ideal "
+                   "= the engine's step_reduction / that ideal; T' floor: this method's step with its "
+                   "backward and rewrite replaced by regular's backward on T' tokens (from the engine's "
+                   "vs_floor); over floor = step / that")
+    else:
+        figures = ("backward (ms) = the backward alone; vs regular = the engine's reduction, which counts "
+                   "the rewrite: 1 - (backward + rewrite) / regular's backward; FLOP ideal = change in "
+                   "analytic backward FLOPs; of ideal = the engine's reduction / ideal; T' floor: "
+                   "regular's backward on T' tokens per sequence; over floor = the engine's vs_floor - 1, "
+                   "(backward + rewrite) / the floor's")
     caption = (f"{'End-to-end step' if end_to_end else 'Backward'} time, median over measured steps and "
-               f"repetitions; vs regular = time change; FLOP ideal = change in analytic "
-               f"{'forward+backward' if end_to_end else 'backward'} FLOPs; of ideal = reduction / ideal; "
-               f"{floor_note}. Device: {common.describe_device(rows)}.")
+               f"repetitions; {figures}; figures of several runs pooled by their median. "
+               f"Device: {common.describe_device(rows)}.")
+    if any(not math.isnan(r["over_floor"]) and not r["floor_from_group"] for r in recs):
+        caption += (" *: no vs_floor from the engine (the row's group measured no floor at its T', or the "
+                    "engine holds the method to none: loss only); the same ratio computed by this table "
+                    "against regular's rows at T' among the results given, which may come from another "
+                    "group or run.")
     if any(not math.isnan(r["band"]) for r in recs):
         caption += (" Spread: a time +- half its relative interquartile range over all measured steps; a "
                     "change +- the root of the sum of squares of half the width of a distribution-free 90% "
                     "interval for the median of its per-round changes (paired with regular's "
-                    "interleaved rounds; with 5 rounds their range) and the A/A difference (pt); A/A "
+                    "interleaved rounds; with 5 rounds their range; rounds of the "
+                    f"{'step' if end_to_end else 'backward alone'}) and the A/A difference (pt); A/A "
                     "band = max(|A/A difference|, IQR of the per-round A/A differences); n.s. = not "
                     "significant, inside the band.")
     common.write_table(args.out, stem, headers, table, caption, align="lrrrlrrrrrrrr")

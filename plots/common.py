@@ -2,7 +2,8 @@
 
 Loads results (JSONL rows of DESIGN.md section 6, or Google Benchmark JSON), keeps rows with
 status "ok" (warns about the others), aggregates by median, draws with one fixed colour per
-method, and writes figures (PNG + PDF) and tables (Markdown + LaTeX booktabs).
+method, and writes figures (PNG + PDF) and tables (Markdown + LaTeX booktabs). The group figures
+(reduction, share of the FLOP ideal, ratio to the T' floor) are the engine's, read from the rows.
 Every script runs as:  python plots/<stem>.py --results PATH [PATH...] --out DIR
 Tested by tests/test_plots.cpp on tests/fixtures/results/.
 """
@@ -144,6 +145,7 @@ def load_rows(paths: Sequence[str], require: Sequence[str] = ()) -> list[dict]:
                 if row.get("head") == "fused" and "model" in row:
                     row["model"] = f"{row['model']}, fused head"
                 row["_key"] = method_key(row)
+                row["_file"] = path
                 rows.append(row)
     if not rows:
         sys.exit(f"error: no usable rows (status ok, with fields {list(require)}) in {list(paths)}")
@@ -312,11 +314,47 @@ def write_table(out_dir: str, stem: str, headers: Sequence[str], rows: Sequence[
     return paths
 
 
-# ---- reductions against regular, the FLOP ideal and the T' floor (DESIGN.md section 7) ----
+# ---- reductions against regular, the FLOP ideal and the T' floor (DESIGN.md sections 6 and 7) ----
+# The group figures (`reduction`, `step_reduction`, `of_ideal`, `vs_floor`) are the measurement
+# engine's: it writes them into every row of a group when the group ends (measuring/figures.h), and
+# these scripts print them as they are, pooling several runs by their median. What the scripts
+# compute themselves: the spread of the interleaved rounds (a statistic of the rounds, not a group
+# figure), the end-to-end FLOP ideal, and a floor for the rows whose group measured none.
+
+FIGURE_KEYS = ("reduction", "step_reduction", "of_ideal", "vs_floor")
+
+
+def figure_key(metric: str) -> str:
+    """The engine's reduction of `metric`: `reduction` of the backward (its rewrite counted),
+    `step_reduction` of the whole step."""
+    return "reduction" if metric == "bwd_ms" else "step_reduction"
+
+
+def require_figures(rows: Iterable[dict]) -> None:
+    """Exits with a short error naming the file when a row lacks the engine's group figures (rows
+    written before the engine wrote them); a null figure (no reference in the group) is fine."""
+    for r in rows:
+        missing = [k for k in FIGURE_KEYS if k not in r]
+        if missing:
+            path = r.get("_file", "?")
+            if "group" not in r:  # sequential rows of before the engine's groups: nothing to add
+                sys.exit(f"error: {path}: point {r.get('point_id', '?')} has no group, so no group figures "
+                         "(rows measured before the engine measured in groups); these scripts need them")
+            sys.exit(f"error: {path}: point {r.get('point_id', '?')} lacks the engine's group figures "
+                     f"({', '.join(missing)}); add them with `build/collider figures {path}`")
+
+
+def cost_ms(row: dict) -> float:
+    """The backward as the engine's figures count it: bwd_ms with the rewrite (rewrite_ms)."""
+    bwd = row.get("bwd_ms")
+    return float("nan") if bwd is None else bwd + (row.get("rewrite_ms") or 0.0)
+
 
 def regular_index(rows: Sequence[dict], metric: str) -> dict[tuple, dict]:
-    """(model, batch_size, seq_len) -> {metric: median, flops_bwd, flops_fwd} over regular rows.
-    Regular ignores filter_ratio, so its rows at every ratio pool together."""
+    """(model, batch_size, seq_len) -> regular's rows and medians (its time, for the tables; its
+    FLOPs, for the end-to-end ideal; its rounds and A/A copy, for the spread; its backward, as the
+    floor of rows whose own group measured none). Regular ignores filter_ratio, so its rows at
+    every ratio pool together; a T' floor is a regular row at seq_len T'."""
     out = {}
     copies = group([r for r in rows if r["_key"] == AA_KEY], ["model", "batch_size", "seq_len"])
     for (model, batch, seq), grp in group([r for r in rows if r["_key"] == "regular"],
@@ -324,68 +362,85 @@ def regular_index(rows: Sequence[dict], metric: str) -> dict[tuple, dict]:
         rec = {
             metric: median(r.get(metric) for r in grp),
             "bwd_ms": median(r.get("bwd_ms") for r in grp),
+            "cost_ms": median(cost_ms(r) for r in grp),
             "flops_bwd": median(r.get("flops_bwd") for r in grp),
             "flops_fwd": median(r.get("flops_fwd") for r in grp),
             "rel_iqr": median(r.get(f"{metric}_rel_iqr") for r in grp),
             "rows": grp,
             "aa": float("nan"), "band": float("nan"),
         }
-        # The A/A check: regular measured twice in the same interleaved rounds. Its difference is
-        # what the noise alone makes of "no change"; the band also covers the spread of the
-        # per-round differences, so one lucky agreement does not make every change significant.
+        # The A/A check: regular measured twice in the same interleaved rounds. Its difference (the
+        # engine's reduction of the copy, sign turned: a change) is what the noise alone makes of
+        # "no change"; the band also covers the spread of the per-round differences, so one lucky
+        # agreement does not make every change significant.
         aa = copies.get((model, batch, seq))
         if aa:
-            rec["aa"] = median(r.get(metric) for r in aa) / rec[metric] - 1
+            require_figures(aa)
+            rec["aa"] = -median(r.get(figure_key(metric)) for r in aa)
             rounds = paired_changes(aa, grp, metric)
             spread = iqr_width(rounds) if rounds else float("nan")
-            rec["band"] = max(abs(rec["aa"]), 0.0 if math.isnan(spread) else spread)
+            if not math.isnan(rec["aa"]):
+                rec["band"] = max(abs(rec["aa"]), 0.0 if math.isnan(spread) else spread)
         out[(model, batch, seq)] = rec
     return out
 
 
-def flop_ideal(row_flops_bwd: float, reg: dict, end_to_end: bool, row_flops_fwd: float = float("nan")) -> float:
-    """1 - analytic FLOPs of the method / those of regular (backward, or forward + backward)."""
+def end_to_end_ideal(row_flops_fwd: float, row_flops_bwd: float, reg: dict) -> float:
+    """1 - the method's analytic forward + backward FLOPs / regular's. Not an engine figure (the
+    engine's ideal is of the backward alone), so the end-to-end tables and figures compute it."""
     try:
-        if end_to_end:
-            return 1.0 - (row_flops_fwd + row_flops_bwd) / (reg["flops_fwd"] + reg["flops_bwd"])
-        return 1.0 - row_flops_bwd / reg["flops_bwd"]
+        return 1.0 - (row_flops_fwd + row_flops_bwd) / (reg["flops_fwd"] + reg["flops_bwd"])
     except (TypeError, ZeroDivisionError, KeyError):
         return float("nan")
 
 
-def summarize_filtering(rows: Sequence[dict], metric: str, end_to_end: bool = False) -> list[dict]:
-    """One record per (model, batch, seq_len, filter_ratio, method) of the filtering methods,
-    with the regular baseline, the reduction, the FLOP ideal and the T' floor."""
+def summarize_filtering(rows: Sequence[dict], metric: str) -> list[dict]:
+    """One record per (model, batch, seq_len, filter_ratio, method) of the filtering methods: the
+    engine's reduction, share of the FLOP ideal and ratio to the T' floor (the median over the
+    rows, which pools several runs), the spread of the interleaved rounds around it, and the times.
+    metric bwd_ms: the backward (its reduction counts the rewrite, as the engine's does); step_ms:
+    the whole step, against the forward + backward FLOP ideal."""
+    end_to_end = metric == "step_ms"
     reg = regular_index(rows, metric)
     out = []
     filt = [r for r in rows if r["_key"] not in ("regular", AA_KEY)]
+    require_figures(filt)
     for (model, batch, seq, ratio, key), grp in group(
             filt, ["model", "batch_size", "seq_len", "filter_ratio", "_key"]).items():
         base = reg.get((model, batch, seq))
         value = median(r.get(metric) for r in grp)
+        cost = median(cost_ms(r) for r in grp)
         rec = {"model": model, "batch_size": batch, "seq_len": seq, "filter_ratio": ratio, "method": key,
-               "value": value, "regular": base[metric] if base else float("nan"),
-               "bwd_ms": median(r.get("bwd_ms") for r in grp)}
-        rec["reduction"] = 1.0 - value / rec["regular"] if base else float("nan")
-        # Spread: the rows' relative IQR over every measured step, and the reductions of the
+               "value": value, "regular": base[metric] if base else float("nan"), "cost_ms": cost}
+        rec["reduction"] = median(r.get(figure_key(metric)) for r in grp)
+        # Spread: the rows' relative IQR over every measured step, and the changes of the
         # interleaved rounds paired with regular's, with a distribution-free 90% interval for their
-        # median (median_interval: min..max of 5 rounds).
+        # median (median_interval: min..max of 5 rounds). The rounds are of `metric` alone (the
+        # rewrite is timed once per step, not per round); their interval's width is applied around
+        # the engine's reduction.
         rec["rel_iqr"] = median(r.get(f"{metric}_rel_iqr") for r in grp)
         rounds = [-c for c in paired_changes(grp, base["rows"], metric)] if base else []
-        rec["reduction_lo"], rec["reduction_hi"] = median_interval(rounds)
+        lo, hi = median_interval(rounds)
         rec["band"] = base["band"] if base else float("nan")
         # The change's spread (+- in the tables, error bars in the figures): half that interval's
         # width (jitter from round to round) combined with the group's A/A difference (an offset
         # that persists through every round of a run, which the rounds cannot see but a second
         # regular measurement of the same work shows), root of the sum of squares.
-        half = (rec["reduction_hi"] - rec["reduction_lo"]) / 2
+        half = (hi - lo) / 2
         aa = base["aa"] if base and not math.isnan(base["aa"]) else 0.0
         rec["spread"] = math.hypot(half, aa) if not math.isnan(half) else float("nan")
         rec["significant"] = (math.isnan(rec["band"]) or abs(rec["reduction"]) > rec["band"])
-        rec["ideal"] = (flop_ideal(median(r.get("flops_bwd") for r in grp), base, end_to_end,
-                                   median(r.get("flops_fwd") for r in grp)) if base else float("nan"))
-        rec["of_ideal"] = (rec["reduction"] / rec["ideal"]
-                           if rec["ideal"] and not math.isnan(rec["ideal"]) else float("nan"))
+        if end_to_end:
+            # The forward+backward FLOP ideal is not an engine figure: computed here, and the share
+            # of it is the engine's step_reduction over it.
+            rec["ideal"] = (end_to_end_ideal(median(r.get("flops_fwd") for r in grp),
+                                             median(r.get("flops_bwd") for r in grp), base)
+                            if base else float("nan"))
+            rec["of_ideal"] = (rec["reduction"] / rec["ideal"]
+                               if not math.isnan(rec["ideal"]) and rec["ideal"] > 0 else float("nan"))
+        else:
+            rec["ideal"] = median(r.get("flop_ideal_bwd_reduction") for r in grp)
+            rec["of_ideal"] = median(r.get("of_ideal") for r in grp)
         # T' floor: regular on a batch of T' = tokens_kept / batch tokens per sequence, no gather;
         # forward_drop keeps every token's loss, its T' is its middle layers' count.
         middle = [r["middle_tokens_per_seq"] for r in grp if r.get("middle_tokens_per_seq") is not None]
@@ -393,14 +448,24 @@ def summarize_filtering(rows: Sequence[dict], metric: str, end_to_end: bool = Fa
         t_prime = (median(middle) if middle else
                    kept / batch if batch and not math.isnan(kept) else float("nan"))
         rec["t_prime"] = t_prime
-        floor = float("nan")
-        if not math.isnan(t_prime) and abs(t_prime - round(t_prime)) < 1e-6:
-            fb = reg.get((model, batch, int(round(t_prime))))
-            if fb:
-                floor = fb["bwd_ms"]
-                if end_to_end:  # the step with its backward replaced by the floor backward
-                    floor = value - rec["bwd_ms"] + fb["bwd_ms"]
-        rec["floor"] = floor
+        fb = (reg.get((model, batch, int(round(t_prime))))
+              if not math.isnan(t_prime) and abs(t_prime - round(t_prime)) < 1e-6 else None)
+        # The engine's vs_floor where the group measured the floor in its own rounds. Where it did
+        # not (null: the floor was measured in another group or run, or the method is one the
+        # engine holds to no floor, loss_only), a fallback: the same ratio against regular's rows
+        # at seq_len T' found among the rows given, marked as such (floor_from_group False).
+        rec["vs_floor"] = median(r.get("vs_floor") for r in grp)
+        rec["floor_from_group"] = not math.isnan(rec["vs_floor"])
+        if not rec["floor_from_group"] and fb:
+            rec["vs_floor"] = cost / fb["cost_ms"]
+        floor = fb["bwd_ms"] if fb else float("nan")  # the floor's backward (ms), as measured
+        over = rec["vs_floor"] - 1
+        if end_to_end and not math.isnan(rec["vs_floor"]):
+            # The step with its backward (and rewrite) replaced by the floor's: not an engine
+            # figure, derived from the engine's vs_floor.
+            floor = value - cost + cost / rec["vs_floor"]
+            over = value / floor - 1
+        rec["floor"], rec["over_floor"] = floor, over
         out.append(rec)
     out.sort(key=lambda r: (str(r["model"]), r["seq_len"], r["batch_size"], r["filter_ratio"],
                             method_rank(r["method"])))
@@ -445,17 +510,17 @@ def plot_reduction_vs(recs: Sequence[dict], x: str, panel_by: Sequence[str], xla
 def reduction_figure(doc: str, x: str, panel_by: Sequence[str], xlabel: str, x_words: str, stem: str,
                      logx: bool = False) -> None:
     """The whole of a reduction-vs-x figure script (fig_context_length, fig_filter_ratio): its
-    arguments (--metric bwd_ms or step_ms), the rows, the filtering summary against regular and
-    the plot, written as `stem` (`stem`_step_ms for the end-to-end step)."""
+    arguments (--metric bwd_ms or step_ms), the rows, the engine's reductions against regular
+    (summarize_filtering) and the plot, written as `stem` (`stem`_step_ms for the end-to-end step)."""
     args = parse_args(doc.splitlines()[0], lambda p: p.add_argument(
         "--metric", default="bwd_ms", choices=["bwd_ms", "step_ms"], help="time to reduce"))
     rows = load_rows(args.results, require=["model", "method", "seq_len", "batch_size",
                                             "filter_ratio", args.metric])
-    recs = [r for r in summarize_filtering(rows, args.metric, end_to_end=args.metric == "step_ms")
-            if r["filter_ratio"]]
+    recs = [r for r in summarize_filtering(rows, args.metric) if r["filter_ratio"]]
     if not recs:
         sys.exit("error: no filtering rows with filter_ratio > 0 and a matching regular baseline")
-    what = "backward" if args.metric == "bwd_ms" else "end-to-end step"
+    # The engine's figures: the backward's reduction counts the rewrite (bwd_ms + rewrite_ms).
+    what = "backward + rewrite" if args.metric == "bwd_ms" else "end-to-end step"
     plot_reduction_vs(
         recs, x, panel_by, xlabel, f"{what} time reduction vs regular (%)",
         f"{what.capitalize()} time reduction vs {x_words} (dashed: FLOP ideal)\n"

@@ -1,7 +1,9 @@
 """Check: do two or more runs of the same timing manifest agree? For every change vs regular
 (method, model, T, batch, filter ratio) present in every run, the runs agree when each pair's
 difference is at most the sum of their printed spreads (the +- of the tables,
-common.summarize_filtering). Also: whether loss_only stays inside each group's A/A band (it does
+common.summarize_filtering). The changes are the engine's group figures in the rows (`reduction`,
+the backward with its rewrite; `step_reduction` for --metric step_ms); the spread is the rounds'.
+Also: whether loss_only stays inside each group's A/A band (it does
 regular's work, so any difference is noise). Prints one line per change and a summary; exit status
 1 when a pair disagrees or loss_only leaves its band.
   python plots/compare_runs.py --results results/tab_backward_time/RUN_A/results.jsonl \
@@ -21,7 +23,8 @@ import common  # noqa: E402
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", nargs="+", required=True, help="one results.jsonl per run (two or more)")
-    p.add_argument("--metric", default="bwd_ms", help="bwd_ms (backward table) or step_ms (end to end)")
+    p.add_argument("--metric", default="bwd_ms", choices=["bwd_ms", "step_ms"],
+                   help="bwd_ms (backward table) or step_ms (end to end)")
     p.add_argument("--methods", default="collider",
                    help="comma-separated method-key prefixes whose agreement is checked (default collider)")
     args = p.parse_args()
