@@ -78,7 +78,8 @@ void refuse_token_gradients_born_opaque(const Graph& g, const PlanData& plan) {
 // Whether node a (b: the same node in the other trace) is a cat, slice or maximum along a dimension
 // of T + c positions (c <= kMaxTokenPlus): what attention sinks look like (GPT-OSS: scores [.., T]
 // and sinks [.., 1] concatenated, the row maximum subtracted, the sinks sliced off after the
-// softmax). Such a node is taken provisionally; check_sinks (edits/field_cut.cpp) keeps it only inside an attention core.
+// softmax). Such a node is taken provisionally; the field cut's check_sinks (edits/field_cut.cpp)
+// keeps it only inside an attention core.
 bool along_token_plus_dim(const ObservedNode& a, const ObservedNode& b, Sizes sa, Sizes sb) {
   if (a.type != "CatBackward0" && a.type != "SliceBackward0" && a.type != "MaxBackward0") return false;
   if (!a.dim || !b.dim || a.fields.size() != b.fields.size()) return false;

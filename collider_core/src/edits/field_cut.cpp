@@ -379,7 +379,9 @@ void check_sinks(const PlanData& plan, const std::vector<ObservedNode>& oa, cons
 // The order of flattened [B*T] rows (classify.h).
 void field_cut_flat_order(const TraceFacts& t, PlanData& plan) { resolve_flat_order(t.ga, plan); }
 
-void field_cut_broadcast(const TraceFacts& t, PlanData& plan) { resolve_broadcast(t.ga, t.sa, plan, t.classified.values); }
+void field_cut_broadcast(const TraceFacts& t, PlanData& plan) {
+  resolve_broadcast(t.ga, t.sa, plan, t.classified.values);
+}
 
 void field_cut_python_functions(const TraceFacts& t, PlanData& plan) {
   check_python_functions(t.ga, plan, t.oa, t.classified.python_functions, t.sa);
