@@ -334,7 +334,7 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
   for (size_t i = 0; i < n; ++i) classify_node(ga, i, oa, ob, sa, sb, plan, c);
   refuse_token_gradients_born_opaque(ga, plan);
   const TraceFacts facts{ga, gb, sa, sb, oa, ob, c};
-  for (const Analysis& step : analysis_table()) step.run(facts, plan);
+  for (const AnalysisStep step : analysis_table()) step(facts, plan);
   check_row_rules(ga, plan, oa);
   return plan;
 }

@@ -53,11 +53,8 @@ std::unique_ptr<Edit> make_zero_padding_edit();     // ragged masks: padding row
 std::unique_ptr<Edit> make_key_rows_edit();         // exact_query: dK/dV cut to the kept rows
 
 // An edit's analysis step, and the table of them in the order build_plan runs them (table.cpp).
-struct Analysis {
-  const char* edit;  // the edit whose plan it writes
-  void (*run)(const TraceFacts&, PlanData&);
-};
-const std::vector<Analysis>& analysis_table();
+using AnalysisStep = void (*)(const TraceFacts&, PlanData&);
+const std::vector<AnalysisStep>& analysis_table();
 
 // The analysis steps, in the files of their edits.
 void field_cut_flat_order(const TraceFacts&, PlanData&);         // [B*T] rows: batch- or sequence-major

@@ -29,14 +29,14 @@ std::vector<std::unique_ptr<Edit>> make_table() {
 
 // The analysis steps in the order build_plan runs them: the flattened rows' order first (the routes
 // and the broadcast layouts read it), the attention cores before the sinks that must lie in one.
-const std::vector<Analysis>& analysis_table() {
-  static const std::vector<Analysis> table = {
-      {"field cut", field_cut_flat_order},
-      {"route scatters", route_scatters_routes},
-      {"field cut", field_cut_broadcast},
-      {"field cut", field_cut_python_functions},
-      {"attention rows", attention_rows_cores},
-      {"field cut", field_cut_sinks},
+const std::vector<AnalysisStep>& analysis_table() {
+  static const std::vector<AnalysisStep> table = {
+      field_cut_flat_order,        // field cut
+      route_scatters_routes,       // route scatters
+      field_cut_broadcast,         // field cut
+      field_cut_python_functions,  // field cut
+      attention_rows_cores,        // attention rows (the key rows and the sinks read it)
+      field_cut_sinks,             // field cut
   };
   return table;
 }
