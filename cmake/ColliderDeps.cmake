@@ -120,22 +120,5 @@ else()
   message(STATUS "collider: optional ccache: not used")
 endif()
 
-# One precompiled header for torch/torch.h, reused by every target (saves ~40 s per target).
-add_library(collider_pch OBJECT ${CMAKE_CURRENT_LIST_DIR}/pch_stub.cpp)
-target_link_libraries(collider_pch PRIVATE torch)
-target_compile_definitions(collider_pch PRIVATE ${COLLIDER_FMT_DEFINITIONS})
-target_compile_options(collider_pch PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-fPIC -Wall -Wextra -Wno-unused-parameter>)
-target_precompile_headers(collider_pch PRIVATE <torch/torch.h> <torch/csrc/autograd/generated/Functions.h>)
-# clang writes the build time into the .pch, so every fresh build of it has a new hash and ccache
-# (which hashes the .pch into each key) misses on every object of a rebuilt tree (build-fuzz/,
-# build-asan/). Without the timestamp the .pch is the same bytes for the same inputs.
-if(CMAKE_CXX_COMPILER_ID MATCHES "Clang")
-  target_compile_options(collider_pch PRIVATE $<$<COMPILE_LANGUAGE:CXX>:SHELL:-Xclang -fno-pch-timestamp>)
-endif()
-
-# collider_target_defaults(target): warnings, fmt mode, pch.
-function(collider_target_defaults target)
-  target_compile_definitions(${target} PRIVATE ${COLLIDER_FMT_DEFINITIONS})
-  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-fPIC -Wall -Wextra -Wno-unused-parameter>)
-  target_precompile_headers(${target} REUSE_FROM collider_pch)
-endfunction()
+# The torch precompiled headers and collider_target_defaults / collider_test_defaults.
+include(ColliderPch)
