@@ -50,13 +50,13 @@ void write_llama_like_hf(const ModelConfig& c, nlohmann::json& j, const char* hf
 }
 
 namespace {
-void read_hf(const HfKeys& j, ModelConfig& c) {
+void read_llama_hf(const HfKeys& j, ModelConfig& c) {
   read_llama_like_hf(j, c);
   j.require_false("attention_bias", "our Llama has no attention biases");
   j.require_false("mlp_bias", "our Llama has no MLP biases");
 }
 
-void write_hf(const ModelConfig& c, nlohmann::json& j) {
+void write_llama_hf(const ModelConfig& c, nlohmann::json& j) {
   write_llama_like_hf(c, j, "LlamaForCausalLM", /*qkv_bias=*/false);
   j["attention_bias"] = false;
   j["mlp_bias"] = false;
@@ -85,7 +85,7 @@ const Architecture& llama_architecture() {
           // Unit tests: GQA ratio 8, head dim 8.
           llama("tinyllama-debug", 2, 64, 176, 8, 1, 256),
       },
-      {"LlamaForCausalLM", "llama", read_hf, write_hf}};
+      {"LlamaForCausalLM", "llama", read_llama_hf, write_llama_hf}};
   return arch;
 }
 

@@ -35,13 +35,13 @@ ModelConfig mixtral(std::string name, int64_t layers, int64_t hidden, int64_t ff
 
 namespace {
 // Llama's attention and norms, a mixture of experts for the MLP.
-void read_hf(const HfKeys& j, ModelConfig& c) {
+void read_mixtral_hf(const HfKeys& j, ModelConfig& c) {
   c.num_experts = j.positive_int("num_local_experts");
   c.experts_per_token = j.positive_int("num_experts_per_tok");
   read_llama_like_hf(j, c);
 }
 
-void write_hf(const ModelConfig& c, nlohmann::json& j) {
+void write_mixtral_hf(const ModelConfig& c, nlohmann::json& j) {
   write_llama_like_hf(c, j, "MixtralForCausalLM", /*qkv_bias=*/false);
   j["num_local_experts"] = c.num_experts;
   j["num_experts_per_tok"] = c.experts_per_token;
@@ -66,7 +66,7 @@ const Architecture& mixtral_architecture() {
           // Unit tests: 4 experts, top-2, GQA ratio 4, head dim 8.
           mixtral("mixtral-debug", 2, 64, 96, 8, 2, 256, 4, 2),
       },
-      {"MixtralForCausalLM", "mixtral", read_hf, write_hf}};
+      {"MixtralForCausalLM", "mixtral", read_mixtral_hf, write_mixtral_hf}};
   return arch;
 }
 

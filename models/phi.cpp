@@ -32,7 +32,7 @@ ModelConfig phi(std::string name, int64_t layers, int64_t hidden, int64_t ffn, i
 }  // namespace
 
 namespace {
-void read_hf(const HfKeys& j, ModelConfig& c) {
+void read_phi_hf(const HfKeys& j, ModelConfig& c) {
   if (const std::string act = j.string("hidden_act"); !act.empty() && act != "gelu_new" && act != "gelu_pytorch_tanh")
     j.fail(fmt::format("hidden_act = '{}' is not supported for phi (allowed: gelu_new, gelu_pytorch_tanh: both the "
                        "tanh approximation)",
@@ -46,7 +46,7 @@ void read_hf(const HfKeys& j, ModelConfig& c) {
   if (c.tie_embeddings) j.fail("tie_word_embeddings = true is not supported for phi (its LM head has a bias)");
 }
 
-void write_hf(const ModelConfig& c, nlohmann::json& j) {
+void write_phi_hf(const ModelConfig& c, nlohmann::json& j) {
   if (!c.linear_bias || !c.lm_head_bias || c.tie_embeddings)
     throw std::invalid_argument(fmt::format(
         "model '{}': a Phi config must have biases on every linear layer and an untied LM head to match "
@@ -78,7 +78,7 @@ const Architecture& phi_architecture() {
           phi("phi-1.5-mini", 4, 576, 2304, 9, 8192),
           phi("phi-1.5-debug", 2, 64, 256, 4, 256),
       },
-      {"PhiForCausalLM", "phi", read_hf, write_hf}};
+      {"PhiForCausalLM", "phi", read_phi_hf, write_phi_hf}};
   return arch;
 }
 

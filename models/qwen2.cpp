@@ -31,13 +31,13 @@ ModelConfig qwen2(std::string name, int64_t layers, int64_t hidden, int64_t ffn,
 }  // namespace
 
 namespace {
-void read_hf(const HfKeys& j, ModelConfig& c) {
+void read_qwen2_hf(const HfKeys& j, ModelConfig& c) {
   read_llama_like_hf(j, c);
   j.require_false("use_sliding_window", "sliding-window attention is not implemented");
   c.qkv_bias = true;
 }
 
-void write_hf(const ModelConfig& c, nlohmann::json& j) {
+void write_qwen2_hf(const ModelConfig& c, nlohmann::json& j) {
   write_llama_like_hf(c, j, "Qwen2ForCausalLM", /*qkv_bias=*/true);
   j["use_sliding_window"] = false;
 }
@@ -63,7 +63,7 @@ const Architecture& qwen2_architecture() {
           qwen2("qwen2.5-mini-v152k", 4, 480, 2800, 6, 1, 80, 151936),
           qwen2("qwen2.5-debug", 2, 48, 128, 6, 1, 8, 256),
       },
-      {"Qwen2ForCausalLM", "qwen2", read_hf, write_hf}};
+      {"Qwen2ForCausalLM", "qwen2", read_qwen2_hf, write_qwen2_hf}};
   return arch;
 }
 
