@@ -7,6 +7,8 @@
 //            + finish (after bwd: the buckets not overlapped with it, copy back); data-parallel
 //            runs only; before clipping, so that clipping and AdamW see every rank's kept tokens
 //   optimizer  clip_grad_norm_ + AdamW step (gradients are set to none at the start of the next step)
+// Trainer::step runs them as one function each, in this order: run_forward, run_filter,
+// allreduce_begin, run_backward, allreduce_finish, run_optimizer, each between two timer marks.
 #include "harness/components/train_step.h"
 
 #include <ATen/autocast_mode.h>
@@ -224,120 +226,141 @@ torch::Tensor Trainer::draw_middle_tokens(int64_t B, int64_t T) {
   return middle_BN.pin_memory().to(device_, /*non_blocking=*/true);
 }
 
+// The timer's marks between a step's phases (Timer::mark), from which StepResult's times come.
+struct Trainer::Marks {
+  int64_t start = 0, fwd = 0, select = 0, loss = 0, filter = 0, begin = 0, bwd = 0, reduce = 0, opt = 0;
+};
+
 StepResult Trainer::step(const Batch& batch_in) {
+  const Batch batch = on_device(batch_in);
+  const int64_t B = batch.input_ids_BT.size(0), T = batch.input_ids_BT.size(1);
+  if (uses_attention_grad(cfg_.spec.method)) ensure_plan(B, T);
+  // Gradients of the previous step are dropped here (not after it) so that they stay readable
+  // between steps; set_to_none frees them before this step's forward.
+  optimizer_->zero_grad(/*set_to_none=*/true);
+
+  StepResult r;
+  Marks mk;
+  timer_->reset();
+  ScopedRange step_range(ranges_, "step");
+  mk.start = timer_->mark();
+  Scored scored = run_forward(batch, r);
+  mk.fwd = timer_->mark();
+  const Filtered f = run_filter(scored, batch, r, mk);
+  mk.filter = timer_->mark();
+  if (reducer_) allreduce_begin(f, B * T);
+  mk.begin = reducer_ ? timer_->mark() : mk.filter;
+  run_backward(f.loss);
+  mk.bwd = timer_->mark();
+  if (reducer_) allreduce_finish(r);
+  mk.reduce = reducer_ ? timer_->mark() : mk.bwd;  // allreduce_ms is exactly 0 without a reducer
+  run_optimizer(r);
+  mk.opt = timer_->mark();
+  timer_->synchronize();
+  step_range.close();
+  write_times(mk, r);
+  write_counts(batch, scored.loss_BT, f, r);
+  return r;
+}
+
+Batch Trainer::on_device(const Batch& batch_in) const {
   TORCH_CHECK(batch_in.input_ids_BT.dim() == 2 && batch_in.labels_BT.sizes() == batch_in.input_ids_BT.sizes(),
               "Trainer::step: input_ids and labels must both be [B, T], got ", batch_in.input_ids_BT.sizes(), " and ",
               batch_in.labels_BT.sizes());
   Batch batch = batch_in;
   batch.input_ids_BT = batch.input_ids_BT.to(device_);
   batch.labels_BT = batch.labels_BT.to(device_);
-  const int64_t B = batch.input_ids_BT.size(0), T = batch.input_ids_BT.size(1);
-  if (uses_attention_grad(cfg_.spec.method)) ensure_plan(B, T);
+  return batch;
+}
 
-  // Gradients of the previous step are dropped here (not after it) so that they stay readable
-  // between steps; set_to_none frees them before this step's forward.
-  optimizer_->zero_grad(/*set_to_none=*/true);
-
-  StepResult r;
-  timer_->reset();
-  ScopedRange step_range(ranges_, "step");
-  const int64_t m_start = timer_->mark();
-
-  torch::Tensor loss_BT;
+Trainer::Scored Trainer::run_forward(const Batch& batch, StepResult& r) {
+  ScopedRange rg(ranges_, "fwd");
+  if (layer_timer_) layer_timer_->forward_begin();
   Scored scored;
   {
-    ScopedRange rg(ranges_, "fwd");
-    if (layer_timer_) layer_timer_->forward_begin();
-    {
-      // forward_drop: the middle layers' subset, N per row (int64 [B, N]); undefined = all tokens.
-      torch::Tensor middle_BN;
-      if (cfg_.spec.method == Method::kForwardDrop) {
-        middle_BN = draw_middle_tokens(B, T);
-        r.middle_tokens_per_seq = middle_BN.size(1);
-      }
-      scored = score(batch.input_ids_BT, batch.labels_BT, middle_BN);
-      loss_BT = scored.loss_BT;
+    // forward_drop: the middle layers' subset, N per row (int64 [B, N]); undefined = all tokens.
+    torch::Tensor middle_BN;
+    if (cfg_.spec.method == Method::kForwardDrop) {
+      middle_BN = draw_middle_tokens(batch.input_ids_BT.size(0), batch.input_ids_BT.size(1));
+      r.middle_tokens_per_seq = middle_BN.size(1);
     }
-    if (layer_timer_) layer_timer_->forward_end();
+    scored = score(batch.input_ids_BT, batch.labels_BT, middle_BN);
   }
-  const int64_t m_fwd = timer_->mark();
+  if (layer_timer_) layer_timer_->forward_end();
+  return scored;
+}
 
-  torch::Tensor keep_BT, loss;
-  int64_t m_select, m_loss;
+Trainer::Filtered Trainer::run_filter(Scored& scored, const Batch& batch, StepResult& r, Marks& mk) {
+  Filtered f;
+  ScopedRange rg(ranges_, "filter");
   {
-    ScopedRange rg(ranges_, "filter");
-    {
-      ScopedRange rs(ranges_, "filter.select");
-      // (The fused head without its scores yet: a selection that does not read them.)
-      keep_BT = select(loss_BT.defined() ? loss_BT : torch::zeros_like(batch.labels_BT, torch::kFloat), batch);
-    }
-    m_select = timer_->mark();
-    loss = head_loss(scored, batch.labels_BT, keep_BT);
-    loss_BT = scored.loss_BT;
-    m_loss = timer_->mark();
-    ScopedRange rr(ranges_, "filter.rewrite");
-    collider::FilterOptions fo;
-    fo.attention = cfg_.spec.attention_grad;
-    fo.check_every = cfg_.check_every;
-    if (cfg_.spec.method == Method::kCollider) {
-      r.filter = collider::filter_backward(loss, keep_BT, *plan_, fo);
-    } else if (cfg_.spec.method == Method::kMasked) {
-      r.filter = collider::mask_backward(loss, keep_BT, *plan_, fo);
-    }
+    ScopedRange rs(ranges_, "filter.select");
+    // (The fused head without its scores yet: a selection that does not read them.)
+    const torch::Tensor& loss_BT = scored.loss_BT;
+    f.keep_BT = select(loss_BT.defined() ? loss_BT : torch::zeros_like(batch.labels_BT, torch::kFloat), batch);
   }
-  const int64_t m_filter = timer_->mark();
-
-  if (reducer_) {
-    // Before backward: the per-rank loss and kept count are known, so the reducer can scale and
-    // start gradient buckets while backward runs (overlap_backward).
-    ScopedRange rg(ranges_, "allreduce.begin");
-    reducer_->begin(loss.detach().item<double>(), keep_BT.sum().item<int64_t>(), B * T);
+  mk.select = timer_->mark();
+  f.loss = head_loss(scored, batch.labels_BT, f.keep_BT);  // the fused head fills scored.loss_BT here
+  mk.loss = timer_->mark();
+  ScopedRange rr(ranges_, "filter.rewrite");
+  collider::FilterOptions fo;
+  fo.attention = cfg_.spec.attention_grad;
+  fo.check_every = cfg_.check_every;
+  if (cfg_.spec.method == Method::kCollider) {
+    r.filter = collider::filter_backward(f.loss, f.keep_BT, *plan_, fo);
+  } else if (cfg_.spec.method == Method::kMasked) {
+    r.filter = collider::mask_backward(f.loss, f.keep_BT, *plan_, fo);
   }
-  const int64_t m_begin = reducer_ ? timer_->mark() : m_filter;
+  return f;
+}
 
-  {
-    ScopedRange rg(ranges_, "bwd");
-    if (layer_timer_) layer_timer_->backward_begin();
-    loss.backward();
-    if (layer_timer_) layer_timer_->backward_end();
-  }
-  const int64_t m_bwd = timer_->mark();
+void Trainer::allreduce_begin(const Filtered& f, int64_t tokens) {
+  // Before backward: the per-rank loss and kept count are known, so the reducer can scale and
+  // start gradient buckets while backward runs (overlap_backward).
+  ScopedRange rg(ranges_, "allreduce.begin");
+  reducer_->begin(f.loss.detach().item<double>(), f.keep_BT.sum().item<int64_t>(), tokens);
+}
 
-  if (reducer_) {
-    ScopedRange rg(ranges_, "allreduce");
-    r.dist = reducer_->finish();
-  }
-  const int64_t m_reduce = reducer_ ? timer_->mark() : m_bwd;  // allreduce_ms is exactly 0 without a reducer
+void Trainer::run_backward(const torch::Tensor& loss) {
+  ScopedRange rg(ranges_, "bwd");
+  if (layer_timer_) layer_timer_->backward_begin();
+  loss.backward();
+  if (layer_timer_) layer_timer_->backward_end();
+}
 
-  {
-    ScopedRange rg(ranges_, "optimizer");
-    if (cfg_.grad_clip > 0) { r.grad_norm = torch::nn::utils::clip_grad_norm_(model_->parameters(), cfg_.grad_clip); }
-    optimizer_->step();
-  }
-  const int64_t m_opt = timer_->mark();
-  timer_->synchronize();
-  step_range.close();
+void Trainer::allreduce_finish(StepResult& r) {
+  ScopedRange rg(ranges_, "allreduce");
+  r.dist = reducer_->finish();
+}
 
-  r.fwd_ms = timer_->elapsed_ms(m_start, m_fwd);
-  r.select_ms = timer_->elapsed_ms(m_fwd, m_select);
-  r.rewrite_ms = timer_->elapsed_ms(m_loss, m_filter);
-  r.filter_ms = timer_->elapsed_ms(m_fwd, m_filter);
-  r.bwd_ms = timer_->elapsed_ms(m_begin, m_bwd);
-  r.allreduce_ms = timer_->elapsed_ms(m_filter, m_begin) + timer_->elapsed_ms(m_bwd, m_reduce);
-  r.optim_ms = timer_->elapsed_ms(m_reduce, m_opt);
-  r.step_ms = timer_->elapsed_ms(m_start, m_opt);
+void Trainer::run_optimizer(StepResult& r) {
+  ScopedRange rg(ranges_, "optimizer");
+  if (cfg_.grad_clip > 0) { r.grad_norm = torch::nn::utils::clip_grad_norm_(model_->parameters(), cfg_.grad_clip); }
+  optimizer_->step();
+}
+
+void Trainer::write_times(const Marks& mk, StepResult& r) {
+  r.fwd_ms = timer_->elapsed_ms(mk.start, mk.fwd);
+  r.select_ms = timer_->elapsed_ms(mk.fwd, mk.select);
+  r.rewrite_ms = timer_->elapsed_ms(mk.loss, mk.filter);
+  r.filter_ms = timer_->elapsed_ms(mk.fwd, mk.filter);
+  r.bwd_ms = timer_->elapsed_ms(mk.begin, mk.bwd);
+  r.allreduce_ms = timer_->elapsed_ms(mk.filter, mk.begin) + timer_->elapsed_ms(mk.bwd, mk.reduce);
+  r.optim_ms = timer_->elapsed_ms(mk.reduce, mk.opt);
+  r.step_ms = timer_->elapsed_ms(mk.start, mk.opt);
   if (layer_timer_) r.layers = layer_timer_->resolve();
+}
 
-  r.loss = r.dist ? r.dist->loss : loss.detach().item<double>();
+void Trainer::write_counts(const Batch& batch, const torch::Tensor& loss_BT, const Filtered& f, StepResult& r) const {
+  r.loss = r.dist ? r.dist->loss : f.loss.detach().item<double>();
   r.loss_all = models::masked_mean_loss(loss_BT.detach(), batch.labels_BT != -100).item<double>();  // this rank's
-  r.tokens = r.dist ? r.dist->tokens : B * T;
-  r.tokens_kept = r.dist ? r.dist->tokens_kept : keep_BT.sum().item<int64_t>();
-  auto per_row = keep_BT.sum(1).cpu();
+  r.tokens = r.dist ? r.dist->tokens : batch.labels_BT.numel();
+  r.tokens_kept = r.dist ? r.dist->tokens_kept : f.keep_BT.sum().item<int64_t>();
+  auto per_row = f.keep_BT.sum(1).cpu();
   r.kept_per_row.assign(per_row.data_ptr<int64_t>(), per_row.data_ptr<int64_t>() + per_row.numel());
   const bool equal =
       std::all_of(r.kept_per_row.begin(), r.kept_per_row.end(), [&](int64_t n) { return n == r.kept_per_row[0]; });
   r.kept_per_seq = equal ? r.kept_per_row[0] : -1;
-  return r;
 }
 
 }  // namespace collider::harness

@@ -146,6 +146,22 @@ class Trainer {
   // Refuses a filter ratio outside [0, 1) and forward_drop on fewer than 3 decoder layers.
   void check_method(const MethodSpec& spec, double filter_ratio) const;
 
+  // step()'s phases, in order, each in its trace range (train_step.cpp lists what each times).
+  struct Marks;  // the timer's marks between the phases
+  struct Filtered {
+    torch::Tensor keep_BT;  // bool [B, T]: the kept tokens
+    torch::Tensor loss;     // the mean loss over them, rewritten for the filtered backward
+  };
+  Batch on_device(const Batch& batch) const;  // checks the shapes
+  Scored run_forward(const Batch& batch, StepResult& r);
+  Filtered run_filter(Scored& scored, const Batch& batch, StepResult& r, Marks& mk);
+  void allreduce_begin(const Filtered& f, int64_t tokens);  // with a reducer
+  void run_backward(const torch::Tensor& loss);
+  void allreduce_finish(StepResult& r);  // with a reducer
+  void run_optimizer(StepResult& r);
+  void write_times(const Marks& mk, StepResult& r);
+  void write_counts(const Batch& batch, const torch::Tensor& loss_BT, const Filtered& f, StepResult& r) const;
+
   models::CausalLM model_;
   StepConfig cfg_;
   torch::Device device_;

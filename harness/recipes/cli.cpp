@@ -1,4 +1,6 @@
-// `collider` subcommands (cli.h).
+// `collider` subcommands (cli.h). `collider run`'s flags are a table (run_flags: each flag's name,
+// how it takes its value, what it sets, its usage lines) read by one loop (parse_run_args), the way
+// a manifest schema declares its keys (config/loader.h); run_run_command then reads as its steps.
 #include "harness/recipes/cli.h"
 
 #include "harness/components/distributed.h"
@@ -18,10 +20,107 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <iostream>
 #include <map>
 
 namespace collider::harness {
+namespace {
+
+// What `collider run` was given on its command line.
+struct RunArgs {
+  std::string manifest_path;
+  std::vector<std::string> sets;  // each --set key=value, in order
+  std::string out_dir;            // --out; empty: the default (results/<name>/<date-time>)
+  std::string trace_path;         // --trace; empty: none
+  bool dry_run = false, resume = false;
+  int64_t profile_begin = -1, profile_end = -1;  // --profile-steps a:b; -1: none
+};
+
+// "a:b" with 0 <= a < b.
+bool parse_steps(const std::string& s, int64_t* a, int64_t* b) {
+  const auto c = s.find(':');
+  if (c == std::string::npos) return false;
+  try {
+    size_t i = 0, j = 0;
+    *a = std::stoll(s.substr(0, c), &i);
+    *b = std::stoll(s.substr(c + 1), &j);
+    return i == c && j == s.size() - c - 1 && *a >= 0 && *b > *a;
+  } catch (const std::exception&) { return false; }
+}
+
+// One flag of `collider run`, declared as the manifest loader declares a key (config/loader.h):
+// its name, how it takes its value, what it sets, and its lines in usage() (null: none; they print
+// in table order). A value that does not parse is a std::invalid_argument, a usage error.
+struct RunFlag {
+  enum Value { kSwitch, kNext, kJoined };  // no value; the next argument; the rest of this one
+  const char* name;
+  Value value;
+  void (*apply)(RunArgs& args, const std::string& value);
+  const char* help;
+};
+
+const std::vector<RunFlag>& run_flags() {
+  static const std::vector<RunFlag> flags = {
+      {"--set", RunFlag::kNext, [](RunArgs& r, const std::string& v) { r.sets.push_back(v); },
+       "--set run.measure_steps=10 / axes.method=[\"regular\",\"collider\"]  (TOML value or bare word)"},
+      {"--set=", RunFlag::kJoined, [](RunArgs& r, const std::string& v) { r.sets.push_back(v); }, nullptr},
+      {"--out", RunFlag::kNext, [](RunArgs& r, const std::string& v) { r.out_dir = v; }, nullptr},
+      {"--dry-run", RunFlag::kSwitch, [](RunArgs& r, const std::string&) { r.dry_run = true; }, nullptr},
+      {"--resume", RunFlag::kSwitch, [](RunArgs& r, const std::string&) { r.resume = true; },
+       "--resume     skip the points already ok in DIR/results.jsonl (without --out: the newest\n"
+       "                   directory under results/<name>/)"},
+      {"--trace", RunFlag::kNext, [](RunArgs& r, const std::string& v) { r.trace_path = v; },
+       "--trace FILE Chrome/Perfetto trace JSON of every range (layer.07.bwd, filter, ...)"},
+      {"--profile-steps", RunFlag::kNext,
+       [](RunArgs& r, const std::string& v) {
+         if (!parse_steps(v, &r.profile_begin, &r.profile_end))
+           throw std::invalid_argument("--profile-steps '" + v + "' must be a:b with 0 <= a < b (steps [a, b))");
+       },
+       "--profile-steps a:b  cudaProfilerStart before step a and Stop after step b-1 of every\n"
+       "                   point (steps counted from 0, warm-up included; nsys --capture-range=cudaProfilerApi)"},
+  };
+  return flags;
+}
+
+std::string run_flags_help() {
+  std::string text;
+  for (const auto& f : run_flags())
+    if (f.help) text += std::string("      ") + f.help + "\n";
+  return text;
+}
+
+// The flags (run_flags) and the one manifest path; a usage error is a std::invalid_argument.
+RunArgs parse_run_args(const std::vector<std::string>& args) {
+  RunArgs r;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    const auto& flags = run_flags();
+    const auto f = std::find_if(flags.begin(), flags.end(), [&](const RunFlag& flag) {
+      return flag.value == RunFlag::kJoined ? a.rfind(flag.name, 0) == 0 : a == flag.name;
+    });
+    if (f != flags.end()) {
+      std::string value;
+      if (f->value == RunFlag::kNext) {
+        if (i + 1 >= args.size()) throw std::invalid_argument(fmt::format("{} needs a value", f->name));
+        value = args[++i];
+      } else if (f->value == RunFlag::kJoined) {
+        value = a.substr(std::string(f->name).size());
+      }
+      f->apply(r, value);
+    } else if (!a.empty() && a[0] == '-') {
+      throw std::invalid_argument("unknown option '" + a + "'");
+    } else if (r.manifest_path.empty()) {
+      r.manifest_path = a;
+    } else {
+      throw std::invalid_argument("more than one manifest given ('" + r.manifest_path + "' and '" + a + "')");
+    }
+  }
+  if (r.manifest_path.empty()) throw std::invalid_argument("no manifest given");
+  return r;
+}
+
+}  // namespace
 
 std::string usage() {
   return "usage:\n"
@@ -30,13 +129,8 @@ std::string usage() {
          "      40% of tokens filtered) at T = 512 and 2048, attention-core / linear FLOP ratio\n"
          "  collider run MANIFEST.toml [--set key=value]... [--out DIR] [--dry-run] [--resume]\n"
          "                             [--trace FILE] [--profile-steps a:b]\n"
-         "      sweep a manifest; rows go to DIR/results.jsonl (default DIR: results/<name>/<date-time>)\n"
-         "      --set run.measure_steps=10 / axes.method=[\"regular\",\"collider\"]  (TOML value or bare word)\n"
-         "      --resume     skip the points already ok in DIR/results.jsonl (without --out: the newest\n"
-         "                   directory under results/<name>/)\n"
-         "      --trace FILE Chrome/Perfetto trace JSON of every range (layer.07.bwd, filter, ...)\n"
-         "      --profile-steps a:b  cudaProfilerStart before step a and Stop after step b-1 of every\n"
-         "                   point (steps counted from 0, warm-up included; nsys --capture-range=cudaProfilerApi)\n"
+         "      sweep a manifest; rows go to DIR/results.jsonl (default DIR: results/<name>/<date-time>)\n" +
+         run_flags_help() +
          "      data-parallel when RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (LOCAL_RANK) are set: one process\n"
          "      per rank, c10d Gloo (CPU) / NCCL (CUDA), batch_size rows per rank, rows written by rank 0;\n"
          "      COLLIDER_DIST_TIMEOUT_S bounds every collective (default 300). scripts/launch.sh N MANIFEST\n"
@@ -160,152 +254,132 @@ int run_models_command(const std::vector<std::string>& args, std::ostream& out) 
 
 namespace {
 
-bool parse_steps(const std::string& s, int64_t* a, int64_t* b) {
-  const auto c = s.find(':');
-  if (c == std::string::npos) return false;
+// The launch variables (RANK, WORLD_SIZE, ...): one process per rank when WORLD_SIZE > 1.
+struct Launch {
+  DistEnv env;               // meaningful when `distributed`
+  bool distributed = false;  // one rank: a plain single-process run
+  std::string rank_tag;      // "rank R of W: " before a distributed run's messages
+  // Rank 0 (or the one process) writes files and reports.
+  bool writer() const { return !distributed || env.rank == 0; }
+};
+
+// Throws std::invalid_argument for malformed launch variables.
+Launch read_launch() {
+  Launch l;
+  if (auto e = dist_env_from_environment()) {
+    l.env = *e;
+    l.distributed = l.env.world_size > 1;
+  }
+  if (l.distributed) l.rank_tag = fmt::format("rank {} of {}: ", l.env.rank, l.env.world_size);
+  return l;
+}
+
+// Joins the other ranks; false, after saying why, when that fails (the command's status 3).
+bool connect(const Launch& l, const torch::Device& device, std::shared_ptr<ProcessGroup>* pg, std::ostream& err) {
   try {
-    size_t i = 0, j = 0;
-    *a = std::stoll(s.substr(0, c), &i);
-    *b = std::stoll(s.substr(c + 1), &j);
-    return i == c && j == s.size() - c - 1 && *a >= 0 && *b > *a;
-  } catch (const std::exception&) { return false; }
+    *pg = init_process_group(l.env, device);
+  } catch (const std::exception& e) {
+    err << "collider run: " << l.rank_tag << "distributed set-up failed: " << e.what() << "\n";
+    return false;
+  }
+  err << fmt::format("collider run: {}{} process group up ({}:{})\n", l.rank_tag, (*pg)->backend(), l.env.master_addr,
+                     l.env.master_port);
+  return true;
+}
+
+// A manifest with a [train] table runs training (the utility table; train_run.h), on CPU.
+int run_training(const RunArgs& a, const Launch& l, std::ostream& out, std::ostream& err) {
+  std::shared_ptr<ProcessGroup> pg;
+  if (l.distributed && !a.dry_run && !connect(l, torch::Device(torch::kCPU), &pg, err)) return 3;
+  return run_train_command(a.manifest_path, a.sets, a.out_dir, a.dry_run, a.resume, out, err, pg);
+}
+
+// --dry-run: the sweep's size and settings, then its points, one line each.
+void print_points(const Manifest& m, std::ostream& out) {
+  out << fmt::format(
+      "{}: {} points ({} expanded, {} excluded{}{}); device {}, dtype {}; per group of "
+      "points with the same model, seq_len and batch: {} warm-up steps each, then {} interleaved "
+      "rounds of {} measured steps each\n",
+      m.name, m.points.size(), m.num_expanded, m.num_excluded,
+      m.num_aa_copies ? fmt::format(", {} A/A copies", m.num_aa_copies) : "",
+      m.num_floor_points ? fmt::format(", {} T' floor points", m.num_floor_points) : "", m.run.device, m.run.dtype,
+      m.run.warmup_steps, m.run.repetitions, m.run.measure_steps);
+  for (size_t i = 0; i < m.points.size(); ++i) out << fmt::format("{:>4}  {}\n", i + 1, m.points[i].id());
+}
+
+// --out, or the default (results/<name>/<date-time>; with --resume the newest there): std::runtime_error when
+// --resume finds none. Only rank 0 writes: its choice is the one that counts.
+std::string output_dir(const RunArgs& a, const Launch& l, const std::string& name) {
+  if (!a.out_dir.empty()) return a.out_dir;
+  if (!l.writer()) return "(rank 0's output directory)";
+  return default_run_dir(name, a.resume);
+}
+
+// The sweep (sweep.h) into `out_dir`, then rank 0's summary: status 0, 1 when a point failed, 3 when a
+// data-parallel run failed.
+int sweep_and_report(const Manifest& m, const RunArgs& a, const std::string& out_dir, const Launch& l,
+                     std::ostream& err) {
+  SweepOptions so;
+  if (l.distributed && !connect(l, torch::Device(m.run.device == "cuda" ? torch::kCUDA : torch::kCPU), &so.dist, err))
+    return 3;
+  if (l.writer()) err << fmt::format("collider run: {} ({} points) -> {}\n", m.name, m.points.size(), out_dir);
+  so.out_dir = out_dir;
+  so.resume = a.resume;
+  so.trace_path = a.trace_path;
+  so.profile_begin = a.profile_begin;
+  so.profile_end = a.profile_end;
+  so.log = &err;
+  SweepSummary s;
+  try {
+    s = run_sweep(m, so);
+  } catch (...) { return run_failure_status(err, l.rank_tag, std::current_exception()); }
+  if (!l.writer()) return s.failed > 0 ? 1 : 0;  // rank 0 reports the run
+  err << fmt::format("collider run: {} points: {} ok, {} failed, {} already ok (resumed); rows in {}\n", s.points, s.ok,
+                     s.failed, s.resumed, s.results_path);
+  if (!a.trace_path.empty()) err << "collider run: trace written to " << a.trace_path << "\n";
+  return s.failed > 0 ? 1 : 0;
 }
 
 }  // namespace
 
 int run_run_command(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
-  std::string manifest_path, out_dir, trace_path;
-  std::vector<std::string> sets;
-  bool dry_run = false, resume = false;
-  int64_t prof_a = -1, prof_b = -1;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    auto value = [&](const char* flag) -> std::string {
-      if (i + 1 >= args.size()) throw std::invalid_argument(fmt::format("{} needs a value", flag));
-      return args[++i];
-    };
-    try {
-      if (a == "--set")
-        sets.push_back(value("--set"));
-      else if (a.rfind("--set=", 0) == 0)
-        sets.push_back(a.substr(6));
-      else if (a == "--out")
-        out_dir = value("--out");
-      else if (a == "--trace")
-        trace_path = value("--trace");
-      else if (a == "--dry-run")
-        dry_run = true;
-      else if (a == "--resume")
-        resume = true;
-      else if (a == "--profile-steps") {
-        const std::string v = value("--profile-steps");
-        if (!parse_steps(v, &prof_a, &prof_b)) {
-          throw std::invalid_argument("--profile-steps '" + v + "' must be a:b with 0 <= a < b (steps [a, b))");
-        }
-      } else if (!a.empty() && a[0] == '-') {
-        throw std::invalid_argument("unknown option '" + a + "'");
-      } else if (manifest_path.empty()) {
-        manifest_path = a;
-      } else {
-        throw std::invalid_argument("more than one manifest given ('" + manifest_path + "' and '" + a + "')");
-      }
-    } catch (const std::invalid_argument& e) {
-      err << "collider run: " << e.what() << "\n" << usage();
-      return 2;
-    }
-  }
-  if (manifest_path.empty()) {
-    err << "collider run: no manifest given\n" << usage();
+  RunArgs a;
+  try {
+    a = parse_run_args(args);
+  } catch (const std::invalid_argument& e) {
+    err << "collider run: " << e.what() << "\n" << usage();
     return 2;
   }
-
-  // The launch variables (RANK, WORLD_SIZE, ...): one process per rank when WORLD_SIZE > 1.
-  DistEnv denv;  // meaningful when `distributed`
-  bool distributed = false;
+  Launch launch;
   try {
-    if (auto e = dist_env_from_environment()) {
-      denv = *e;
-      distributed = denv.world_size > 1;  // one rank: a plain single-process run
-    }
+    launch = read_launch();
   } catch (const std::invalid_argument& e) {
     err << "collider run: error: " << e.what() << "\n";
     return 2;
   }
-  const std::string rank_tag = distributed ? fmt::format("rank {} of {}: ", denv.rank, denv.world_size) : "";
-  // Joins the other ranks (status 3 when that fails).
-  auto connect = [&](const torch::Device& device, std::shared_ptr<ProcessGroup>* pg) {
-    try {
-      *pg = init_process_group(denv, device);
-    } catch (const std::exception& e) {
-      err << "collider run: " << rank_tag << "distributed set-up failed: " << e.what() << "\n";
-      return false;
-    }
-    err << fmt::format("collider run: {}{} process group up ({}:{})\n", rank_tag, (*pg)->backend(), denv.master_addr,
-                       denv.master_port);
-    return true;
-  };
-
-  // A manifest with a [train] table runs training (the utility table; train_run.h), on CPU.
-  if (is_training_manifest(manifest_path)) {
-    std::shared_ptr<ProcessGroup> pg;
-    if (distributed && !dry_run && !connect(torch::Device(torch::kCPU), &pg)) return 3;
-    return run_train_command(manifest_path, sets, out_dir, dry_run, resume, out, err, pg);
-  }
+  if (is_training_manifest(a.manifest_path)) return run_training(a, launch, out, err);
 
   Manifest m;
   try {
-    m = load_manifest(manifest_path, sets, /*check_device=*/!dry_run);
+    m = load_manifest(a.manifest_path, a.sets, /*check_device=*/!a.dry_run);
   } catch (const ManifestError& e) {
     err << "collider run: error: " << e.what() << "\n";
     return 2;
   }
   for (const auto& o : m.overrides) err << o << "\n";
   for (const auto& n : m.notes) err << "note: " << n << "\n";
-
-  if (dry_run) {
-    out << fmt::format(
-        "{}: {} points ({} expanded, {} excluded{}{}); device {}, dtype {}; per group of "
-        "points with the same model, seq_len and batch: {} warm-up steps each, then {} interleaved "
-        "rounds of {} measured steps each\n",
-        m.name, m.points.size(), m.num_expanded, m.num_excluded,
-        m.num_aa_copies ? fmt::format(", {} A/A copies", m.num_aa_copies) : "",
-        m.num_floor_points ? fmt::format(", {} T' floor points", m.num_floor_points) : "", m.run.device, m.run.dtype,
-        m.run.warmup_steps, m.run.repetitions, m.run.measure_steps);
-    for (size_t i = 0; i < m.points.size(); ++i) out << fmt::format("{:>4}  {}\n", i + 1, m.points[i].id());
+  if (a.dry_run) {
+    print_points(m, out);
     return 0;
   }
-
-  if (out_dir.empty() && distributed && denv.rank != 0) {
-    out_dir = "(rank 0's output directory)";  // only rank 0 writes; its choice is the one that counts
-  } else if (out_dir.empty()) {
-    try {
-      out_dir = default_run_dir(m.name, resume);
-    } catch (const std::runtime_error& e) {
-      err << "collider run: " << e.what() << "\n";
-      return 2;
-    }
-  }
-
-  SweepOptions so;
-  if (distributed && !connect(torch::Device(m.run.device == "cuda" ? torch::kCUDA : torch::kCPU), &so.dist)) return 3;
-  if (!distributed || denv.rank == 0) {
-    err << fmt::format("collider run: {} ({} points) -> {}\n", m.name, m.points.size(), out_dir);
-  }
-  so.out_dir = out_dir;
-  so.resume = resume;
-  so.trace_path = trace_path;
-  so.profile_begin = prof_a;
-  so.profile_end = prof_b;
-  so.log = &err;
-  SweepSummary s;
+  std::string out_dir;
   try {
-    s = run_sweep(m, so);
-  } catch (...) { return run_failure_status(err, rank_tag, std::current_exception()); }
-  if (distributed && denv.rank != 0) return s.failed > 0 ? 1 : 0;  // rank 0 reports the run
-  err << fmt::format("collider run: {} points: {} ok, {} failed, {} already ok (resumed); rows in {}\n", s.points, s.ok,
-                     s.failed, s.resumed, s.results_path);
-  if (!trace_path.empty()) err << "collider run: trace written to " << trace_path << "\n";
-  return s.failed > 0 ? 1 : 0;
+    out_dir = output_dir(a, launch, m.name);
+  } catch (const std::runtime_error& e) {
+    err << "collider run: " << e.what() << "\n";
+    return 2;
+  }
+  return sweep_and_report(m, a, out_dir, launch, err);
 }
 
 int cli_main(const std::vector<std::string>& args) {
