@@ -91,9 +91,11 @@ fi
 # accelerate; setuptools >= 70.1 builds wheels without the separate `wheel` package, which
 # `pip install --no-build-isolation ./python` below needs; trl and its datasets, pandas and pyarrow
 # for the tests of TRL's SFTTrainer; expecttest, which torch's own OpInfo sample inputs import, for the
-# row-rule property test). torch is repeated so pip never moves it.
+# row-rule property test; pytest-xdist and its execnet, which run the Python tests on every core).
+# torch is repeated so pip never moves it.
 PY_PINS=(transformers==5.25.0 peft==0.21.2 accelerate==1.16.0 trl==1.16.0 datasets==5.2.0 pandas==3.1.1
-         pyarrow==26.0.1 pytest==9.2.0 setuptools==80.9.0 expecttest==0.3.0 "$NUMPY_PIN" "$MATPLOTLIB_PIN")
+         pyarrow==26.0.1 pytest==9.2.0 pytest-xdist==3.8.0 execnet==2.1.2 setuptools==80.9.0 expecttest==0.3.0
+         "$NUMPY_PIN" "$MATPLOTLIB_PIN")
 if ! (cd /tmp && "$PY" - "${PY_PINS[@]}" <<'PYEOF'
 import sys
 from importlib.metadata import version, PackageNotFoundError

@@ -69,22 +69,63 @@ if ((ASAN)); then
   exit 0
 fi
 
+# Each phase's wall time, printed as a table at the end (and written to build/phase_times.tsv for
+# .ci/run) beside its budget: the budget of a fresh-machine run on 2 cores (docs/BUILD.md, "The
+# budget"). A phase over its budget is flagged, not failed: the budget is for planning.
+T_START=$(date +%s)
+PHASE_ROWS=()
+declare -A BUDGET_S=([set-up]=240 [build]=840 [ctest]=660 [pytest]=300 [fuzzing]=420)
+phase_done() {  # NAME START [NOTE]
+  PHASE_ROWS+=("$1"$'\t'"$(( $(date +%s) - $2 ))"$'\t'"${3:-}")
+}
+print_phases() {
+  local row name secs note budget flag total=$(( $(date +%s) - T_START ))
+  echo "[test] phase       seconds  budget (fresh machine, 2 cores)"
+  for row in "${PHASE_ROWS[@]}"; do
+    IFS=$'\t' read -r name secs note <<<"$row"
+    budget=${BUDGET_S[$name]:-}
+    flag=""; [[ -n $budget ]] && ((secs > budget)) && flag="  OVER BUDGET"
+    printf '[test] %-10s %8s  %6s%s%s\n' "$name" "$secs" "${budget:--}" "${note:+  $note}" "$flag"
+  done
+  printf '[test] %-10s %8s\n' total "$total"
+  if [[ -d build ]]; then
+    { printf 'phase\tseconds\tnote\n'; printf '%s\n' "${PHASE_ROWS[@]}"; printf 'total\t%s\t\n' "$total"; } \
+      >build/phase_times.tsv
+  fi
+}
+
 ctest_rc=0
 pytest_rc=0
+t=$(date +%s)
+./scripts/bootstrap.sh --deps-only
+phase_done set-up "$t" "packages, Python environment"
 if ((FUZZ_ONLY)); then
-  ./scripts/bootstrap.sh --deps-only
   PY=${COLLIDER_PYTHON:-${COLLIDER_VENV:-$HOME/.cache/collider/venv}/bin/python}
   ((FUZZ_SECONDS > 0)) || { echo "[test] --fuzz-only with COLLIDER_FUZZ_SECONDS=0 or --no-fuzz: nothing to run" >&2; exit 2; }
 else
+  t=$(date +%s)
   ./scripts/bootstrap.sh
+  phase_done build "$t"
   PY=$(cat build/python_path)
+  t=$(date +%s)
   (cd build && ctest --output-on-failure -j "${CTEST_JOBS:-2}" --timeout 1500 "${CTEST_ARGS[@]}") || ctest_rc=$?
+  phase_done ctest "$t" "$(grep -o '[0-9]* tests failed out of [0-9]*' build/Testing/Temporary/LastTest.log 2>/dev/null ||
+                           true)"
 fi
 if ((FUZZ_ONLY)); then
   :
 elif [[ -d build/python/collider ]]; then
+  # Two pytest workers (pytest-xdist, pinned by bootstrap.sh), one per core: each test is a tiny
+  # model on one torch thread. COLLIDER_PYTEST_JOBS=0 runs them in this process instead.
+  jobs=${COLLIDER_PYTEST_JOBS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}
+  workers=()
+  if ((jobs > 1)) && "$PY" -c "import xdist" 2>/dev/null; then workers=(-n "$jobs"); fi
+  t=$(date +%s)
   # shellcheck disable=SC2086
-  (cd "$ROOT" && "$PY" -m pytest python/tests -q -p no:cacheprovider "${PYTEST_ARGS[@]}" ${COLLIDER_PYTEST_ARGS:-}) || pytest_rc=$?
+  (cd "$ROOT" && "$PY" -m pytest python/tests -q -p no:cacheprovider "${workers[@]}" "${PYTEST_ARGS[@]}" \
+     ${COLLIDER_PYTEST_ARGS:-}) || pytest_rc=$?
+  note="in this process"; ((${#workers[@]})) && note="$jobs workers"
+  phase_done pytest "$t" "$note"
   # pytest's 5 means it collected no test: the suite exists, so that is a failure here too.
   if [[ $pytest_rc -eq 5 ]]; then echo "[test] pytest collected no tests" >&2; fi
 else
@@ -95,12 +136,13 @@ fi
 # a crash, sanitizer report or hang fails the run (the input is kept in build-fuzz/findings/).
 fuzz_rc=0
 if ((FUZZ_SECONDS > 0)); then
-  start=$(date +%s)
+  t=$(date +%s)
   COLLIDER_FUZZ_SECONDS=$FUZZ_SECONDS COLLIDER_PYTHON="$PY" ./scripts/fuzz.sh || fuzz_rc=$?
-  echo "[test] fuzzing took $(( $(date +%s) - start )) s (${FUZZ_SECONDS} s per target)"
+  phase_done fuzzing "$t" "instrumented build + ${FUZZ_SECONDS} s per target"
 else
   echo "[test] fuzzing skipped (--no-fuzz or COLLIDER_FUZZ_SECONDS=0)"
 fi
+print_phases
 if [[ $ctest_rc -ne 0 || $pytest_rc -ne 0 || $fuzz_rc -ne 0 ]]; then
   echo "[test] FAILED: ctest exit status $ctest_rc, pytest exit status $pytest_rc, fuzz exit status $fuzz_rc" >&2
   exit 1
