@@ -5,6 +5,7 @@
 #   ./scripts/compat_matrix.sh                       # every row of ROWS below (about an hour on 2 cores)
 #   ./scripts/compat_matrix.sh --rows "2.11.0:5.23.0"   # other rows (torch:transformers)
 #   ./scripts/compat_matrix.sh --out /tmp/compat.md
+#   ./scripts/compat_matrix.sh --rows "2.11.0:5.25.0" --install-only   # only make the environments
 # Exit status 1 when a row fails (install, build, a test, or a guard that lets a foreign build in).
 # A row: `python3 -m venv --clear` at $COLLIDER_COMPAT_DIR/torch<T>-tf<F> (default
 # ~/.cache/collider/compat; pip's cache makes the downloads once), the pinned packages with torch T
@@ -25,7 +26,7 @@ ROOT=$(pwd)
 ROWS="2.11.0:5.25.0 2.12.1:5.25.0 2.13.0:5.25.0 2.14.1:5.25.0 2.15.0:5.25.0 2.11.0:5.23.0"
 # The rest of the environment, as scripts/bootstrap.sh pins it.
 PINS=(peft==0.21.2 accelerate==1.16.0 trl==1.16.0 datasets==5.2.0 pandas==3.1.1 pyarrow==26.0.1
-      pytest==9.2.0 expecttest==0.3.0 numpy==2.4.6)
+      pytest==9.2.0 pytest-xdist==3.8.0 execnet==2.1.2 expecttest==0.3.0 numpy==2.4.6)
 # The Python gradient suites: transformers families, checkpointing, masks, mixtures of experts, the fused head,
 # refusals and their messages, unseen ops, TRL, Trainer, the import guard and the API. Not here
 # (scripts/test.sh runs them on the default environment): the zoo (every architecture), the row
@@ -34,14 +35,40 @@ SUITES=(test_api.py test_torch_guard.py test_hf_gradients.py test_architectures.
         test_masks.py test_moe.py test_messages.py test_unseen_ops.py test_trl.py test_hf_trainer.py test_head.py)
 OUT=$ROOT/docs/COMPATIBILITY.md
 WORK=${COLLIDER_COMPAT_DIR:-$HOME/.cache/collider/compat}
+INSTALL_ONLY=0
 while (($#)); do
   case $1 in
     --rows) ROWS=$2; shift 2 ;;
     --out) OUT=$(realpath -m "$2"); shift 2 ;;
-    *) echo "usage: $0 [--rows \"T:F ...\"] [--out FILE]" >&2; exit 2 ;;
+    --install-only) INSTALL_ONLY=1; shift ;;
+    *) echo "usage: $0 [--rows \"T:F ...\"] [--out FILE] [--install-only]" >&2; exit 2 ;;
   esac
 done
 say() { echo "[compat $(date +%H:%M:%S)] $*"; }
+
+# install_env NAME TORCH TRANSFORMERS: the row's environment, made afresh unless a complete one with
+# exactly these pins is there (its stamp, written after pip succeeded): .ci/run makes it with
+# --install-only while the main build compiles, since the download needs the network, not the cores.
+install_env() {
+  local name=$1 env=$WORK/$1 stamp
+  stamp="torch==$2 transformers==$3 ${PINS[*]}"
+  if [[ "$(cat "$env/.collider_pins" 2>/dev/null)" == "$stamp" && -x "$env/bin/python" ]]; then
+    say "$name: environment ready (made earlier with these pins)"
+    return 0
+  fi
+  say "$name: environment"
+  python3 -m venv --clear "$env" &&
+    (cd /tmp && "$env/bin/python" -m pip install -q "torch==$2" "transformers==$3" "${PINS[@]}") >"$WORK/logs/$name.pip" 2>&1 &&
+    echo "$stamp" >"$env/.collider_pins"
+}
+if ((INSTALL_ONLY)); then
+  mkdir -p "$WORK/logs"
+  for row in $ROWS; do
+    install_env "torch${row%%:*}-tf${row##*:}" "${row%%:*}" "${row##*:}" ||
+      { say "torch${row%%:*}-tf${row##*:}: pip failed ($WORK/logs)"; exit 1; }
+  done
+  exit 0
+fi
 
 if [[ -n "$(git status --porcelain --untracked-files=no)" ]]; then
   echo "compat_matrix: the work tree has uncommitted changes; commit them first (the table names a commit)" >&2
@@ -54,6 +81,8 @@ rm -rf "$SRC" "$WORK/pkg-prev"
 git clone -q --no-hardlinks "$ROOT" "$SRC"
 git -C "$SRC" checkout -q "$COMMIT"
 export CCACHE_BASEDIR=$SRC
+# The torch precompiled header (cmake/ColliderPch.cmake): ccache caches nothing beside it without these.
+export CCACHE_SLOPPINESS="pch_defines,time_macros${CCACHE_SLOPPINESS:+,$CCACHE_SLOPPINESS}"
 export COLLIDER_JOBS=${COLLIDER_JOBS:-$(env -u OMP_NUM_THREADS nproc)}
 STARTED=$(date -u +"%Y-%m-%d %H:%M UTC")
 
@@ -98,12 +127,9 @@ for row in $ROWS; do
   name=torch$torch_v-tf$tf_v
   env=$WORK/$name
   log=$WORK/logs/$name
-  say "$name: environment"
-  python3 -m venv --clear "$env"
   PY=$env/bin/python
   status_install=ok
-  (cd /tmp && "$PY" -m pip install -q "torch==$torch_v" "transformers==$tf_v" "${PINS[@]}") >"$log.pip" 2>&1 ||
-    status_install="pip failed (logs/$name.pip)"
+  install_env "$name" "$torch_v" "$tf_v" || status_install="pip failed (logs/$name.pip)"
   t1=$(date +%s)
   build=failed
   if [[ $status_install == ok ]]; then
@@ -130,7 +156,7 @@ for row in $ROWS; do
   if [[ $build == ok ]]; then
     say "$name: pytest (${#SUITES[@]} modules)"
     rc=0
-    (cd "$SRC" && OMP_NUM_THREADS=1 COLLIDER_TEST_INSTALLED=1 "$PY" -m pytest -q -p no:cacheprovider -rs \
+    (cd "$SRC" && OMP_NUM_THREADS=1 COLLIDER_TEST_INSTALLED=1 "$PY" -m pytest -q -p no:cacheprovider -rs -n "$COLLIDER_JOBS" \
        --junitxml="$log.xml" "${SUITES[@]/#/python/tests/}") >"$log.pytest" 2>&1 || rc=$?
     tests=$("$PY" - "$log.xml" <<'PYEOF'
 import sys, xml.etree.ElementTree as ET
