@@ -17,7 +17,7 @@
 //  4. its config.json mapping (the Architecture's hf: class name, model type, the reader and writer
 //     of its own keys) so that HF checkpoints load by name;
 //  5. the family in the lists of tests/test_models.cpp and tests/test_collider_models.cpp (the
-//     gradient oracles of DESIGN.md), and in README.md's family list.
+//     gradient oracles of DESIGN.md), and in the family list of docs/ARCHITECTURE.md, "What is where".
 #pragma once
 
 #include "models/common/blocks.h"

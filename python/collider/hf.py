@@ -375,7 +375,8 @@ class Rho1Selection:
     """What Rho1Trainer and collider.trl.Rho1SFTTrainer share, mixed into a transformers.Trainer
     subclass (it reads self.args and self.accelerator): their arguments, RHO-1's selection against
     the reference model, the optimizer step's kept count as Trainer's num_items_in_batch, and the
-    normalised, filtered loss.
+    whole training step's loss (_rho1_loss, which both compute_loss methods call with the forward
+    keywords and labels they make from their batches; the loss form is fixed at construction).
 
     Normalisation: the loss is the sum of the kept tokens' losses over the kept tokens of the whole
     optimizer step, every micro-batch of gradient accumulation and, with
@@ -397,8 +398,10 @@ class Rho1Selection:
         if not 0.0 <= float(filter_ratio) < 1.0:
             raise Error(f"{who}: filter_ratio {filter_ratio} is outside [0, 1): it is the fraction dropped")
 
-    def _init_rho1(self, reference_model, filter_ratio, method, attention, policy, align, fused_head=False) -> None:
-        self.fused_head = bool(fused_head)
+    def _init_rho1(self, reference_model, filter_ratio, method, attention, policy, align, loss_form) -> None:
+        """loss_form: the trainer's loss form (LOSS_FORMS), the one trace_plan traces and training_loss computes."""
+        self.loss_form = loss_form
+        self.fused_head = loss_form == "fused_head"
         self.reference_model = reference_model
         if reference_model is not None:
             reference_model.eval()
@@ -445,10 +448,30 @@ class Rho1Selection:
             scores = mine.detach() - theirs.to(mine.device)  # RHO-1 excess loss
         return _collider.select_tokens(scores, self.filter_ratio, policy=self.policy, align=self.align, valid=valid)
 
-    def _fused_forward(self, model, forward: dict, labels: torch.Tensor):
-        """The training forward through the fused head: the model's final hidden states scored by
-        its own LM head, every position's loss with no [B, T, V] logits (score_tokens)."""
-        return score_tokens(model, hidden_states(model, **forward), labels, forward=forward)
+    def _rho1_loss(self, model, forward: dict, labels: torch.Tensor, return_outputs: bool, num_items_in_batch):
+        """One step's loss, what compute_loss returns: the plan traced once (before the first training
+        step, in self.loss_form), the model's per-token loss [B, T] (through the fused head, score_tokens,
+        with no [B, T, V] logits; or from the model's logits), the keep mask (_rho1_keep), the loss in
+        self.loss_form normalised by the step's kept count (training_loss), then _rho1_finish.
+        forward: the model's keywords made from the batch (use_cache=False among them); labels [B, T]."""
+        training = model.training and torch.is_grad_enabled()
+        if training and self.method == "collider" and self.collider_plan is None:
+            self.collider_plan = trace_plan(model, loss=self.loss_form)  # once, before the first step
+        step_count = num_items_in_batch if training else None
+        input_ids = forward.get("input_ids")
+        if self.fused_head:
+            scored = score_tokens(model, hidden_states(model, **forward), labels, forward=forward)
+            keep = self._rho1_keep(scored.token_loss, labels, training, forward)
+            loss = training_loss(model, input_ids, labels, keep, loss="fused_head", num_kept=step_count,
+                                 scored=scored)
+            outputs = {"loss": loss}
+        else:
+            outputs = model(**forward)
+            keep = self._rho1_keep(token_losses(outputs.logits.detach(), labels), labels, training, forward)
+            loss = training_loss(model, input_ids, labels, keep, loss=self.loss_form, logits=outputs.logits,
+                                 num_kept=step_count)
+        loss = self._rho1_finish(loss, keep, training, step_count)
+        return (loss, outputs) if return_outputs else loss
 
     def _rho1_finish(self, loss: torch.Tensor, keep: torch.Tensor, training: bool, step_count) -> torch.Tensor:
         """The loss as the backward takes it: scaled by the world size when the count spans ranks
@@ -505,36 +528,19 @@ if _Trainer is not None:
             if model is not None:
                 _unwrap(model, "Rho1Trainer")
             fused_head = fused_head or loss == "fused_head"
-            self._init_rho1(reference_model, filter_ratio, method, attention, policy, align, fused_head)
-            self.loss_form = "fused_head" if fused_head else loss
+            self._init_rho1(reference_model, filter_ratio, method, attention, policy, align,
+                            "fused_head" if fused_head else loss)
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            input_ids = inputs["input_ids"]
             labels = inputs.get("labels")
             if labels is None:
-                labels = input_ids
+                labels = inputs["input_ids"]
             mask = inputs.get("attention_mask")
             if mask is not None and not bool(mask.bool().all()):
                 raise Error("Rho1Trainer: the batch has padding (attention_mask with zeros); train on packed "
                             "sequences of equal length (windows of the token stream, as the example does)")
-            training = model.training and torch.is_grad_enabled()
-            if training and self.method == "collider" and self.collider_plan is None:
-                self.collider_plan = trace_plan(model, loss=self.loss_form)  # once, before the first step
-            forward = {"input_ids": input_ids, "use_cache": False}
-            step_count = num_items_in_batch if training else None
-            if self.fused_head:
-                scored = self._fused_forward(model, forward, labels)
-                keep = self._rho1_keep(scored.token_loss, labels, training, forward)
-                loss = training_loss(model, input_ids, labels, keep, loss="fused_head", num_kept=step_count,
-                                     scored=scored)
-                outputs = {"loss": loss}
-            else:
-                outputs = model(**forward)
-                keep = self._rho1_keep(token_losses(outputs.logits.detach(), labels), labels, training, forward)
-                loss = training_loss(model, input_ids, labels, keep, loss=self.loss_form, logits=outputs.logits,
-                                     num_kept=step_count)
-            loss = self._rho1_finish(loss, keep, training, step_count)
-            return (loss, outputs) if return_outputs else loss
+            forward = {"input_ids": inputs["input_ids"], "use_cache": False}
+            return self._rho1_loss(model, forward, labels, return_outputs, num_items_in_batch)
 
 else:  # pragma: no cover
 

@@ -52,29 +52,13 @@ if _trl is not None:
                      align: int = 8, fused_head: bool = False, **kwargs):
             self._check_rho1_arguments("Rho1SFTTrainer", reference_model, filter_ratio, method, attention, policy)
             super().__init__(*args, **kwargs)
-            self._init_rho1(reference_model, filter_ratio, method, attention, policy, align, fused_head)
+            self._init_rho1(reference_model, filter_ratio, method, attention, policy, align,
+                            "fused_head" if fused_head else "per_token")
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            labels = inputs["labels"]
             forward = {k: v for k, v in inputs.items() if k not in _NOT_FORWARD}
             forward["use_cache"] = False
-            training = model.training and torch.is_grad_enabled()
-            form = "fused_head" if self.fused_head else "per_token"
-            if training and self.method == "collider" and self.collider_plan is None:
-                self.collider_plan = _hf.trace_plan(model, loss=form)  # once, before the first step
-            step_count = num_items_in_batch if training else None
-            if self.fused_head:
-                scored = self._fused_forward(model, forward, labels)
-                keep = self._rho1_keep(scored.token_loss, labels, training, forward)
-                loss = _hf.training_loss(model, forward.get("input_ids"), labels, keep, loss=form,
-                                         num_kept=step_count, scored=scored)
-                outputs = {"loss": loss}
-            else:
-                outputs = model(**forward)
-                keep = self._rho1_keep(_hf.token_losses(outputs.logits.detach(), labels), labels, training, forward)
-                loss = _hf.masked_mean(_hf.token_losses(outputs.logits, labels), keep, step_count)
-            loss = self._rho1_finish(loss, keep, training, step_count)
-            return (loss, outputs) if return_outputs else loss
+            return self._rho1_loss(model, forward, inputs["labels"], return_outputs, num_items_in_batch)
 
 else:  # pragma: no cover
 
