@@ -1,8 +1,8 @@
 """Collider on encoder-decoder models: the tokens are the decoder's positions, the encoder's source is a
 second sequence whose rows are never cut, whatever its length.
 
-Models (transformers' own code, tiny random configs built here, float64, train() mode): BART, T5 (relative
-position biases) and the generic EncoderDecoderModel (BERT to BERT, the decoder's cross-attention added);
+Models (transformers' own code, tiny random configs built here, float64, train() mode): BART, T5 (its
+relative position biases learned, which trace_plan refuses, and frozen) and the generic EncoderDecoderModel (BERT to BERT, the decoder's cross-attention added);
 attn_implementation eager and sdpa; the source as long as the target (both padded to one length: every
 size of the encoder then equals the token length) and of another length; both semantics; batch 3; the
 check on first use on (the default) and off (check_every=0). Oracle: the models' attention with the keep
@@ -31,7 +31,7 @@ T = 29          # the target (token) length of the steps
 OTHER_S = 11    # a source of another length (traces and steps)
 B = 3
 TOL = 1e-6
-FAMILIES = ("bart", "t5", "bert2bert")
+FAMILIES = ("bart", "t5", "t5_frozen_bias", "bert2bert")
 
 ORACLE = "collider_encdec_oracle"
 _state = {"keep": None, "attention": None, "modules": frozenset(), "calls": 0}
@@ -74,7 +74,7 @@ def decoder_self_attentions(family: str, model) -> list:
     """The attention modules of the decoder's own self-attention (not the cross-attention)."""
     if family == "bart":
         return [layer.self_attn for layer in model.model.decoder.layers]
-    if family == "t5":
+    if family.startswith("t5"):
         return [block.layer[0].SelfAttention for block in model.decoder.block]
     return [layer.attention.self for layer in model.decoder.bert.encoder.layer]
 
@@ -110,13 +110,16 @@ def tiny_model(family: str, attn: str):
                          init_std=0.2, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
                          use_cache=False, attn_implementation=attn)
         model = BartForConditionalGeneration(cfg)
-    elif family == "t5":
+    elif family.startswith("t5"):
         from transformers import T5Config, T5ForConditionalGeneration
         cfg = T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
                        relative_attention_num_buckets=8, relative_attention_max_distance=20, dropout_rate=0.0,
                        feed_forward_proj="relu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
                        use_cache=False, attn_implementation=attn)
         model = T5ForConditionalGeneration(cfg)
+        if family == "t5_frozen_bias":  # what collider's refusal of the learned one advises
+            for name, p in model.named_parameters():
+                p.requires_grad_("relative_attention_bias" not in name)
     else:
         from transformers import BertConfig, BertLMHeadModel, BertModel, EncoderDecoderModel
         common = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -199,7 +202,7 @@ def run_step(family, model, plan, source, attention, check_every, seed):
 
 # Where every step must be exact (the others may be refused, never wrong): eager attention, which
 # collider cuts along the decoder's query rows only where the keys are the source.
-EXACT = {("bart", "eager"), ("t5", "eager"), ("bert2bert", "eager")}
+EXACT = {("bart", "eager"), ("t5_frozen_bias", "eager"), ("bert2bert", "eager")}
 
 
 @pytest.mark.parametrize("check_every", [collider.DEFAULT_CHECK_EVERY, 0], ids=["check", "nocheck"])
@@ -227,7 +230,7 @@ def test_exact_or_refused(family, attn, source, check_every):
         assert not refused, f"{family}/{attn}/source {source}: refused: {refused}"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "t5"])
 def test_a_fused_cross_attention_is_refused_at_trace_plan_saying_what_to_do(family):
     """SDPA's fused cross-attention has no filtered replacement: refused when the plan is traced, whatever
     the source's length, with the advice to use eager attention (which the test above shows exact)."""
@@ -235,3 +238,12 @@ def test_a_fused_cross_attention_is_refused_at_trace_plan_saying_what_to_do(fami
     for source in ("same", "other"):
         with pytest.raises(collider.Error, match='attn_implementation="eager"'):
             trace(model, source)
+
+
+@pytest.mark.parametrize("source", ["same", "other"])
+def test_a_learned_relative_position_bias_is_refused_at_trace_plan_saying_what_to_do(source):
+    """T5's relative position bias [1, H, T, T] is shared by the batch's sequences and learned over query and
+    key positions: no per-sequence cut keeps it shared, so trace_plan refuses it, advising to freeze it;
+    frozen, every step is exact (test_exact_or_refused, family t5_frozen_bias)."""
+    with pytest.raises(collider.Error, match=r"Freeze that bias \(requires_grad_\(False\)\)"):
+        trace(tiny_model("t5", "eager"), source)
