@@ -149,11 +149,13 @@ void separate_sequences(const Graph& g, PlanData& plan) {
 
   // One set per node, and one per attention's key sequence (n + k).
   Sequences seq(n + attentions.size());
+  // A fused attention over the tokens records no fields (its replacement cuts it whole): its output rows
+  // are its query rows.
   auto row_edge = [&](const torch::autograd::Edge& e) {
     if (!e.function) return false;
-    const FieldSpec* in = plan.nodes[g.index.at(e.function.get())].find(FieldKind::kInputMeta,
-                                                                         static_cast<int32_t>(e.input_nr));
-    return in && in->shape.has_token();
+    const NodeSpec& c = plan.nodes[g.index.at(e.function.get())];
+    const FieldSpec* in = c.find(FieldKind::kInputMeta, static_cast<int32_t>(e.input_nr));
+    return c.fused_attention || (in && in->shape.has_token());
   };
   for (int i = 0; i < n; ++i) {
     const auto& edges = g.nodes[i]->next_edges();
@@ -238,13 +240,14 @@ void separate_sequences(const Graph& g, PlanData& plan) {
       }
       continue;
     }
-    if (seq.find(n + static_cast<int>(k)) == tokens || seq.find(a.anchor()) != tokens) continue;
-    // From the tokens to another sequence: a cross-attention.
+    // From the tokens to another sequence: a cross-attention. (Keys that only do not meet the tokens' rows
+    // stay the tokens' keys, as traced.)
+    if (!other[seq.find(n + static_cast<int>(k))] || seq.find(a.anchor()) != tokens) continue;
     if (a.bmm >= 0) {
-      throw Error(fmt::format(
-          "collider cannot rewrite node {} (#{}): a batched matmul from the tokens to another sequence (a "
-          "cross-attention onto an encoder's source) outside an attention core collider recognises. {}",
-          plan.nodes[a.bmm].type, a.bmm, kOtherLength));
+      throw Error(
+          fmt::format("collider cannot rewrite node {} (#{}): a batched matmul from the tokens to another sequence (a "
+                      "cross-attention onto an encoder's source) outside an attention core collider recognises. {}",
+                      plan.nodes[a.bmm].type, a.bmm, kOtherLength));
     }
     if (a.fused >= 0) {
       throw Error(fmt::format(
@@ -256,14 +259,16 @@ void separate_sequences(const Graph& g, PlanData& plan) {
     // Its scores may take no gradient from outside the core but through Q and K (a bias learned over both
     // sequences would be cut along the source's positions).
     const std::vector<int> nodes = a.nodes();
+    const int query_edge = plan.nodes[a.core.qk].type == "BaddbmmBackward0" ? 1 : 0;  // (edge 0: baddbmm's bias)
     for (int c : nodes) {
       const auto& edges = g.nodes[c]->next_edges();
       for (size_t e = 0; e < edges.size(); ++e) {
         if (!row_edge(edges[e])) continue;
         const int child = g.index.at(edges[e].function.get());
         const bool inside = std::find(nodes.begin(), nodes.end(), child) != nodes.end();
-        const bool operand = (c == a.core.qk && (e == 0 || key_edge.count({c, static_cast<int>(e)}))) ||
-                             (c == a.core.pv && e == 1);
+        const bool operand =
+            (c == a.core.qk && (static_cast<int>(e) == query_edge || key_edge.count({c, static_cast<int>(e)}))) ||
+            (c == a.core.pv && e == 1);
         if (inside || operand) continue;
         throw Error(fmt::format(
             "collider cannot rewrite node {} (#{}): the scores of an attention from the tokens to another "

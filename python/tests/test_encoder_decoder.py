@@ -2,7 +2,8 @@
 second sequence whose rows are never cut, whatever its length.
 
 Models (transformers' own code, tiny random configs built here, float64, train() mode): BART, T5 (its
-relative position biases learned, which trace_plan refuses, and frozen) and the generic EncoderDecoderModel (BERT to BERT, the decoder's cross-attention added);
+relative position biases learned, which trace_plan refuses, and frozen) and the generic
+EncoderDecoderModel (BERT to BERT, the decoder's cross-attention added);
 attn_implementation eager and sdpa; the source as long as the target (both padded to one length: every
 size of the encoder then equals the token length) and of another length; both semantics; batch 3; the
 check on first use on (the default) and off (check_every=0). Oracle: the models' attention with the keep
@@ -13,7 +14,9 @@ rows are all kept, the cross-attention's keys and values are exact).
 
 Every step must be exact (max relative gradient difference <= 1e-6) or refused by collider with its
 typed collider.Error, at trace_plan or at filter_backward, before loss.backward() (which then gives the
-loss_only gradient): never a wrong gradient, never an error inside loss.backward().
+loss_only gradient): never a wrong gradient, never an error inside loss.backward(). Under eager attention
+every step of BART, T5 (its bias frozen) and BERT to BERT is exact, the check on first use on or off;
+SDPA's fused cross-attention is refused at trace_plan.
   pytest python/tests/test_encoder_decoder.py
 """
 import contextlib
