@@ -20,6 +20,7 @@
 #include "row_rules.h"
 #include "slices.h"
 #include "sdpa.h"
+#include "token_rows.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -314,7 +315,9 @@ void classify_node(const Graph& ga, size_t i, const std::vector<ObservedNode>& o
 // The plan: both traces observed, every node classified, then the whole-graph steps in order:
 // first the check that every token gradient is born in a node an edit can cut, then each edit's
 // analysis step in the order of the analysis table (edits/table.cpp), each writing the part of the
-// plan its edit reads, last the check that each cut node acts row by row (row_rules.h).
+// plan its edit reads, then which token-sized rows are the tokens (token_rows.h: a second sequence of the
+// same length, an encoder's source, is not), last the check that each cut node acts row by row
+// (row_rules.h).
 PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
   PlanData plan;
   plan.batch_a = sa.B;
@@ -335,6 +338,7 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
   refuse_token_gradients_born_opaque(ga, plan);
   const TraceFacts facts{ga, gb, sa, sb, oa, ob, c};
   for (const AnalysisStep step : analysis_table()) step(facts, plan);
+  separate_sequences(ga, plan);
   check_row_rules(ga, plan, oa);
   return plan;
 }

@@ -8,6 +8,9 @@ by `oracle_keep`, (DESIGN.md section 3)
                dP_ij = dO_i . V_j only for kept j, the softmax backward sums over kept columns only,
                and dS_ij = 0 for dropped j: dQ, dK, dV use P restricted to kept rows and columns.
 Dropped query rows get no gradient because the masked loss and the detached K/V leave them none.
+In an encoder-decoder (config.is_encoder_decoder) the keep mask applies to the decoder's causal
+self-attention only: the encoder's source is not the tokens (its attention and the cross-attention
+onto it are plain autograd).
 Attention sinks (GPT-OSS, passed as s_aux) are one more score column per head, never dropped, that
 the softmax normalises over and the output leaves out.
 It shares no code with collider_core. Used by test_hf_gradients.py, test_hf_trainer.py, test_peft_ddp.py.
@@ -22,7 +25,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 ORACLE = "collider_oracle"
-_state = {"keep": None, "attention": None, "calls": 0}
+_state = {"keep": None, "attention": None, "calls": 0, "decoder_only_tokens": False}
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:  # [B, G, T, E] -> [B, G * n_rep, T, E]
@@ -41,6 +44,12 @@ def oracle_attention(module, query, key, value, attention_mask, dropout: float =
         raise RuntimeError("the oracle supports attention dropout 0 only")
     _state["calls"] += 1
     B, H, T, E = query.shape
+    # An encoder-decoder's tokens are its decoder's positions: only the decoder's own (causal)
+    # self-attention is over them; the encoder's self-attention and the cross-attention onto the
+    # source are plain (the source is not the tokens, whatever its length; DESIGN.md section 4).
+    tokens = not (_state["decoder_only_tokens"] and not getattr(module, "is_causal", False))
+    if not tokens:
+        keep = torch.ones(B, key.shape[2], dtype=torch.bool)
     m_kv = keep.to(key.device)[:, None, :, None]  # [B, 1, T, 1]: kept key/value rows
     key = torch.where(m_kv, key, key.detach())
     value = torch.where(m_kv, value, value.detach())
@@ -97,12 +106,13 @@ def oracle_keep(model, keep: torch.Tensor, attention: str):
         base = base.get_base_model() if hasattr(base, "get_base_model") else base.module
     before = base.config._attn_implementation
     base.set_attn_implementation(ORACLE)
-    _state.update(keep=keep, attention=attention, calls=0)
+    _state.update(keep=keep, attention=attention, calls=0,
+                  decoder_only_tokens=bool(getattr(base.config, "is_encoder_decoder", False)))
     try:
         yield
         assert _state["calls"] > 0, "the oracle attention was never called: the model did not dispatch to it"
     finally:
-        _state.update(keep=None, attention=None)
+        _state.update(keep=None, attention=None, decoder_only_tokens=False)
         base.set_attn_implementation(before)
 
 

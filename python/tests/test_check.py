@@ -101,3 +101,33 @@ def test_a_wrong_plan_is_refused_on_its_first_step_naming_the_node(fresh_run):
     loss.backward()
     wrong = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     assert max_rel(wrong, grads_of(model, ids, keep, "mask", plan=plan_for(model))) > 1e-3
+
+
+@pytest.mark.parametrize("attention", ["kept_only", "exact_query"])
+def test_mask_backward_of_a_broadcast_causal_mask_is_exact_or_refused_at_the_call(attention):
+    """OpenAI GPT multiplies its scores by a causal mask buffer [1, 1, T, T] shared by the batch's
+    sequences (a broadcast field inside the attention core). mask_backward leaves it as it is (the
+    kept_only masking is the probabilities'), so it gives filter_backward's gradient; what it cannot
+    mask it refuses at the call with collider.Error, never inside loss.backward()."""
+    from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel
+    import collider.hf as chf
+    torch.manual_seed(0)
+    cfg = OpenAIGPTConfig(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.2, attn_implementation="eager")
+    model = OpenAIGPTLMHeadModel(cfg).to(torch.float64).train()
+    plan = chf.trace_plan(model, loss="per_token")
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 128, (3, 37), generator=gen)
+    keep = collider.select_tokens(torch.rand(3, 37, generator=gen), 0.5, valid=chf.keep_mask_from_labels(ids))
+    out = {}
+    for name, call in (("mask", collider.mask_backward), ("filter", collider.filter_backward)):
+        model.zero_grad(set_to_none=True)
+        loss = chf.masked_mean(chf.token_losses(model(input_ids=ids).logits, ids), keep)
+        try:
+            call(loss, keep, plan, attention=attention)
+        except collider.Error:
+            continue  # refused at the call: the graph is as the forward left it
+        loss.backward()  # never an error here
+        out[name] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    if len(out) == 2:
+        assert max_rel(out["filter"], out["mask"]) < 1e-8

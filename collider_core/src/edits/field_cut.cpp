@@ -143,8 +143,11 @@ void FieldCut::on_saved(const char* name, int32_t item, SavedVariable& v) {
     replace_saved(name, v, [ix, shape](const torch::Tensor& index) { return ix->hooked_route_values(index, shape); });
     return;
   }
-  // The kept_only oracle of the masked method touches only the attention probabilities.
-  const bool masked_probabilities = tx_.cut_keys() && spec_.attention_core && f->shape.has_key();
+  // The kept_only oracle of the masked method touches only the attention probabilities (a field with a
+  // key dimension inside a core). A broadcast one (no batch dimension: a causal mask shared by the
+  // batch's sequences) is not the probabilities, which depend on each sequence, and is left as it is.
+  const bool masked_probabilities =
+      tx_.cut_keys() && spec_.attention_core && f->shape.has_key() && f->shape.pad_rank == 0;
   if (tx_.masked() && !masked_probabilities) return;
   // Ragged masks: padding keys get no attention probability (kept_only), so they neither
   // give nor receive gradient; P is the field with a query and a key dimension.
@@ -381,6 +384,20 @@ void field_cut_flat_order(const TraceFacts& t, PlanData& plan) { resolve_flat_or
 
 void field_cut_broadcast(const TraceFacts& t, PlanData& plan) {
   resolve_broadcast(t.ga, t.sa, plan, t.classified.values);
+  // A gradient over query and key positions that the batch's sequences share (T5's relative position
+  // bias, [1, H, T, T], learned): cut per sequence it would need a batch dimension the ops below it
+  // (unsqueeze, permute, the bias's embedding) do not have.
+  for (size_t i = 0; i < plan.nodes.size(); ++i) {
+    for (const auto& f : plan.nodes[i].fields) {
+      if (f.kind != FieldKind::kInputMeta || f.shape.pad_rank == 0 || !two_token_dims(f.shape)) continue;
+      throw Error(fmt::format(
+          "collider cannot rewrite node {} (#{}): its gradient spans query and key positions and has no batch "
+          "dimension (a position bias learned over both, shared by the batch's sequences), which a cut per "
+          "sequence cannot keep shared. Freeze that bias (requires_grad_(False)), or train the model without "
+          "token filtering",
+          plan.nodes[i].type, i));
+    }
+  }
 }
 
 void field_cut_python_functions(const TraceFacts& t, PlanData& plan) {

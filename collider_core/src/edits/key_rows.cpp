@@ -46,6 +46,13 @@ class KeyRowsEdit final : public Edit {
         throw Error(fmt::format("{}: the key/value gradient edge of node #{} does not match the plan: {}", tx.who(),
                                 ins.node, bad));
       }
+      if (tx.masked() && ins.shape.pad_rank != 0) {  // zero_dropped needs a batch dimension to mask by
+        throw Error(
+            fmt::format("{}: the key/value gradient of node #{} is shared by the batch's sequences (no "
+                        "batch dimension), so their dropped rows cannot be masked apart; use "
+                        "filter_backward, or attention=\"kept_only\"",
+                        tx.who(), ins.node));
+      }
       auto node = make_node<KeyRowsNode>(tx.shared_index(), ins.shape, tx.masked());
       node->add_input_metadata(meta.options(), to_syms(shape), false, false, std::nullopt);
       tx.insert_on_edge(parent, ins.edge, node);
