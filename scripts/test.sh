@@ -74,7 +74,7 @@ fi
 # budget"). A phase over its budget is flagged, not failed: the budget is for planning.
 T_START=$(date +%s)
 PHASE_ROWS=()
-declare -A BUDGET_S=([set-up]=240 [build]=840 [ctest]=660 [pytest]=300 [fuzzing]=420)
+declare -A BUDGET_S=([set-up]=200 [build]=680 [ctest]=690 [pytest]=400 [fuzzing]=400)
 phase_done() {  # NAME START [NOTE]
   PHASE_ROWS+=("$1"$'\t'"$(( $(date +%s) - $2 ))"$'\t'"${3:-}")
 }
@@ -108,9 +108,9 @@ else
   phase_done build "$t"
   PY=$(cat build/python_path)
   t=$(date +%s)
-  (cd build && ctest --output-on-failure -j "${CTEST_JOBS:-2}" --timeout 1500 "${CTEST_ARGS[@]}") || ctest_rc=$?
-  phase_done ctest "$t" "$(grep -o '[0-9]* tests failed out of [0-9]*' build/Testing/Temporary/LastTest.log 2>/dev/null ||
-                           true)"
+  (cd build && ctest --output-on-failure -j "${CTEST_JOBS:-2}" --timeout 1500 "${CTEST_ARGS[@]}") 2>&1 |
+    tee build/ctest.log || ctest_rc=$?
+  phase_done ctest "$t" "$(grep -o '[0-9]* tests failed out of [0-9]*' build/ctest.log | tail -1 || true)"
 fi
 if ((FUZZ_ONLY)); then
   :
@@ -123,8 +123,9 @@ elif [[ -d build/python/collider ]]; then
   t=$(date +%s)
   # shellcheck disable=SC2086
   (cd "$ROOT" && "$PY" -m pytest python/tests -q -p no:cacheprovider "${workers[@]}" "${PYTEST_ARGS[@]}" \
-     ${COLLIDER_PYTEST_ARGS:-}) || pytest_rc=$?
+     ${COLLIDER_PYTEST_ARGS:-}) 2>&1 | tee build/pytest.log || pytest_rc=$?
   note="in this process"; ((${#workers[@]})) && note="$jobs workers"
+  note="$note, $(grep -oE '[0-9]+ passed.* in ' build/pytest.log | tail -1 | sed 's/ in $//' || true)"
   phase_done pytest "$t" "$note"
   # pytest's 5 means it collected no test: the suite exists, so that is a failure here too.
   if [[ $pytest_rc -eq 5 ]]; then echo "[test] pytest collected no tests" >&2; fi
