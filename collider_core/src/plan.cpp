@@ -107,7 +107,7 @@ std::string variant_text(const detail::PlanData& d) {
     std::string edges = "-";
     if (i < d.children.size() && !d.children[i].empty()) edges = fmt::format("{}", fmt::join(d.children[i], ","));
     out += fmt::format("node {} {} {}{}\n", i, n.type,
-                       n.fused_attention  ? 2
+                       n.fused_attention  ? (n.cross_attention ? 3 : 2)
                        : n.attention_core ? 1
                                           : 0,
                        d.children.size() == d.nodes.size() ? " " + edges : "");
@@ -175,7 +175,8 @@ Plan Plan::from_string(const std::string& text) {
         throw Error(fmt::format("Plan::from_string: line {}: malformed node line", line_no));
       }
       n.attention_core = core == 1;
-      n.fused_attention = core == 2;
+      n.fused_attention = core == 2 || core == 3;
+      n.cross_attention = core == 3;
       std::string edges;
       if (in >> edges) {
         if (d.children.size() != d.nodes.size()) {

@@ -118,6 +118,9 @@ struct NodeSpec {
   std::string type;  // Node::name()
   bool attention_core = false;
   bool fused_attention = false;   // an SDPA backward node: replaced, not rewritten (sdpa.h)
+  // with fused_attention: its keys and values are another sequence than the tokens (a cross-attention onto an
+  // encoder's source, token_rows.h): its query rows are cut, its keys all kept
+  bool cross_attention = false;
   std::vector<FieldSpec> fields;  // only fields with token dimensions
 
   // The field of this kind and item (and name, unless null); input metadata fields are named "input".

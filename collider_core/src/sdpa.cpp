@@ -8,6 +8,9 @@
 //                dS = P (dP - rowsum(dP P)); dQ = dS K_K s; dK = dS^T Q_K s.
 //   exact_query: P = exp(Q_K K^T s + M_K. - L_K) over all keys; dS = P (dO V^T - rowsum(dO O_K));
 //                dQ = dS K s; dK, dV computed for all keys, kept rows returned.
+//   a cross-attention (keys and values another sequence [B, G, S, E], an encoder's source; token_rows.h):
+//                every key is kept, so both semantics are exact_query's over all S keys, with dK, dV
+//                returned whole.
 // The mask is cut like the scores: kept query rows, and under kept_only kept key columns. Where
 // it leaves whole key ranges out of a block of query rows (a causal mask, a sliding window, the
 // other documents of a packed row), those keys are skipped, as is_causal's blocks are.
@@ -133,6 +136,16 @@ bool check_saved(const NodePtr& node) {
   throw Error(fmt::format("collider: no filtered replacement for fused attention node {}", node->name()));
 }
 
+// Whether the fused node ran with is_causal (read without unpacking its saved tensors).
+bool is_causal(const NodePtr& node) {
+  Node* raw = node.get();
+  if (auto* n = dynamic_cast<gen::ScaledDotProductFlashAttentionForCpuBackward0*>(raw)) return n->is_causal;
+  if (auto* n = dynamic_cast<gen::ScaledDotProductFlashAttentionBackward0*>(raw)) return n->is_causal;
+  if (auto* n = dynamic_cast<gen::ScaledDotProductEfficientAttentionBackward0*>(raw)) return n->is_causal;
+  if (auto* n = dynamic_cast<gen::ScaledDotProductCudnnAttentionBackward0*>(raw)) return n->is_causal;
+  return false;
+}
+
 Saved read_saved(const NodePtr& node) {
   Node* raw = node.get();
   if (auto* n = dynamic_cast<gen::ScaledDotProductFlashAttentionForCpuBackward0*>(raw)) {
@@ -163,8 +176,9 @@ class FilteredAttentionNode final : public Node {
   // saved: the forward's tensors, or none when they are behind saved-tensor hooks: then they are
   // read from `fused` (the replaced node) when this node's backward runs.
   FilteredAttentionNode(std::optional<Saved> saved, NodePtr fused, std::shared_ptr<TokenIndex> ix,
-                        bool exact, bool masked)
-      : s_(std::move(saved)), fused_(std::move(fused)), ix_(std::move(ix)), exact_(exact), masked_(masked) {}
+                        bool exact, bool masked, bool cross)
+      : s_(std::move(saved)), fused_(std::move(fused)), ix_(std::move(ix)), exact_(exact || cross), masked_(masked),
+        cross_(cross) {}
   std::string name() const override {
     return exact_ ? "collider::FilteredAttentionExactQuery" : "collider::FilteredAttentionKeptOnly";
   }
@@ -188,7 +202,8 @@ class FilteredAttentionNode final : public Node {
     const int64_t T = s.q.size(2);
     variable_list out = ix_->ragged() && !masked_ ? per_row(s, dO, T) : dispatch(*ix_, s, dO, T);
     if (masked_) {
-      for (auto& g : out) g = scatter_full(g, T);
+      for (size_t i = 0; i < out.size(); ++i)
+        if (i == 0 || !cross_) out[i] = scatter_full(out[i], T);  // a cross-attention's dK, dV are whole
     }
     while (out.size() < num_outputs()) out.emplace_back();
     return out;
@@ -217,8 +232,15 @@ class FilteredAttentionNode final : public Node {
       auto g = dispatch(*row, sb, dO_BHNE.narrow(0, b, 1).index_select(2, live), T);
       for (size_t i = 0; i < 3; ++i) {
         if (!g[i].defined()) continue;
-        if (!out[i].defined()) out[i] = torch::zeros({B, g[i].size(1), N, g[i].size(3)}, g[i].options());
-        out[i].narrow(0, b, 1).index_copy_(2, live, g[i]);
+        const bool whole = cross_ && i > 0;  // a cross-attention's dK, dV: every source position
+        if (!out[i].defined()) {
+          out[i] = torch::zeros({B, g[i].size(1), whole ? g[i].size(2) : N, g[i].size(3)}, g[i].options());
+        }
+        if (whole) {
+          out[i].narrow(0, b, 1).copy_(g[i]);
+        } else {
+          out[i].narrow(0, b, 1).index_copy_(2, live, g[i]);
+        }
       }
     }
     return out;
@@ -271,7 +293,7 @@ class FilteredAttentionNode final : public Node {
     if (!s.causal) {
       auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(dO, q, s.k, s.v, o, lse, 0.0,
                                                                                    false, std::nullopt, scale);
-      return {dq, kept_keys(ix, dk), kept_keys(ix, dv)};
+      return {dq, key_grad(ix, dk), key_grad(ix, dv)};
     }
     // Causal by original positions needs an explicit mask, and with a mask the kernel visits
     // every key block (it skips the blocks above the diagonal only under is_causal). So the
@@ -296,7 +318,7 @@ class FilteredAttentionNode final : public Node {
       dk.narrow(2, 0, keys).add_(dk_c);
       dv.narrow(2, 0, keys).add_(dv_c);
     }
-    return {chunks == 1 ? dqs[0] : torch::cat(dqs, 2), kept_keys(ix, dk), kept_keys(ix, dv)};
+    return {chunks == 1 ? dqs[0] : torch::cat(dqs, 2), key_grad(ix, dk), key_grad(ix, dv)};
   }
 
   // exact_query with an explicit mask: the kernel on chunks of kept queries, each against the key
@@ -320,7 +342,7 @@ class FilteredAttentionNode final : public Node {
       keys(dk).add_(dk_c);
       keys(dv).add_(dv_c);
     }
-    return {dq, kept_keys(ix, dk), kept_keys(ix, dv)};
+    return {dq, key_grad(ix, dk), key_grad(ix, dv)};
   }
 
   // kept_only on the CPU: the backward of the header's formulas in blocks of kQueryBlock cut query
@@ -340,6 +362,10 @@ class FilteredAttentionNode final : public Node {
   static torch::Tensor kept_keys(TokenIndex& ix, const torch::Tensor& g_BGTE) {
     const auto spec4 = bhte_spec(4);
     return ix.zero_padding_into(ix.cut(g_BGTE, spec4, true), g_BGTE, spec4, false);
+  }
+  // exact_query's dK / dV as returned: cut to the kept keys, or whole for a cross-attention ([B, G, S, E]).
+  torch::Tensor key_grad(TokenIndex& ix, const torch::Tensor& g_BGTE) const {
+    return cross_ ? g_BGTE : kept_keys(ix, g_BGTE);
   }
   variable_list kept_only_blocked(TokenIndex& ix, const Saved& s, const torch::Tensor& dO_BHNE, int64_t T) const {
     const auto spec4 = bhte_spec(4), spec3 = bhte_spec(3);
@@ -437,8 +463,8 @@ class FilteredAttentionNode final : public Node {
       auto ds = p * (dOf.matmul(v.transpose(-2, -1)) - d);
       dq = ds.matmul(k) * s.scale;
       // dropped keys' gradients discarded, padding rows (dropped tokens too) included
-      dk = kept_keys(ix, to_groups(ds.transpose(-2, -1).matmul(q) * s.scale));
-      dv = kept_keys(ix, to_groups(p.transpose(-2, -1).matmul(dOf)));
+      dk = key_grad(ix, to_groups(ds.transpose(-2, -1).matmul(q) * s.scale));
+      dv = key_grad(ix, to_groups(p.transpose(-2, -1).matmul(dOf)));
     }
     return {dq.to(dtype), dk.to(dtype), dv.to(dtype)};
   }
@@ -451,7 +477,7 @@ class FilteredAttentionNode final : public Node {
   std::optional<Saved> s_;
   NodePtr fused_;
   std::shared_ptr<TokenIndex> ix_;
-  bool exact_, masked_;
+  bool exact_, masked_, cross_;
 };
 
 }  // namespace
@@ -461,16 +487,21 @@ bool is_fused_attention_node(const std::string& type) {
          type == "ScaledDotProductEfficientAttentionBackward0" || type == "ScaledDotProductCudnnAttentionBackward0";
 }
 
-NodePtr make_filtered_attention(const NodePtr& fused, std::shared_ptr<TokenIndex> index,
-                                              bool exact_query, bool masked) {
+NodePtr make_filtered_attention(const NodePtr& fused, std::shared_ptr<TokenIndex> index, bool exact_query, bool masked,
+                                bool cross) {
   const bool hooked = check_saved(fused);
   std::optional<Saved> saved;
   if (!hooked) saved = read_saved(fused);
   const auto& meta = fused->input_metadata(0);  // the output O: [B, H, T, E]
   auto shape = meta.shape_as_dim_vector().vec();
   if (!masked) shape[2] = index->N();
-  auto node = make_node<FilteredAttentionNode>(std::move(saved), hooked ? fused : nullptr, index, exact_query,
-                                                      masked);
+  if (cross && is_causal(fused)) {
+    throw Error(fmt::format("collider cannot filter node {}: a causal attention onto another sequence (a "
+                            "cross-attention with is_causal=True); pass the mask it means as attn_mask",
+                            fused->name()));
+  }
+  auto node = make_node<FilteredAttentionNode>(std::move(saved), hooked ? fused : nullptr, index, exact_query, masked,
+                                               cross);
   node->add_input_metadata(meta.options(), shape, false, false, std::nullopt);
   for (uint32_t i = 1; i < fused->num_inputs(); ++i) {
     node->add_input_metadata(torch::autograd::Node::undefined_input());  // logsumexp etc.: no gradient

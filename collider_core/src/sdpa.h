@@ -15,9 +15,10 @@ bool is_fused_attention_node(const std::string& type);
 
 // A node computing dQ, dK, dV of kept tokens ([B, H, N, E]) from the gradient of the kept
 // output rows, with the fused node's next edges. masked: the same values scattered into
-// full-size zero tensors, for full-size gradients (the `masked` method).
-NodePtr make_filtered_attention(const NodePtr& fused,
-                                                               std::shared_ptr<TokenIndex> index, bool exact_query,
-                                                               bool masked);
+// full-size zero tensors, for full-size gradients (the `masked` method). cross: the keys and
+// values are another sequence [B, G, S, E] (a cross-attention onto an encoder's source): the
+// kept queries' exact gradient over every key, dK and dV whole (exact_query must be true).
+NodePtr make_filtered_attention(const NodePtr& fused, std::shared_ptr<TokenIndex> index, bool exact_query, bool masked,
+                                bool cross = false);
 
 }  // namespace collider::detail

@@ -126,7 +126,7 @@ void separate_sequences(const Graph& g, PlanData& plan) {
   std::vector<Attention> attentions;
   for (int s = 0; s < n; ++s) {
     const NodeSpec& ns = plan.nodes[s];
-    if (ns.fused_attention) attentions.push_back(Attention{{}, s});
+    if (ns.fused_attention && !ns.cross_attention) attentions.push_back(Attention{{}, s});  // cross: by its sizes
     if (!ns.attention_core || (ns.type != "SoftmaxBackward0" && ns.type != "SafeSoftmaxBackward0")) continue;
     Attention a;
     a.core = locate_attention_core(g, plan, s);
@@ -225,9 +225,10 @@ void separate_sequences(const Graph& g, PlanData& plan) {
   }
   std::vector<char> cleared(n, 0);
   for (int i = 0; i < n; ++i) {
-    if (!other[seq.find(i)] || plan.nodes[i].fields.empty()) continue;
+    // (a fused attention records no fields: one over the other sequence, an encoder's SDPA, is cleared too)
+    if (!other[seq.find(i)] || (plan.nodes[i].fields.empty() && !plan.nodes[i].fused_attention)) continue;
     plan.nodes[i].fields.clear();  // another sequence's rows: all kept, never cut
-    plan.nodes[i].fused_attention = false;
+    plan.nodes[i].fused_attention = plan.nodes[i].cross_attention = false;
     plan.nodes[i].attention_core = false;
     cleared[i] = 1;
   }
@@ -249,12 +250,9 @@ void separate_sequences(const Graph& g, PlanData& plan) {
                       "cross-attention onto an encoder's source) outside an attention core collider recognises. {}",
                       plan.nodes[a.bmm].type, a.bmm, kOtherLength));
     }
-    if (a.fused >= 0) {
-      throw Error(fmt::format(
-          "collider cannot rewrite node {} (#{}): a fused attention from the tokens to another sequence (a "
-          "cross-attention onto an encoder's source); use attn_implementation=\"eager\" for that model, or train "
-          "it without token filtering",
-          plan.nodes[a.fused].type, a.fused));
+    if (a.fused >= 0) {  // its query rows cut, every key kept (sdpa.h)
+      plan.nodes[a.fused].cross_attention = true;
+      continue;
     }
     // Its scores may take no gradient from outside the core but through Q and K (a bias learned over both
     // sequences would be cut along the source's positions).

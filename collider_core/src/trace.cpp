@@ -115,13 +115,15 @@ std::string trace_difference(const ObservedNode& a, const ObservedNode& b, Sizes
                      fields(b), sb.B, sb.T);
 }
 
-enum class FusedSequence { kTokens, kOther, kMixed };
+enum class FusedSequence { kTokens, kOther, kCross, kMixed };
 
 // Whether a fused attention node (a, b: its two observations) attends over the tokens: its query and
 // key ([B, H, L, E]) both have L = T in both traces. kOther: no field of it has token positions;
-// kMixed: some have, but not as a self-attention over the tokens (cross-attention).
+// kCross: its queries do, and its keys and values are a sequence of one length in both traces (a
+// cross-attention onto an encoder's source); kMixed: some have, otherwise (keys whose length follows T
+// without being T: a prefix concatenated to the tokens' keys).
 FusedSequence fused_attention_sequence(const ObservedNode& a, const ObservedNode& b, Sizes sa, Sizes sb) {
-  bool tokens = false, query = false, key = false;
+  bool tokens = false, query = false, key = false, fixed_key = false, fixed_value = false;
   for (size_t k = 0; k < a.fields.size(); ++k) {
     const Observed& x = a.fields[k];
     const Observed& y = b.fields[k];
@@ -130,11 +132,17 @@ FusedSequence fused_attention_sequence(const ObservedNode& a, const ObservedNode
                            x.values[x.values.size() - 2] == sa.T && y.values[y.values.size() - 2] == sb.T;
     query = query || (x.name == "query_" && positions);
     key = key || (x.name == "key_" && positions);
+    const bool fixed = x.values.size() >= 2 && y.values.size() == x.values.size() &&
+                       x.values[x.values.size() - 2] == y.values[y.values.size() - 2] &&
+                       x.values[x.values.size() - 2] != sa.T;
+    fixed_key = fixed_key || (x.name == "key_" && fixed);
+    fixed_value = fixed_value || (x.name == "value_" && fixed);
     ShapeSpec spec;
     std::string why;
     tokens = tokens || !classify(x, y, sa, sb, spec, why) || spec.has_token();
   }
   if (query && key) return FusedSequence::kTokens;
+  if (query && fixed_key && fixed_value) return FusedSequence::kCross;
   return tokens ? FusedSequence::kMixed : FusedSequence::kOther;
 }
 
@@ -196,12 +204,13 @@ void classify_node(const Graph& ga, size_t i, const std::vector<ObservedNode>& o
     // token-shaped, left as it is.
     switch (fused_attention_sequence(oa[i], ob[i], sa, sb)) {
       case FusedSequence::kTokens: ns.fused_attention = true; return;
+      case FusedSequence::kCross: ns.fused_attention = ns.cross_attention = true; return;
       case FusedSequence::kOther: return;
       case FusedSequence::kMixed:
         throw Error(fmt::format(
-            "collider cannot rewrite node {} (#{}): a fused attention whose query and key positions are not both "
-            "the tokens (a cross-attention); use attn_implementation=\"eager\" for that module, or train it "
-            "without token filtering",
+            "collider cannot rewrite node {} (#{}): a fused attention whose key positions follow the sequence "
+            "length without being the tokens' (a prefix concatenated to the keys); use "
+            "attn_implementation=\"eager\" for that module, or train it without token filtering",
             ns.type, i));
     }
   }

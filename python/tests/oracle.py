@@ -8,9 +8,10 @@ by `oracle_keep`, (DESIGN.md section 3)
                dP_ij = dO_i . V_j only for kept j, the softmax backward sums over kept columns only,
                and dS_ij = 0 for dropped j: dQ, dK, dV use P restricted to kept rows and columns.
 Dropped query rows get no gradient because the masked loss and the detached K/V leave them none.
-In an encoder-decoder (config.is_encoder_decoder) the keep mask applies to the decoder's causal
-self-attention only: the encoder's source is not the tokens (its attention and the cross-attention
-onto it are plain autograd).
+In an encoder-decoder (config.is_encoder_decoder) the keep mask applies to the decoder's own
+self-attention only, found by where the module sits (in the decoder, and not named as a cross-attention),
+never by its sizes: the encoder's source is not the tokens (its attention and the cross-attention onto it
+are plain autograd).
 Attention sinks (GPT-OSS, passed as s_aux) are one more score column per head, never dropped, that
 the softmax normalises over and the output leaves out.
 It shares no code with collider_core. Used by test_hf_gradients.py, test_hf_trainer.py, test_peft_ddp.py.
@@ -25,7 +26,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 ORACLE = "collider_oracle"
-_state = {"keep": None, "attention": None, "calls": 0, "decoder_only_tokens": False}
+_state = {"keep": None, "attention": None, "calls": 0, "source_modules": None}
+# The names transformers gives a decoder's cross-attention modules (BART, T5, BERT, Whisper, ...)
+CROSS_ATTENTION_NAMES = ("encoder_attn", "crossattention", "EncDecAttention", "cross_attn", "cross_attention")
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:  # [B, G, T, E] -> [B, G * n_rep, T, E]
@@ -47,7 +50,7 @@ def oracle_attention(module, query, key, value, attention_mask, dropout: float =
     # An encoder-decoder's tokens are its decoder's positions: only the decoder's own (causal)
     # self-attention is over them; the encoder's self-attention and the cross-attention onto the
     # source are plain (the source is not the tokens, whatever its length; DESIGN.md section 4).
-    tokens = not (_state["decoder_only_tokens"] and not getattr(module, "is_causal", False))
+    tokens = _state["source_modules"] is None or id(module) not in _state["source_modules"]
     if not tokens:
         keep = torch.ones(B, key.shape[2], dtype=torch.bool)
     m_kv = keep.to(key.device)[:, None, :, None]  # [B, 1, T, 1]: kept key/value rows
@@ -96,6 +99,18 @@ AttentionInterface.register(ORACLE, oracle_attention)
 AttentionMaskInterface.register(ORACLE, eager_mask)
 
 
+def source_attentions(model) -> Optional[frozenset]:
+    """ids of the modules of an encoder-decoder whose keys are not the tokens: every module of its encoder,
+    and its decoder's cross-attentions (by name, with their sub-modules); None for a model without an encoder."""
+    if not getattr(model.config, "is_encoder_decoder", False) or not hasattr(model, "get_encoder"):
+        return None
+    found = {id(m) for m in model.get_encoder().modules()}
+    for name, m in model.named_modules():
+        if any(part in CROSS_ATTENTION_NAMES for part in name.split(".")):
+            found.add(id(m))
+    return frozenset(found)
+
+
 @contextlib.contextmanager
 def oracle_keep(model, keep: torch.Tensor, attention: str):
     """Runs `model` (a transformers model, or a PEFT/DDP wrapper's inner one) with the oracle
@@ -106,13 +121,12 @@ def oracle_keep(model, keep: torch.Tensor, attention: str):
         base = base.get_base_model() if hasattr(base, "get_base_model") else base.module
     before = base.config._attn_implementation
     base.set_attn_implementation(ORACLE)
-    _state.update(keep=keep, attention=attention, calls=0,
-                  decoder_only_tokens=bool(getattr(base.config, "is_encoder_decoder", False)))
+    _state.update(keep=keep, attention=attention, calls=0, source_modules=source_attentions(base))
     try:
         yield
         assert _state["calls"] > 0, "the oracle attention was never called: the model did not dispatch to it"
     finally:
-        _state.update(keep=None, attention=None, decoder_only_tokens=False)
+        _state.update(keep=None, attention=None, source_modules=None)
         base.set_attn_implementation(before)
 
 

@@ -16,9 +16,10 @@ Every step must be exact (max relative gradient difference <= 1e-6) or refused b
 typed collider.Error, at trace_plan or at filter_backward, before loss.backward() (which then gives the
 loss_only gradient): never a wrong gradient, never an error inside loss.backward(). Under eager attention
 every step of BART, T5 (its bias frozen) and BERT to BERT is exact, the check on first use on or off;
-SDPA's fused cross-attention is refused at trace_plan.
+SDPA's fused cross-attention is exact too: replaced by one over the kept queries and every source key.
   pytest python/tests/test_encoder_decoder.py
 """
+import collections
 import contextlib
 import functools
 
@@ -204,8 +205,9 @@ def run_step(family, model, plan, source, attention, check_every, seed):
 
 
 # Where every step must be exact (the others may be refused, never wrong): eager attention, which
-# collider cuts along the decoder's query rows only where the keys are the source.
-EXACT = {("bart", "eager"), ("t5_frozen_bias", "eager"), ("bert2bert", "eager")}
+# collider cuts along the decoder's query rows only where the keys are the source, and SDPA, whose fused
+# cross-attention it replaces by one over the kept queries and every source key.
+EXACT = {(f, attn) for f in ("bart", "t5_frozen_bias", "bert2bert") for attn in ("eager", "sdpa")}
 
 
 @pytest.mark.parametrize("check_every", [collider.DEFAULT_CHECK_EVERY, 0], ids=["check", "nocheck"])
@@ -233,14 +235,16 @@ def test_exact_or_refused(family, attn, source, check_every):
         assert not refused, f"{family}/{attn}/source {source}: refused: {refused}"
 
 
+@pytest.mark.parametrize("source", ["same", "other"])
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "t5"])
-def test_a_fused_cross_attention_is_refused_at_trace_plan_saying_what_to_do(family):
-    """SDPA's fused cross-attention has no filtered replacement: refused when the plan is traced, whatever
-    the source's length, with the advice to use eager attention (which the test above shows exact)."""
-    model = tiny_model(family, "sdpa")
-    for source in ("same", "other"):
-        with pytest.raises(collider.Error, match='attn_implementation="eager"'):
-            trace(model, source)
+def test_a_fused_cross_attention_keeps_every_source_key(family, source):
+    """SDPA's fused cross-attention is planned as one (query rows cut, keys whole), whatever the source's
+    length; the encoder's own fused self-attention is not cut at all."""
+    plan = trace(tiny_model(family, "sdpa"), source)
+    nodes = [line.split() for line in plan.to_string().splitlines() if line.startswith("node ")]
+    fused = [n for n in nodes if "ScaledDotProduct" in n[2]]
+    kinds = collections.Counter(int(n[3]) for n in fused)  # 0 not cut (the encoder's), 2 self-, 3 cross-attention
+    assert set(kinds) == {0, 2, 3} and len(set(kinds.values())) == 1, kinds  # as many of each (per plan variant)
 
 
 @pytest.mark.parametrize("source", ["same", "other"])

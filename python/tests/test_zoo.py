@@ -1,9 +1,12 @@
-"""The zoo: Collider on a tiny random model of every transformers causal-LM, masked-LM and image-text-to-text
-architecture.
+"""The zoo: Collider on a tiny random model of every transformers causal-LM, masked-LM, image-text-to-text,
+sequence-to-sequence and speech-sequence-to-sequence architecture.
 
 One test per model class of transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and
-MODEL_FOR_MASKED_LM_MAPPING_NAMES, and of MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES run with images
-(zoo.architectures(); the id is the mapping key, with "-masked" or "-image" for those tasks):
+MODEL_FOR_MASKED_LM_MAPPING_NAMES, of MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES run with images, and of
+MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES and MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES run twice, the
+encoder's source as long as the target and of another length (zoo.architectures(); the id is the mapping
+key, with "-masked", "-image", "-seq2seq-same" and so on for those tasks); and each again with batch,
+sequence and hidden sizes equal (test_equal_sizes, zoo.EQUAL):
 zoo.run_architecture builds it tiny, traces a plan, and compares filter_backward's parameter
 gradients with mask_backward's (the oracle) for eager and sdpa attention, per_sequence keep masks
 at filter_ratio 0.25 and 0.5 and a ragged batch_topk one, both semantics (zoo.py's docstring). The
@@ -24,7 +27,21 @@ ARCHITECTURES = zoo.architectures()
 
 @pytest.mark.parametrize("arch", ARCHITECTURES, ids=[a.id for a in ARCHITECTURES])
 def test_architecture(arch):
-    result = zoo.run_architecture(arch)
+    check(zoo.run_architecture(arch))
+
+
+EQUAL_ARCHITECTURES = [a for a in ARCHITECTURES if a.source != "other"]
+
+
+@pytest.mark.parametrize("arch", EQUAL_ARCHITECTURES, ids=[a.id for a in EQUAL_ARCHITECTURES])
+def test_equal_sizes(arch):
+    """The coincidence test: batch, sequence and hidden sizes equal (zoo.EQUAL), an encoder-decoder's source
+    as long as its target: a result that depends on two sizes differing fails here."""
+    check(zoo.run_architecture(arch, zoo.EQUAL))
+
+
+def check(result):
+    arch = result.arch
     detail = "; ".join(f"{attn}: {r.outcome} ({r.cause})" if r.cause else f"{attn}: {r.outcome}"
                        for attn, r in result.impls.items())
     print(f"{arch.name} {arch.model_class}: {result.outcome} in {result.seconds:.1f} s; {detail}")

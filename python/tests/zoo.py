@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import re
 import signal
@@ -42,6 +43,9 @@ TOL = {torch.float64: 1e-4, torch.float32: 1e-3}
 ARCH_SECONDS = 60  # the whole of one architecture: build, probe, traces, comparisons
 FORWARD_SECONDS = 20  # one probe forward + backward; slower models are not buildable here
 OUTCOMES = ("crashed", "wrong", "refused", "exact", "not buildable")  # worst first
+SOURCE_TASKS = ("seq2seq", "speech")  # an encoder's source beside the tokens
+SOURCES = ("same", "other")
+SOURCE_OTHER = 23  # a source of another length than the target's (none of the model's sizes)
 
 # ---- which architectures --------------------------------------------------------------------
 
@@ -50,14 +54,18 @@ OUTCOMES = ("crashed", "wrong", "refused", "exact", "not buildable")  # worst fi
 class Architecture:
     name: str  # the mapping key naming this class (architectures() says which of several)
     model_class: str
-    task: str  # "causal", "masked" or "image" (image-text-to-text, run with images)
+    task: str  # "causal", "masked", "image" (image-text-to-text, run with images), "seq2seq" or "speech"
     aliases: tuple = ()  # other mapping keys naming the same class
+    # seq2seq and speech: the encoder's source "same" (as many positions as the target: both padded to
+    # one length, every size of the encoder then the token length) or "other" (SOURCE_OTHER positions)
+    source: str = ""
 
     @property
     def id(self) -> str:
         """The name, with the task where it is not causal (bert is BertLMHeadModel, bert-masked
-        BertForMaskedLM, gemma3-image Gemma3ForConditionalGeneration run with images)."""
-        return self.name + ("" if self.task == "causal" else "-" + self.task)
+        BertForMaskedLM, gemma3-image Gemma3ForConditionalGeneration run with images, bart-seq2seq-same
+        BartForConditionalGeneration with a source as long as its target)."""
+        return self.name + ("" if self.task == "causal" else "-" + self.task) + (f"-{self.source}" if self.source else "")
 
 
 def architectures() -> list:
@@ -68,21 +76,30 @@ def architectures() -> list:
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
-    keys: dict = {}  # (class, "text" or "image") -> (task, [mapping keys])
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
+    # (class, "text", "image" or "source") -> (task, [mapping keys]); a class in two mappings of one kind runs as
+    # the first's task (BartForConditionalGeneration: masked, on its own input, and seq2seq, with a source)
+    keys: dict = {}
     for task, mapping in (("causal", MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), ("masked", MODEL_FOR_MASKED_LM_MAPPING_NAMES),
-                          ("image", MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)):
+                          ("image", MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES),
+                          ("seq2seq", MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
+                          ("speech", MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)):
         for name in sorted(mapping):
-            keys.setdefault((mapping[name], task == "image"), (task, []))[1].append(name)
+            kind = "image" if task == "image" else "source" if task in SOURCE_TASKS else "text"
+            keys.setdefault((mapping[name], kind), (task, []))[1].append(name)
     found = []
     for (cls, _), (task, names) in keys.items():
         config_class = getattr(getattr(transformers, cls, None), "config_class", None)
         own = [n for n in names if n in CONFIG_MAPPING and CONFIG_MAPPING[n] is config_class]
         own.sort(key=lambda n: getattr(config_class, "model_type", n) != n)  # gpt2 before gpt-sw3
         name = (own or names)[0]
-        found.append(Architecture(name, cls, task, tuple(n for n in names if n != name)))
-    order = ("causal", "masked", "image")
-    return sorted(found, key=lambda a: (order.index(a.task), a.name))
+        aliases = tuple(n for n in names if n != name)
+        for source in SOURCES if task in SOURCE_TASKS else ("",):
+            found.append(Architecture(name, cls, task, aliases, source))
+    order = ("causal", "masked", "image", "seq2seq", "speech")
+    return sorted(found, key=lambda a: (order.index(a.task), a.name, a.source))
 
 
 # ---- tiny configs -----------------------------------------------------------------------------
@@ -114,6 +131,22 @@ SIZE_KEYS = (  # (size, the config keys that take it)
     (4, ("linear_num_value_heads", "mamba_n_heads")),
 )
 SIZES = {key: size for size, keys in SIZE_KEYS for key in keys}
+HIDDEN_KEYS = SIZE_KEYS[0][1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The sizes of one zoo run: the batch [batch, seq] of every comparison, and the model's hidden size."""
+    batch: int
+    seq: int
+    hidden: int
+
+
+STEP = Shape(B, T, HIDDEN)  # the zoo: sizes no model shares
+# The coincidence run: batch, sequence and feature sizes made equal, and a second sequence (an encoder's
+# source) of that same length too, so that nothing can be told apart by its size: a result that depended on
+# two sizes differing shows here.
+EQUAL = Shape(32, 32, 32)
 LAYER_KEYS = SIZE_KEYS[1][1]
 OPTIONAL = ("q_lora_rank", "chunk_size")  # None switches a feature off: left None
 SLIDING_WINDOW = 16  # shorter than T, where the model has one
@@ -131,6 +164,8 @@ TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "unk_token_id",
 OVERRIDES: dict = {
     "Dots1ForCausalLM": {"n_shared_experts": 1},
     "Dots3NoteForCausalLM": {"num_key_value_heads": HEADS, "head_dim": 8},  # qk_nope_head_dim + qk_rope_head_dim
+    # a decoder that reads the encoder (the default config's is a second bidirectional encoder beside it)
+    "EncoderDecoderModel": {"decoder": {"is_decoder": True, "add_cross_attention": True}},
     "EsmForMaskedLM": {"pad_token_id": 1, "mask_token_id": 2},
     "EsmcForMaskedLM": {"num_key_value_heads": HEADS},
     "Gemma3nForCausalLM": {"num_kv_shared_layers": 0},
@@ -153,7 +188,7 @@ PREPARE: dict = {
 }
 
 
-def _small_kwargs(default) -> dict:
+def _small_kwargs(default, hidden: int = HIDDEN) -> dict:
     """The keyword arguments that make `default` (a config instance) tiny; sub-configs recursively."""
     values = default.to_dict()
     kwargs: dict = {}
@@ -164,11 +199,11 @@ def _small_kwargs(default) -> dict:
     for key, value in values.items():
         sub = getattr(default, key, None) if key in subs else None
         if hasattr(sub, "to_dict"):
-            kwargs[key] = _small_kwargs(sub)
+            kwargs[key] = _small_kwargs(sub, hidden)
             continue
         if key == "per_layer_config" and value:
             kwargs[key] = {}  # one size for every layer (Gemma4's wider heads on its global layers dropped)
-        size = layers if key in LAYER_KEYS else SIZES.get(key)
+        size = layers if key in LAYER_KEYS else hidden if key in HIDDEN_KEYS else SIZES.get(key)
         if size is not None and (type(value) is int or (value is None and key not in OPTIONAL)):
             kwargs[key] = size
         elif size is not None and isinstance(value, list) and value and all(type(v) is int for v in value):
@@ -202,12 +237,15 @@ def _merge(kwargs: dict, overrides: dict) -> dict:
     return kwargs
 
 
-def tiny_config(arch: Architecture):
-    """The model class's own config class (Llama4ForCausalLM's is the text config), made tiny."""
+def tiny_config(arch: Architecture, shape: Shape = STEP):
+    """The model class's own config class (Llama4ForCausalLM's is the text config), made tiny. An encoder
+    whose source has one fixed length (Whisper's max_source_positions) gets the source length of the run."""
     import transformers
     config_class = getattr(transformers, arch.model_class).config_class
     default = config_class()
-    kwargs = _small_kwargs(default)
+    kwargs = _small_kwargs(default, shape.hidden)
+    if arch.source and type(getattr(default, "max_source_positions", None)) is int:
+        kwargs["max_source_positions"] = shape.seq if arch.source == "same" else SOURCE_OTHER
     vision = getattr(default, "vision_config", None) if arch.task == "image" else None
     if isinstance(kwargs.get("vision_config"), dict) and hasattr(vision, "patch_size"):
         patch, size = vision.patch_size, getattr(vision, "image_size", None)
@@ -247,10 +285,10 @@ def time_limit(seconds: float, what: str):
             signal.setitimer(signal.ITIMER_REAL, max(outer_left - (time.monotonic() - start), 1e-3))
 
 
-def build_model(arch: Architecture, attn: Optional[str], dtype: torch.dtype):
+def build_model(arch: Architecture, attn: Optional[str], dtype: torch.dtype, shape: Shape = STEP):
     import transformers
     torch.manual_seed(0)
-    config = tiny_config(arch)
+    config = tiny_config(arch, shape)
     cls = getattr(transformers, arch.model_class)
     kwargs = {} if attn is None else {"attn_implementation": attn}
     model = cls._from_config(config, **kwargs).to(dtype)
@@ -268,11 +306,14 @@ def _accepts(fn: Callable, name: str) -> bool:
 @dataclasses.dataclass
 class Batch:
     """One batch: the forward's keyword arguments and the labels on the token positions."""
-    inputs: dict  # input_ids [B, T]; with images also pixel_values [B, 3, S, S] (and image_sizes [B, 2])
-    labels: torch.Tensor  # [B, T]: the token ids, -100 on image tokens
+    # input_ids [B, T]; with images also pixel_values [B, 3, S, S] (and image_sizes [B, 2]); for an
+    # encoder-decoder the source (input_ids [B, Ts], or audio: input_features / input_values) and the
+    # target decoder_input_ids [B, T]
+    inputs: dict
+    labels: torch.Tensor  # [B, T]: the token ids (an encoder-decoder's target), -100 on image tokens
 
 
-def image_spec(model) -> tuple:
+def image_spec(model, seq: int = T) -> tuple:
     """(image tokens per row, image side S in pixels, image token id) of an image-text-to-text model:
     the tokens counted from what its get_image_features gives for one image. Raises NotBuildable."""
     spec = getattr(model, "_zoo_image_spec", None)
@@ -296,8 +337,8 @@ def image_spec(model) -> tuple:
         features = out[0] if isinstance(out, (tuple, list)) or hasattr(out, "last_hidden_state") else out
     parts = features if isinstance(features, (list, tuple)) else [features]
     count = sum(f.numel() // f.shape[-1] for f in parts)
-    if not 0 < count <= T // 2:
-        raise NotBuildable(f"{count} image tokens for one {side} x {side} image (at most {T // 2} fit)")
+    if not 0 < count <= seq // 2:
+        raise NotBuildable(f"{count} image tokens for one {side} x {side} image (at most {seq // 2} fit)")
     model._zoo_image_spec = (count, side, token)
     return model._zoo_image_spec
 
@@ -309,18 +350,82 @@ def _image_extras(model, batch: int, side: int) -> dict:
     return {}
 
 
-def make_batch(model, task: str, batch: int, seq_len: int, gen: torch.Generator) -> Batch:
+def make_batch(model, arch: Architecture, batch: int, seq_len: int, gen: torch.Generator,
+               shape: Shape = STEP) -> Batch:
     """Random token ids [batch, seq_len] from FIRST_TEXT_ID up; for images, one random image per row
-    whose tokens sit at positions 1 .. n (labels -100 there)."""
+    whose tokens sit at positions 1 .. n (labels -100 there); for an encoder-decoder, the ids are the
+    decoder's and the source has source_positions."""
     ids = torch.randint(FIRST_TEXT_ID, VOCAB, (batch, seq_len), generator=gen)
-    if task != "image":
+    if arch.task in SOURCE_TASKS and getattr(model.config, "is_encoder_decoder", False):
+        positions = source_positions(arch, seq_len, shape)
+        return Batch({**source_inputs(model, batch, positions, gen), "decoder_input_ids": ids}, ids)
+    if arch.task != "image":
         return Batch({"input_ids": ids}, ids)
-    count, side, token = image_spec(model)
+    count, side, token = image_spec(model, seq_len)
     ids[:, 1:1 + count] = token
     labels = ids.clone()
     labels[:, 1:1 + count] = chf.IGNORE_INDEX
     pixels = torch.randn(batch, 3, side, side, generator=gen).to(next(model.parameters()).dtype)
     return Batch({"input_ids": ids, "pixel_values": pixels, **_image_extras(model, batch, side)}, labels)
+
+
+def source_positions(arch: Architecture, seq_len: int, shape: Shape) -> int:
+    """The encoder's source length for a target of seq_len: "other" SOURCE_OTHER; "same" seq_len for text
+    (source and target padded to one length, in the traces too) and the run's sequence length for audio
+    (whose length follows the recording, not the text: equal to the target's in the steps only)."""
+    if arch.source == "other":
+        return SOURCE_OTHER
+    return seq_len if arch.task == "seq2seq" else shape.seq
+
+
+def source_inputs(model, batch: int, positions: int, gen: torch.Generator) -> dict:
+    """An encoder's source of `positions` positions: token ids [batch, positions], or random audio
+    (input_features [batch, F, L] or [batch, L, F], input_values [batch, L]) whose length L the encoder
+    turns into that many positions (audio_layout)."""
+    name = getattr(model, "main_input_name", "input_ids")
+    if name == "input_ids":
+        return {"input_ids": torch.randint(FIRST_TEXT_ID, VOCAB, (batch, positions), generator=gen)}
+    make, length = audio_layout(model, positions)
+    return {name: make(batch, length, gen)}
+
+
+def audio_layout(model, positions: int) -> tuple:
+    """(make(batch, L, gen) -> the audio tensor, L) for an encoder-decoder whose main input is audio: the
+    feature layout and length L found by running its encoder on a ladder of lengths until one gives
+    `positions` encoder positions. Raises NotBuildable where none does."""
+    cache = model.__dict__.setdefault("_zoo_audio", {})
+    if positions in cache:
+        return cache[positions]
+    name, config = model.main_input_name, model.config
+    dtype = next(model.parameters()).dtype
+    features = next((v for v in (getattr(config, k, None) for k in ("num_mel_bins", "feature_size", "n_mels",
+                                                                     "input_feat_per_channel"))
+                     if type(v) is int), None)
+    channels = getattr(config, "input_channels", 1) if hasattr(config, "input_feat_per_channel") else 1
+    if name == "input_values":
+        layouts = [lambda b, n, g: torch.randn(b, n, generator=g).to(dtype)]
+    elif features is None:
+        raise NotBuildable(f"its main input {name} has no feature size in the config to build audio by")
+    else:
+        f = features * channels
+        layouts = [lambda b, n, g: torch.randn(b, f, n, generator=g).to(dtype),
+                   lambda b, n, g: torch.randn(b, n, f, generator=g).to(dtype)]
+    encoder = model.get_encoder()
+    fixed = getattr(config, "max_source_positions", None)
+    ladder = sorted({positions * k for k in (1, 2, 3, 4, 8, 16, 32, 160, 320, 640)} |
+                    ({fixed * k for k in (1, 2)} if type(fixed) is int else set()))
+    for make in layouts:
+        for length in ladder:
+            try:
+                with torch.no_grad():
+                    out = encoder(**{name: make(1, length, torch.Generator().manual_seed(0))})
+            except Exception:
+                continue
+            hidden = out[0] if isinstance(out, (tuple, list)) else out.last_hidden_state
+            if hidden.shape[1] == positions:
+                cache[positions] = (make, length)
+                return cache[positions]
+    raise NotBuildable(f"no audio length in {ladder[0]}..{ladder[-1]} gives {positions} encoder positions")
 
 
 def logits_of(model, inputs: dict) -> torch.Tensor:
@@ -336,8 +441,11 @@ def step_loss(model, task: str, batch: Batch, keep_BT: torch.Tensor) -> torch.Te
       the hidden-state positions: keep[b, t] counts labels[b, t + 1]); for a composite config (its
       vocab_size in text_config, which collider.hf does not read) the per-token form instead,
       collider.hf.masked_mean of token_losses;
-    masked: the cross-entropy of every kept position against its own token, mean over the kept."""
+    masked: the cross-entropy of every kept position against its own token, mean over the kept;
+    seq2seq, speech: for an encoder-decoder the per-token form on the decoder's positions."""
     logits = logits_of(model, batch.inputs)
+    if "decoder_input_ids" in batch.inputs:
+        return chf.masked_mean(chf.token_losses(logits, batch.labels), keep_BT)
     if task == "masked":
         B_, T_, V = logits.shape
         target = batch.labels.masked_fill(~keep_BT, chf.IGNORE_INDEX)
@@ -359,28 +467,34 @@ def valid_positions(task: str, labels_BT: torch.Tensor) -> torch.Tensor:
     return chf.keep_mask_from_labels(labels_BT)
 
 
-def trace(model, task: str) -> collider.Plan:
-    """collider.hf.trace_plan for causal LMs it takes; collider.trace_plan on step_loss otherwise."""
+def trace(model, arch: Architecture, shape: Shape = STEP) -> collider.Plan:
+    """collider.hf.trace_plan for causal LMs it takes; collider.trace_plan on step_loss otherwise (an
+    encoder-decoder's source as long as each trace's target, or SOURCE_OTHER, as in its steps)."""
+    task = arch.task
     if task == "causal" and _accepts(model.forward, "use_cache") and _has_vocab(model):
         return chf.trace_plan(model)
     gen = torch.Generator().manual_seed(1)
 
     def loss_on_random_batch(batch: int, seq_len: int) -> torch.Tensor:
-        b = make_batch(model, task, batch, seq_len, gen)
+        b = make_batch(model, arch, batch, seq_len, gen, shape)
         keep = (torch.rand(batch, seq_len, generator=gen).argsort(dim=1) < seq_len // 2)
         return step_loss(model, task, b, keep & valid_positions(task, b.labels))
 
     return collider.trace_plan(loss_on_random_batch)
 
 
-def batch_and_masks(model, task: str) -> tuple:
-    """The batch [B, T] every comparison runs on, and its keep masks: name -> bool [B, T]."""
+def batch_and_masks(model, arch: Architecture, shape: Shape = STEP) -> tuple:
+    """The batch [B, T] every comparison runs on, and its keep masks: name -> bool [B, T] (the EQUAL run:
+    per_sequence 0.5 and batch_topk 0.5 only)."""
+    B, T = shape.batch, shape.seq
     gen = torch.Generator().manual_seed(7)
-    batch = make_batch(model, task, B, T, gen)
-    valid = valid_positions(task, batch.labels)
+    batch = make_batch(model, arch, B, T, gen, shape)
+    valid = valid_positions(arch.task, batch.labels)
     masks = {}
     for ratio in (0.25, 0.5):
         masks[f"per_sequence {ratio}"] = collider.select_tokens(torch.rand(B, T, generator=gen), ratio, valid=valid)
+    if shape == EQUAL:
+        del masks["per_sequence 0.25"]
     scores = torch.rand(B, T, generator=gen)
     scores[1] += 0.3  # row 1 keeps more: ragged rows
     masks["batch_topk 0.5"] = collider.select_tokens(scores, 0.5, policy="batch_topk", valid=valid)
@@ -499,7 +613,7 @@ def cause_group(text: str) -> str:
     return text.strip()[:160]
 
 
-def probe(arch: Architecture, attn: Optional[str]) -> tuple:
+def probe(arch: Architecture, attn: Optional[str], shape: Shape = STEP) -> tuple:
     """(model, dtype, batch, keep masks): the model in float64 if a forward + backward of the masked
     loss runs there, else float32. Raises NotBuildable (with why) if neither runs, is not finite or
     not deterministic."""
@@ -507,15 +621,18 @@ def probe(arch: Architecture, attn: Optional[str]) -> tuple:
     for dtype in (torch.float64, torch.float32):
         try:
             with time_limit(FORWARD_SECONDS, "building and one forward + backward"):
-                model = build_model(arch, attn, dtype)
+                model = build_model(arch, attn, dtype, shape)
                 if attn is not None and getattr(model.config, "_attn_implementation", attn) != attn:
                     raise NotBuildable(f"asked for {attn}, got {model.config._attn_implementation}")
-                batch, masks = batch_and_masks(model, arch.task)
+                batch, masks = batch_and_masks(model, arch, shape)
                 keep = masks["per_sequence 0.5"]
                 loss = step_loss(model, arch.task, batch, keep)
                 loss.backward()
                 if not bool(torch.isfinite(loss)) or not grads(model):
                     raise NotBuildable(f"loss {loss.item()} with {len(grads(model))} parameter gradients")
+                bad = next((n for n, g in grads(model).items() if not bool(torch.isfinite(g).all())), None)
+                if bad is not None:  # LED's source padded to its attention window: NaN in a plain backward
+                    raise NotBuildable(f"a plain backward gives non-finite gradients ({bad})")
                 with torch.no_grad():
                     again = step_loss(model, arch.task, batch, keep)
                 if not torch.equal(loss.detach(), again):
@@ -557,15 +674,15 @@ def refusal(who: str, model, task: str, batch: Batch, keep, loss, e: BaseExcepti
     return refused(who, e)
 
 
-def run_impl(arch: Architecture, attn: Optional[str]) -> ImplResult:
+def run_impl(arch: Architecture, attn: Optional[str], shape: Shape = STEP) -> ImplResult:
     try:
-        model, dtype, batch, masks = probe(arch, attn)
+        model, dtype, batch, masks = probe(arch, attn, shape)
     except NotBuildable as e:
         return ImplResult("not buildable", str(e))
     tol, task = TOL[dtype], arch.task
     dtype_name = str(dtype).replace("torch.", "")
     try:
-        plan = trace(model, task)
+        plan = trace(model, arch, shape)
     except ArchitectureTimeout:
         raise
     except collider.Error as e:
@@ -589,53 +706,60 @@ def run_impl(arch: Architecture, attn: Optional[str]) -> ImplResult:
                 loss = step_loss(model, task, batch, keep)
                 try:
                     rewrite(loss, keep, plan, attention=attention)
-                except collider.Error as e:
+                except collider.Error as e:  # mask_backward still runs on its own: refused or exact
                     found.append(refusal(f"{who} ({point})", model, task, batch, keep, loss, e, tol))
-                    break
+                    continue
                 except ArchitectureTimeout:
                     raise
                 except Exception as e:
                     found.append(ImplResult("crashed", f"{who} ({point}) raised untyped {one_line(e, 100)}"))
-                    break
+                    continue
                 try:
                     loss.backward()
                 except ArchitectureTimeout:
                     raise
                 except Exception as e:
                     found.append(ImplResult("crashed", f"backward after {who} ({point}): {one_line(e, 100)}"))
-                    break
+                    continue
                 got[who] = grads(model)
             if len(got) == 2:
                 rel, where = max_rel_diff(got["filter_backward"], got["mask_backward"])
                 worst = max(worst, rel)
                 if not rel <= tol:
                     found.append(ImplResult("wrong", f"{point}: rel diff {rel:.1e} at {where}"))
+    said = ""
+    if attn == "eager" and dtype == torch.float64 and not any(r.outcome == "crashed" for r in found):
+        rel, said = against_oracle(model, task, plan, batch, masks["per_sequence 0.5"], tol)
+        if rel is not None and not rel <= tol:
+            found.insert(0, ImplResult("wrong", f"per_sequence 0.5: against the independent attention oracle {said}"))
     for outcome in ("crashed", "wrong", "refused"):
         first = next((r for r in found if r.outcome == outcome), None)
         if first is not None:
-            return ImplResult(outcome, first.cause, worst, dtype_name, first.group)
-    if attn != "eager" or dtype != torch.float64:
-        return ImplResult("exact", "", worst, dtype_name)
-    rel, said = against_oracle(model, task, plan, batch, masks["per_sequence 0.5"], tol)
-    if rel is not None and not rel <= tol:
-        return ImplResult("wrong", f"per_sequence 0.5: against the independent attention oracle {said}", worst,
-                          dtype_name, oracle=said)
+            return ImplResult(outcome, first.cause, worst, dtype_name, first.group, oracle=said)
     return ImplResult("exact", "", worst, dtype_name, oracle=said)
 
 
 def against_oracle(model, task: str, plan, batch: Batch, keep, tol: float) -> tuple:
-    """(relative difference or None, what it says): filter_backward's gradients against plain autograd
-    through the independent attention oracle (oracle.py: the dropped tokens' keys and values detached,
-    and for kept_only their score columns), both semantics. None where the oracle was not compared:
-    the model's attention does not dispatch through transformers' AttentionInterface, or it failed."""
+    """(relative difference or None, what it says): the gradients of filter_backward (check on first use
+    off) and of mask_backward, each called on its own, against plain autograd through the independent
+    attention oracle (oracle.py: the dropped tokens' keys and values detached, and for kept_only their
+    score columns; an encoder-decoder's encoder and cross-attention plain), both semantics; a rewrite that
+    refuses is left out. None where the oracle was not compared: the model's attention does not dispatch
+    through transformers' AttentionInterface, or it failed."""
     from oracle import oracle_keep  # registers the oracle attention with transformers
     worst = 0.0
     for attention in ATTENTION:
-        model.zero_grad(set_to_none=True)
-        loss = step_loss(model, task, batch, keep)
-        collider.filter_backward(loss, keep, plan, attention=attention, check_every=0)
-        loss.backward()
-        got = grads(model)
+        got = {}
+        for who, rewrite in (("filter_backward", functools.partial(collider.filter_backward, check_every=0)),
+                             ("mask_backward", collider.mask_backward)):
+            model.zero_grad(set_to_none=True)
+            loss = step_loss(model, task, batch, keep)
+            try:
+                rewrite(loss, keep, plan, attention=attention)
+            except collider.Error:
+                continue
+            loss.backward()
+            got[who] = grads(model)
         model.zero_grad(set_to_none=True)
         try:
             with oracle_keep(model, keep, attention):
@@ -644,11 +768,15 @@ def against_oracle(model, task: str, plan, batch: Batch, keep, tol: float) -> tu
             return None, "not dispatched"
         except Exception as e:  # the oracle's own limits (an attention form it does not know)
             return None, f"not compared: {one_line(e, 80)}"
-        worst = max(worst, max_rel_diff(got, grads(model))[0])
-    return worst, "match" if worst <= tol else f"differs by {worst:.1e}"
+        ref = grads(model)
+        for who, g in got.items():
+            rel = max_rel_diff(g, ref)[0]
+            if rel > worst:
+                worst, said = rel, f"{who} {attention} differs by {rel:.1e}"
+    return worst, "match" if worst <= tol else said
 
 
-def run_architecture(arch: Architecture) -> Result:
+def run_architecture(arch: Architecture, shape: Shape = STEP) -> Result:
     """Every attention implementation the model takes, within ARCH_SECONDS for the whole."""
     start = time.perf_counter()
     impls: dict = {}
@@ -659,7 +787,7 @@ def run_architecture(arch: Architecture) -> Result:
             continue
         try:
             with time_limit(left, f"{arch.name} (all implementations)"):
-                impls[attn] = run_impl(arch, attn)
+                impls[attn] = run_impl(arch, attn, shape)
         except ArchitectureTimeout as e:  # after the probe: Collider's steps were too slow
             impls[attn] = ImplResult("crashed", f"timed out after the probe: {e}")
         except Exception as e:  # a failure outside the guarded steps: the harness's own bug, shown as such
@@ -668,7 +796,7 @@ def run_architecture(arch: Architecture) -> Result:
     if all(r.cause.startswith("does not take attn_implementation") for r in impls.values()):
         with time_limit(max(ARCH_SECONDS - (time.perf_counter() - start), 1), f"{arch.name} (its own attention)"):
             try:
-                impls["default"] = run_impl(arch, None)  # the model's own attention, which it names otherwise
+                impls["default"] = run_impl(arch, None, shape)  # the model's own attention, which it names otherwise
             except ArchitectureTimeout as e:
                 impls["default"] = ImplResult("crashed", f"timed out after the probe: {e}")
     return Result(arch, impls, time.perf_counter() - start)
