@@ -139,7 +139,7 @@ def write_markdown(rows: list, path: Path, seconds: float, names: list) -> None:
         "a model whose attention does not dispatch through the interface is not compared; in an encoder-decoder it",
         "applies the keep mask to the decoder's own self-attention only (found by where the module sits).",
         f"Column *equal sizes*: the same run with B = T = hidden = {zoo.EQUAL.seq} (and the source as long as",
-        "the target; per_sequence 0.5 and batch_topk 0.5 only), where nothing can be told apart by its size",
+        "the target; the ragged batch_topk 0.5 mask alone), where nothing can be told apart by its size",
         "(`test_equal_sizes`): a result that depended on two sizes differing shows there.",
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
