@@ -27,12 +27,13 @@ ROWS="2.11.0:5.25.0 2.12.1:5.25.0 2.13.0:5.25.0 2.14.1:5.25.0 2.15.0:5.25.0 2.11
 # The rest of the environment, as scripts/bootstrap.sh pins it.
 PINS=(peft==0.21.2 accelerate==1.16.0 trl==1.16.0 datasets==5.2.0 pandas==3.1.1 pyarrow==26.0.1
       pytest==9.2.0 pytest-xdist==3.8.0 execnet==2.1.2 expecttest==0.3.0 numpy==2.4.6)
-# The Python gradient suites: transformers families, checkpointing, masks, mixtures of experts, the fused head,
-# refusals and their messages, unseen ops, TRL, Trainer, the import guard and the API. Not here
+# The Python gradient suites: transformers families, encoder-decoders, checkpointing, masks, mixtures of
+# experts, the fused head, refusals and their messages, unseen ops, TRL, Trainer, the import guard and the API. Not here
 # (scripts/test.sh runs them on the default environment): the zoo (every architecture), the row
 # rules' OpInfo property test, the first-use check, DDP/FSDP2, the benchmark's and example's tests.
 SUITES=(test_api.py test_torch_guard.py test_hf_gradients.py test_architectures.py test_checkpointing.py
-        test_masks.py test_moe.py test_messages.py test_unseen_ops.py test_trl.py test_hf_trainer.py test_head.py)
+        test_masks.py test_moe.py test_messages.py test_unseen_ops.py test_trl.py test_hf_trainer.py test_head.py
+        test_encoder_decoder.py)
 OUT=$ROOT/docs/COMPATIBILITY.md
 WORK=${COLLIDER_COMPAT_DIR:-$HOME/.cache/collider/compat}
 INSTALL_ONLY=0
