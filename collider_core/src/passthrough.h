@@ -41,10 +41,9 @@ std::string row_mismatch(const NodePtr& node, const NodeSpec& spec,
                          const std::vector<torch::Tensor>& saved_tensors,
                          const std::vector<const FieldSpec*>& output_specs, int64_t B, int64_t T);
 
-// Reentrant activation checkpointing's node (torch.utils.checkpoint with use_reentrant=True): it
-// recomputes its block inside the backward, in a graph the plan never saw.
-bool is_reentrant_checkpoint(const std::string& name);
-// The refusal for it: what to use instead.
+// The refusal for reentrant activation checkpointing's node (torch.utils.checkpoint with
+// use_reentrant=True; NodeTraits::reentrant_checkpoint), which recomputes its block inside the
+// backward, in a graph the plan never saw: what to use instead.
 std::string reentrant_checkpoint_advice();
 
 }  // namespace collider::detail

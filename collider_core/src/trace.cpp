@@ -13,6 +13,7 @@
 #include "graph.h"
 #include "head_node.h"
 #include "node_fields.h"
+#include "node_traits.h"
 #include "observe.h"
 #include "passthrough.h"
 #include "plan_impl.h"
@@ -49,7 +50,7 @@ bool debug_plan() {
 void refuse_token_gradients_born_opaque(const Graph& g, const PlanData& plan) {
   for (size_t i = 0; i < plan.nodes.size(); ++i) {
     const NodeSpec& ns = plan.nodes[i];
-    if (find_node_fields(*g.nodes[i]) || ns.type == "torch::autograd::AccumulateGrad") continue;
+    if (find_node_fields(*g.nodes[i]) || traits_of(ns.type).leaf) continue;
     // Collider's fused LM head: the head edit (edits/head_rows.cpp) has it write the kept rows'
     // gradient straight into the cut layout.
     if (dynamic_cast<const FusedHeadNode*>(g.nodes[i].get())) continue;
@@ -62,7 +63,7 @@ void refuse_token_gradients_born_opaque(const Graph& g, const PlanData& plan) {
       const NodeSpec& c = plan.nodes[g.index.at(e.function.get())];
       const FieldSpec* in = c.find(FieldKind::kInputMeta, static_cast<int32_t>(e.input_nr));
       if (!in || !in->shape.has_token()) continue;
-      if (ns.type.find("CompiledFunction") != std::string::npos) {
+      if (traits_of(ns.type).compiled_graph) {
         throw Error(fmt::format(
             "collider cannot filter through node {} (#{}): a torch.compile (AOTAutograd) graph whose backward makes "
             "full-length token gradients. Build the loss (and the model) without torch.compile for the filtered step",
@@ -82,7 +83,8 @@ void refuse_token_gradients_born_opaque(const Graph& g, const PlanData& plan) {
 // softmax). Such a node is taken provisionally; the field cut's check_sinks (edits/field_cut.cpp)
 // keeps it only inside an attention core.
 bool along_token_plus_dim(const ObservedNode& a, const ObservedNode& b, Sizes sa, Sizes sb) {
-  if (a.type != "CatBackward0" && a.type != "SliceBackward0" && a.type != "MaxBackward0") return false;
+  const SinkRole sink = traits_of(a.type).sink;
+  if (sink != SinkRole::kCat && sink != SinkRole::kSlice && sink != SinkRole::kMax) return false;
   if (!a.dim || !b.dim || a.fields.size() != b.fields.size()) return false;
   for (size_t k = 0; k < a.fields.size(); ++k) {
     const Observed& x = a.fields[k];
@@ -148,7 +150,7 @@ void observe_traces(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb, std::v
   // (scatters back into token rows) differs then, and other random tokens may use them all.
   auto scatters = [](const Graph& g) {
     for (const auto& node : g.nodes)
-      if (node->name() == "IndexAddBackward0") return true;
+      if (traits_of(node->name()).route == RouteRole::kScatter) return true;
     return false;
   };
   if (gb.nodes.size() != n) {
@@ -189,7 +191,7 @@ void classify_node(const Graph& ga, size_t i, const std::vector<ObservedNode>& o
   NodeSpec& ns = plan.nodes[i];
   ns.type = oa[i].type;
   if (along_token_plus_dim(oa[i], ob[i], sa, sb)) out.sink_ops.insert(static_cast<int>(i));
-  if (is_fused_attention_node(ns.type)) {
+  if (traits_of(ns.type).fused_attention != FusedAttention::kNone) {
     // Replaced whole at filter time (sdpa.h), which cuts its query rows and key columns as token
     // positions: only where its query positions are the tokens. One over positions of their own
     // (a vision tower's image patches, a fixed memory) is an ordinary node with nothing
@@ -205,7 +207,7 @@ void classify_node(const Graph& ga, size_t i, const std::vector<ObservedNode>& o
             ns.type, i));
     }
   }
-  if (is_reentrant_checkpoint(ns.type)) {
+  if (traits_of(ns.type).reentrant_checkpoint) {
     throw Error(
         fmt::format("collider cannot filter through node {} (#{}): {}", ns.type, i, reentrant_checkpoint_advice()));
   }
@@ -234,7 +236,7 @@ void classify_node(const Graph& ga, size_t i, const std::vector<ObservedNode>& o
     if (spec.has_routed() && spec.dims.size() != 1) {  // one routed dimension, nothing else that scales
       throw Error(fmt::format("collider cannot rewrite node {} (#{}): field {} {}", ns.type, i, a.name, why));
     }
-    if (!oa[i].generated && ns.type.find("CompiledFunction") != std::string::npos) {
+    if (!oa[i].generated && traits_of(ns.type).compiled_graph) {
       throw Error(
           fmt::format("collider cannot rewrite node {} (#{}): it is a torch.compile (AOTAutograd) graph, "
                       "whose saved activations live inside compiled code the rewriter cannot cut. Trace "
@@ -260,7 +262,7 @@ void classify_node(const Graph& ga, size_t i, const std::vector<ObservedNode>& o
     }
     if (a.scalar) {
       if (a.name.find("numel") != std::string::npos) continue;  // a divisor fixed by the forward (mean)
-      if (out.sink_ops.count(static_cast<int>(i)) && ns.type == "SliceBackward0" && a.name == "end") {
+      if (out.sink_ops.count(static_cast<int>(i)) && traits_of(ns.type).sink == SinkRole::kSlice && a.name == "end") {
         spec.dims[0].role = Role::kKey;  // the sinks sliced off the key columns: [..., :T] (check_sinks)
         ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
         out.values[i].push_back(a.values);
@@ -277,7 +279,7 @@ void classify_node(const Graph& ga, size_t i, const std::vector<ObservedNode>& o
                       "dimensions",
                       ns.type, i, a.name.substr(9)));
     }
-    if (ns.type == "torch::autograd::CopySlices" && a.kind == FieldKind::kInputMeta) {
+    if (traits_of(ns.type).copy_slices && a.kind == FieldKind::kInputMeta) {
       if (!oa[i].described.empty()) {  // slices.h: the cases it cuts
         throw Error(fmt::format(
             "collider cannot rewrite node {} (#{}): an in-place write into a slice of a token-shaped tensor "
@@ -288,8 +290,7 @@ void classify_node(const Graph& ga, size_t i, const std::vector<ObservedNode>& o
       out.values[i].push_back(a.values);
       continue;
     }
-    if (!oa[i].generated && a.kind == FieldKind::kInputMeta && !is_passthrough(ns.type) &&
-        ns.type != "torch::autograd::AccumulateGrad") {
+    if (!oa[i].generated && a.kind == FieldKind::kInputMeta && !is_passthrough(ns.type) && !traits_of(ns.type).leaf) {
       // A node of C++ code (a Python custom Function is checked by running it, above): the contract
       // is the user's to check.
       throw Error(fmt::format(
@@ -298,12 +299,12 @@ void classify_node(const Graph& ga, size_t i, const std::vector<ObservedNode>& o
           "collider.register_passthrough_node(\"{}\") declares it safe",
           ns.type, i, ns.type));
     }
-    if (token_mixing_nodes().count(ns.type) && along_token_dim(oa[i], a, spec) &&
+    if (traits_of(ns.type).mixes_tokens && along_token_dim(oa[i], a, spec) &&
         !is_cat_onto_empty(oa[i], ob[i], sa, sb) && !out.sink_ops.count(static_cast<int>(i))) {
       throw Error(
           fmt::format("collider cannot rewrite node {} (#{}): it mixes or indexes positions along a "
                       "token dimension (field {}); filtering rows would change its result{}",
-                      ns.type, i, a.name, mixing_hint(ns.type)));
+                      ns.type, i, a.name, traits_of(ns.type).mixing_hint));
     }
     ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
     out.values[i].push_back(a.values);

@@ -19,6 +19,7 @@
 
 #include "../graph.h"
 #include "../node_fields.h"
+#include "../node_traits.h"
 #include "../trace_facts.h"
 #include "../transaction.h"
 
