@@ -8,8 +8,8 @@
 //   - the row check of a Python custom Function with token-shaped inputs or saved tensors
 //     (BLOOM's GELU): trace_plan runs its backward on the traced batch twice, as traced and cut to a
 //     keep mask, and takes it (its saved tensors cut like any op's) only where the two agree.
-// trace_plan uses them to refuse a node whose backward would read full-length rows (plan checks
-// in trace.cpp), filter_backward checks a registered node again. Tests: tests/test_core_plan.cpp,
+// trace_plan uses them to refuse a node whose backward would read full-length rows (the plan's
+// passes, passes/), filter_backward checks a registered node again. Tests: tests/test_core_plan.cpp,
 // python/tests/test_api.py, python/tests/test_checkpointing.py.
 #pragma once
 

@@ -463,7 +463,7 @@ void check_row_rules(const Graph& g, const PlanData& plan, const std::vector<Obs
       case RowRule::kAlongDim: {
         // An attention core's softmax runs over the key columns, which the core's rewrite cuts as its
         // semantics say; the token-mixing ops were checked where their fields were classified
-        // (trace.cpp: concatenations onto an empty cache, attention sinks); an unbind along a token
+        // (passes/token_mixing.cpp: concatenations onto an empty cache, attention sinks); an unbind along a token
         // dimension would give as many nodes as tokens, which trace_plan refuses already.
         if (ns.attention_core || traits_of(ns.type).mixes_tokens || ns.type.rfind("UnbindBackward0", 0) == 0) break;
         const FieldSpec* ref = reference_field(ns);
