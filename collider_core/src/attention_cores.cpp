@@ -3,6 +3,7 @@
 #include "attention_cores.h"
 
 #include "classify.h"
+#include "node_traits.h"
 
 #include <fmt/format.h>
 
@@ -14,26 +15,16 @@ namespace collider::detail {
 
 namespace {
 
-// _safe_softmax (what scaled_dot_product_attention's math path runs when it has a mask: a row the
-// mask closes gives 0, not NaN) has softmax's backward and saved fields.
-bool is_softmax(const std::string& t) { return t == "SoftmaxBackward0" || t == "SafeSoftmaxBackward0"; }
-bool is_bmm(const std::string& t) { return t == "BmmBackward0"; }
-// Q K^T may carry an additive bias: BLOOM's ALiBi, bias.baddbmm(Q, K^T) (its operands batch1, batch2).
-bool is_qk_matmul(const std::string& t) { return is_bmm(t) || t == "BaddbmmBackward0"; }
+// The node types come from the traits table (node_traits.h): softmax (and _safe_softmax, what
+// scaled_dot_product_attention's math path runs under a mask), the matmuls (a biased one for Q K^T
+// only), the shape and scale ops allowed between Q K^T and the softmax.
+bool is_softmax(const std::string& t) { return traits_of(t).softmax(); }
+bool is_bmm(const std::string& t) { return traits_of(t).attention == AttentionRole::kMatmul; }
+bool is_qk_matmul(const std::string& t) { return traits_of(t).matmul(); }
 bool is_key_operand(const std::string& type, const std::string& field) {
-  return field.rfind(type == "BaddbmmBackward0" ? "batch2" : "mat2", 0) == 0;
+  return field.rfind(traits_of(type).key_operand(), 0) == 0;
 }
-bool is_shape_or_scale(const std::string& t) {
-  static const std::
-      set<std::string>
-          k = {"ToCopyBackward0",       "ExpandBackward0", "ViewBackward0",       "UnsafeViewBackward0",
-               "ReshapeAliasBackward0", "CloneBackward0",  "MaskedFillBackward0", "AddBackward0",
-               "AddBackward1",          "MulBackward0",    "MulBackward1",        "DivBackward0",
-               "DivBackward1",          "WhereBackward0",  "SubBackward0",        "SubBackward1",
-               "TanhBackward0",      // Gemma2's logit soft-capping, cap * tanh(s / cap): elementwise, so row-local
-               "MaximumBackward0"};  // XGLM's floor on the masked scores, max(s, finfo.min): elementwise too
-  return k.count(t) > 0;
-}
+bool is_shape_or_scale(const std::string& t) { return traits_of(t).score_op; }
 
 bool is_sdpa(const std::string& t) { return t.rfind("ScaledDotProduct", 0) == 0 || t.rfind("Efficient", 0) == 0; }
 
@@ -47,18 +38,19 @@ bool has_token_plus(const NodeSpec& ns) {
   return false;
 }
 bool is_sink_op(const NodeSpec& ns) {
-  return (ns.type == "CatBackward0" || ns.type == "SliceBackward0") && has_token_plus(ns);
+  const SinkRole sink = traits_of(ns.type).sink;
+  return (sink == SinkRole::kCat || sink == SinkRole::kSlice) && has_token_plus(ns);
 }
 
 // The row maximum subtracted from the scores before the softmax (scores - scores.max(-1,
 // keepdim=True).values, which GPT-OSS writes): node `sub` is SubBackward0 whose edge 1 is a
 // MaxBackward0 of the tensor its edge 0 is. Returns that maximum's node, or -1.
 int stabilising_max(const Graph& g, const PlanData& plan, int sub) {
-  if (plan.nodes[sub].type != "SubBackward0") return -1;
+  if (traits_of(plan.nodes[sub].type).sink != SinkRole::kSubtract) return -1;
   const auto& edges = g.nodes[sub]->next_edges();
   if (edges.size() != 2 || !edges[0].function || !edges[1].function) return -1;
   const int m = g.index.at(edges[1].function.get());
-  if (plan.nodes[m].type != "MaxBackward0") return -1;
+  if (traits_of(plan.nodes[m].type).sink != SinkRole::kMax) return -1;
   const auto& below = g.nodes[m]->next_edges();
   return below.size() == 1 && below[0].function == edges[0].function ? m : -1;
 }
@@ -162,7 +154,7 @@ void find_attention_cores(const Graph& g, PlanData& plan) {
     // Gradient edges into K^T (qk, edge 1; baddbmm's edge 2, after the bias) and V (pv, edge 1)
     // carry all key rows.
     for (int m : {qk, pv}) {
-      const bool baddbmm = type(m) == "BaddbmmBackward0";
+      const bool baddbmm = traits_of(type(m)).attention == AttentionRole::kBiasedMatmul;
       const FieldSpec* sizes = nullptr;
       for (const auto& f : plan.nodes[m].fields)
         if ((f.name == (baddbmm ? "batch2_" : "mat2_") || f.name == "mat2_sym_sizes") && !sizes) sizes = &f;

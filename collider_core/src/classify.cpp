@@ -1,6 +1,8 @@
 // Classifying traced fields into token, batch and flattened dimensions (see classify.h).
 #include "classify.h"
 
+#include "node_traits.h"
+
 #include <collider/collider.h>
 
 #include <fmt/format.h>
@@ -190,47 +192,13 @@ bool align_broadcast(ShapeSpec& s, const std::vector<int64_t>& values, const Ref
   return true;
 }
 
-const std::set<std::string>& token_mixing_nodes() {
-  // Ops that mix tokens along a dimension; cutting rows would change their meaning.
-  static const std::set<std::string> k = {"CumsumBackward0",
-                                          "CumprodBackward0",
-                                          "LogcumsumexpBackward0",
-                                          "FlipBackward0",
-                                          "RollBackward0",
-                                          "SortBackward0",
-                                          "TopkBackward0",
-                                          "SliceBackward0",
-                                          "SelectBackward0",
-                                          "NarrowBackward0",
-                                          "IndexSelectBackward0",
-                                          "GatherBackward0",
-                                          "UnfoldBackward0",
-                                          "ConstantPadNdBackward0",
-                                          "ConvolutionBackward0",
-                                          "CumulativeTrapezoidBackward0",
-                                          "DiffBackward0",
-                                          "MaxBackward0",
-                                          "MinBackward0",
-                                          "MaxBackward1",
-                                          "MinBackward1",
-                                          "SplitBackward0",
-                                          "SplitWithSizesBackward0",
-                                          "UnsafeSplitBackward0",
-                                          "UnsafeSplitWithSizesBackward0",
-                                          "CatBackward0",
-                                          "StackBackward0"};
-  return k;
-}
-
 // For an op that indexes or mixes along `dim`: does `dim` address a token dimension of the
 // field? Ops without a `dim` field (convolutions) count as mixing.
 bool along_token_dim(const ObservedNode& node, const Observed& field, const ShapeSpec& spec) {
   if (!node.dim) return true;
   // Conservative: a saved index tensor may hold token positions. Not for top-k, sort and gather,
   // whose indices are positions along their own `dim` (a router's top-k over experts).
-  if (field.kind == FieldKind::kSaved && node.type != "TopkBackward0" && node.type != "SortBackward0" &&
-      node.type != "GatherBackward0")
-    return true;
+  if (field.kind == FieldKind::kSaved && !traits_of(node.type).indexes_own_dim) return true;
   const int64_t rank = static_cast<int64_t>(field.values.size());
   const int64_t d = *node.dim < 0 ? *node.dim + rank : *node.dim;
   for (const auto& ds : spec.dims)
@@ -242,7 +210,7 @@ bool along_token_dim(const ObservedNode& node, const Observed& field, const Shap
 // at the first step: cat([B, G, 0, E], [B, G, T, E])) keeps every position where it was, so its
 // rows can be cut like any token-wise op. Any other concatenation along tokens is refused.
 bool is_cat_onto_empty(const ObservedNode& a, const ObservedNode& b, Sizes sa, Sizes sb) {
-  if (a.type != "CatBackward0" || !a.dim) return false;
+  if (!traits_of(a.type).cat || !a.dim) return false;
   int carrying = 0;
   for (size_t k = 0; k < a.fields.size(); ++k) {
     const Observed& fa = a.fields[k];
@@ -256,15 +224,6 @@ bool is_cat_onto_empty(const ObservedNode& a, const ObservedNode& b, Sizes sa, S
     ++carrying;
   }
   return carrying == 1;
-}
-
-// What to do about a refused token-mixing node, where a common cause is known.
-std::string mixing_hint(const std::string& type) {
-  if (type == "CatBackward0" || type == "StackBackward0") {
-    return " (a KV cache concatenates along the sequence: with Hugging Face transformers pass use_cache=False "
-           "to the training forward)";
-  }
-  return "";
 }
 
 }  // namespace collider::detail

@@ -53,15 +53,11 @@ std::optional<RefLayout> layout_of(const ShapeSpec& s);
 // its dimensions do not line up with ref's.
 bool align_broadcast(ShapeSpec& s, const std::vector<int64_t>& values, const RefLayout& ref);
 
-// Ops that mix tokens along a dimension; cutting rows would change their meaning.
-const std::set<std::string>& token_mixing_nodes();
 // For an op that indexes or mixes along `dim`: does `dim` address a token dimension of the
 // field? Ops without a `dim` field (convolutions) count as mixing.
 bool along_token_dim(const ObservedNode& node, const Observed& field, const ShapeSpec& spec);
 // A concatenation along the token dimension onto empty tensors (a KV cache at its first step),
 // which keeps every position where it was and so may be cut.
 bool is_cat_onto_empty(const ObservedNode& a, const ObservedNode& b, Sizes sa, Sizes sb);
-// What to do about a refused token-mixing node, where a common cause is known ("" otherwise).
-std::string mixing_hint(const std::string& type);
 
 }  // namespace collider::detail

@@ -1,6 +1,8 @@
 // Breadth-first walk of the autograd graph from the loss (see graph.h).
 #include "graph.h"
 
+#include "node_traits.h"
+
 #include <deque>
 #include <string>
 
@@ -48,8 +50,6 @@ std::vector<const std::string*> node_types(const Graph& g, NodeNames& names) {
 }
 
 NodePtr loss_root(const NodePtr& grad_fn) {
-  static const char* const kScalings[] = {"MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1",
-                                          "NegBackward0", "ToCopyBackward0"};
   auto one_number = [](const torch::autograd::InputMetadata& m) {
     if (m.is_nested_tensor() || m.is_cpp_nested_tensor()) return false;
     int64_t n = 1;
@@ -58,10 +58,7 @@ NodePtr loss_root(const NodePtr& grad_fn) {
   };
   NodePtr node = grad_fn;
   while (node && node->num_inputs() == 1 && one_number(node->input_metadata(0))) {
-    const std::string name = node->name();
-    bool scaling = false;
-    for (const char* s : kScalings) scaling = scaling || name == s;
-    if (!scaling) break;
+    if (!traits_of(node->name()).loss_scaling) break;
     const torch::autograd::Edge* live = nullptr;
     int num_live = 0;
     for (const auto& e : node->next_edges()) {

@@ -3,6 +3,7 @@
 #include "passthrough.h"
 
 #include "node_fields.h"
+#include "node_traits.h"
 #include "token_index.h"
 
 #include <collider/collider.h>
@@ -121,8 +122,6 @@ std::string row_mismatch(const NodePtr& node, const NodeSpec& spec,
   return {};
 }
 
-bool is_reentrant_checkpoint(const std::string& name) { return name == "CheckpointFunctionBackward"; }
-
 std::string reentrant_checkpoint_advice() {
   return "reentrant activation checkpointing (use_reentrant=True) recomputes its block inside the backward, "
          "where Collider cannot cut it. Use use_reentrant=False: torch.utils.checkpoint.checkpoint(fn, ..., "
@@ -135,11 +134,11 @@ std::string reentrant_checkpoint_advice() {
 void register_passthrough_node(const std::string& node_name) {
   // Nodes known to break the contract: registering them would turn a refusal into a crash in the
   // backward (or a wrong gradient).
-  if (detail::is_reentrant_checkpoint(node_name)) {
+  if (detail::traits_of(node_name).reentrant_checkpoint) {
     throw Error("register_passthrough_node: " + node_name + " is not a passthrough node: " +
                 detail::reentrant_checkpoint_advice());
   }
-  if (node_name.find("CompiledFunction") != std::string::npos) {
+  if (detail::traits_of(node_name).compiled_graph) {
     throw Error("register_passthrough_node: " + node_name +
                 " is a torch.compile graph, not a passthrough node: its backward reads full-length saved "
                 "activations. Build the filtered step without torch.compile");

@@ -8,8 +8,8 @@
 //   - the row check of a Python custom Function with token-shaped inputs or saved tensors
 //     (BLOOM's GELU): trace_plan runs its backward on the traced batch twice, as traced and cut to a
 //     keep mask, and takes it (its saved tensors cut like any op's) only where the two agree.
-// trace_plan uses them to refuse a node whose backward would read full-length rows (plan checks
-// in trace.cpp), filter_backward checks a registered node again. Tests: tests/test_core_plan.cpp,
+// trace_plan uses them to refuse a node whose backward would read full-length rows (the plan's
+// passes, passes/), filter_backward checks a registered node again. Tests: tests/test_core_plan.cpp,
 // python/tests/test_api.py, python/tests/test_checkpointing.py.
 #pragma once
 
@@ -41,10 +41,9 @@ std::string row_mismatch(const NodePtr& node, const NodeSpec& spec,
                          const std::vector<torch::Tensor>& saved_tensors,
                          const std::vector<const FieldSpec*>& output_specs, int64_t B, int64_t T);
 
-// Reentrant activation checkpointing's node (torch.utils.checkpoint with use_reentrant=True): it
-// recomputes its block inside the backward, in a graph the plan never saw.
-bool is_reentrant_checkpoint(const std::string& name);
-// The refusal for it: what to use instead.
+// The refusal for reentrant activation checkpointing's node (torch.utils.checkpoint with
+// use_reentrant=True; NodeTraits::reentrant_checkpoint), which recomputes its block inside the
+// backward, in a graph the plan never saw: what to use instead.
 std::string reentrant_checkpoint_advice();
 
 }  // namespace collider::detail

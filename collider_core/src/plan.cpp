@@ -8,6 +8,7 @@
 //   blocker <text to end of line>
 #include <collider/collider.h>
 
+#include "node_traits.h"
 #include "plan_impl.h"
 
 #include <fmt/format.h>
@@ -238,15 +239,16 @@ Plan Plan::from_string(const std::string& text) {
     for (const auto& n : v.nodes)
       for (const auto& f : n.fields)
         for (const auto& dim : f.shape.dims)
-          if (dim.has_route() &&
-              (dim.route >= static_cast<int32_t>(v.nodes.size()) ||
-               (v.nodes[dim.route].type != "IndexAddBackward0" && v.nodes[dim.route].type != "IndexBackward0"))) {
+          if (dim.has_route() && (dim.route >= static_cast<int32_t>(v.nodes.size()) ||
+                                  (detail::traits_of(v.nodes[dim.route].type).route != detail::RouteRole::kScatter &&
+                                   detail::traits_of(v.nodes[dim.route].type).route != detail::RouteRole::kGather))) {
             throw Error(fmt::format(
                 "Plan::from_string: node {} field {}: route {} is not an IndexAddBackward0 or IndexBackward0 node",
                 n.type, f.name, dim.route));
           }
     for (const auto& e : v.detached)
-      if (e.node >= static_cast<int32_t>(v.nodes.size()) || v.nodes[e.node].type != "SubBackward0") {
+      if (e.node >= static_cast<int32_t>(v.nodes.size()) ||
+          detail::traits_of(v.nodes[e.node].type).sink != detail::SinkRole::kSubtract) {
         throw Error(fmt::format("Plan::from_string: detach of node {}, which is not a SubBackward0 node", e.node));
       }
   }

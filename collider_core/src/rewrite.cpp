@@ -20,6 +20,7 @@
 #include "graph.h"
 #include "loss_checks.h"
 #include "node_fields.h"
+#include "node_traits.h"
 #include "nvtx.h"
 #include "passthrough.h"
 #include "plan_impl.h"
@@ -55,10 +56,11 @@ std::string type_mismatch(const Graph& g, const std::vector<const std::string*>&
     const std::string& t = *types[i];
     // The fused attention kernels are interchangeable: which one runs can depend on the mask, the
     // dtype or the device (CUDA's flash takes no mask, the memory-efficient one does).
-    if (t != plan.nodes[i].type && !(plan.nodes[i].fused_attention && is_fused_attention_node(t))) {
-      if (is_reentrant_checkpoint(t))
+    if (t != plan.nodes[i].type &&
+        !(plan.nodes[i].fused_attention && traits_of(t).fused_attention != FusedAttention::kNone)) {
+      if (traits_of(t).reentrant_checkpoint)
         return fmt::format("{}: node #{} is {}: {}", who, i, t, reentrant_checkpoint_advice());
-      if (t == "ToCopyBackward0" || plan.nodes[i].type == "ToCopyBackward0") {  // a dtype cast where the trace had none
+      if (traits_of(t).cast || traits_of(plan.nodes[i].type).cast) {  // a dtype cast where the trace had none
         return fmt::format(
             "{}: node #{} is {} but the plan expects {}: the casts differ, as when the forward runs under "
             "another torch.autocast than the trace did. Trace the plan under the same autocast (Plan::merge keeps "
@@ -287,8 +289,7 @@ void validate_against_masked(const torch::Tensor& loss, const Graph& g, const Pl
                              const std::shared_ptr<TokenIndex>& ix, bool exact, Transaction& rw, const char* who) {
   torch::autograd::edge_list leaves;
   for (const auto& n : g.nodes)
-    if (n->num_inputs() == 1 && n->next_edges().empty() && n->name() == "torch::autograd::AccumulateGrad")
-      leaves.emplace_back(n, 0);
+    if (n->num_inputs() == 1 && n->next_edges().empty() && traits_of(n->name()).leaf) leaves.emplace_back(n, 0);
   FilterStats ref_stats;
   auto ref = prepare_rewrite(g, data, ix, exact, /*masked=*/true, /*keep_sources=*/true, ref_stats, who);
   const auto want = gradients_with(*ref, /*commit=*/true, /*keep=*/false, loss, leaves);

@@ -3,6 +3,7 @@
 #include "routes.h"
 
 #include "node_fields.h"
+#include "node_traits.h"
 #include "sdpa.h"
 #include "token_index.h"
 
@@ -118,7 +119,7 @@ void walk_route(const Graph& g, const std::vector<ObservedNode>& oa, const std::
     if (!seen.insert(x).second) continue;
     NodeSpec& xs = plan.nodes[x];
     if (!mark_routed_fields(oa, ob, plan, x, rows_a, rows_b)) continue;  // off the route (an expert's weight)
-    if (xs.type == "IndexBackward0") {
+    if (traits_of(xs.type).route == RouteRole::kGather) {
       // The gather: rows of the [B*T, ..] token rows by the route's index (indices_[0]); a second
       // index of routed rows picks along another dimension (the top-k slot of a routing weight).
       const FieldSpec* self = field(xs, FieldKind::kSizes, "self_sym_sizes");
@@ -194,7 +195,7 @@ bool assign_sorted_route(const Graph& g, const std::vector<ObservedNode>& observ
       for (const auto& d : f.shape.dims) on_route = on_route || pairs(d);
     if (!on_route) continue;  // an expert's weight
     bool descend = true;
-    if (ys.type == "IndexBackward0") {
+    if (traits_of(ys.type).route == RouteRole::kGather) {
       FieldSpec* self = field(ys, FieldKind::kSizes, "self_sym_sizes");
       FieldSpec* index = field(ys, FieldKind::kSaved, "indices_", 0);
       const DimSpec* by = flat_rows(index);
@@ -221,13 +222,14 @@ bool assign_sorted_route(const Graph& g, const std::vector<ObservedNode>& observ
     }
     for (auto& f : ys.fields) {
       // An index op's index is done above; the tensor it gathers from (token rows, weights) is cut as such.
-      if (ys.type == "IndexBackward0" && (f.kind == FieldKind::kSaved || f.name == "self_sym_sizes")) continue;
+      if (traits_of(ys.type).route == RouteRole::kGather && (f.kind == FieldKind::kSaved || f.name == "self_sym_sizes"))
+        continue;
       for (auto& d : f.shape.dims) {
         if (!pairs(d)) { refuse(ys, y, fmt::format("field {} mixes grouped experts' rows with token rows", f.name)); }
         d = DimSpec{d.dim, DimKind::kRouted, Role::kQuery, 1, x};
       }
     }
-    if (ys.type == "GroupedMmBackward0") {
+    if (traits_of(ys.type).route == RouteRole::kExperts) {
       bool offsets = false;
       for (const auto& o : observed[y].fields) offsets = offsets || (o.name == "offs_" && o.defined);
       if (!offsets) refuse(ys, y, "a grouped matmul without offsets, which collider does not follow");
@@ -261,11 +263,12 @@ void assign_routes(const Graph& g, const std::vector<ObservedNode>& oa, const st
   const int n = static_cast<int>(plan.nodes.size());
   // Grouped experts first (in graph order, the route's own IndexBackward0 before its weights').
   for (int x = 0; x < n; ++x) {
-    if (plan.nodes[x].type == "IndexBackward0" && !any_routed(plan.nodes[x])) assign_sorted_route(g, observed, plan, x);
+    if (traits_of(plan.nodes[x].type).route == RouteRole::kGather && !any_routed(plan.nodes[x]))
+      assign_sorted_route(g, observed, plan, x);
   }
   for (int s = 0; s < n; ++s) {
     NodeSpec& ns = plan.nodes[s];
-    if (ns.type != "IndexAddBackward0") continue;
+    if (traits_of(ns.type).route != RouteRole::kScatter) continue;
     const FieldSpec* in = ns.find(FieldKind::kInputMeta, 0);
     if (!in || !in->shape.has_token()) continue;  // not into token rows: an unclaimed routed field is refused below
     // The route's length in the two traces: one the batch's own sizes could explain (the same in
@@ -308,8 +311,8 @@ void assign_routes(const Graph& g, const std::vector<ObservedNode>& oa, const st
       if (f.name != c.field) continue;
       for (const auto& d : f.shape.dims) {
         if (!d.routed() || d.route >= 0) continue;
-        const bool moe = ns.type == "IndexAddBackward0" || ns.type == "IndexBackward0" || ns.type == "TopkBackward0" ||
-                         ns.type == "SortBackward0";
+        const RouteRole route = traits_of(ns.type).route;
+        const bool moe = route == RouteRole::kScatter || route == RouteRole::kGather || route == RouteRole::kRouter;
         throw Error(fmt::format("collider cannot rewrite node {} (#{}): field {} {}.{}", ns.type, c.node, c.field,
                                 c.why,
                                 moe ? " Collider does not follow this routing of tokens; use "
@@ -322,7 +325,7 @@ void assign_routes(const Graph& g, const std::vector<ObservedNode>& oa, const st
   // its index would point into the full rows.
   for (int i = 0; i < n; ++i) {
     NodeSpec& ns = plan.nodes[i];
-    if (ns.type != "IndexBackward0" || any_routed(ns)) continue;
+    if (traits_of(ns.type).route != RouteRole::kGather || any_routed(ns)) continue;
     const FieldSpec* self = field(ns, FieldKind::kSizes, "self_sym_sizes");
     if (!self || !self->shape.has_token()) continue;
     for (const auto& o : observed[i].fields) {
@@ -400,7 +403,7 @@ namespace {
 
 // Whether plan node p is the scatter of a route (the node the route is named after).
 bool is_route_scatter(const PlanData& plan, int32_t p) {
-  if (plan.nodes[p].type != "IndexAddBackward0") return false;
+  if (traits_of(plan.nodes[p].type).route != RouteRole::kScatter) return false;
   for (const auto& f : plan.nodes[p].fields)
     for (const auto& d : f.shape.dims)
       if (d.routed() && d.route == p) return true;
@@ -434,7 +437,8 @@ std::optional<PlanData> plan_without_absent_routes(const Graph& g, const std::ve
   if (static_cast<int>(plan.children.size()) != np || ng == 0 || np == 0) return std::nullopt;
   auto same = [&](int gi, int32_t pi) {
     const std::string& t = *types[gi];
-    return t == plan.nodes[pi].type || (plan.nodes[pi].fused_attention && is_fused_attention_node(t));
+    return t == plan.nodes[pi].type ||
+           (plan.nodes[pi].fused_attention && traits_of(t).fused_attention != FusedAttention::kNone);
   };
   std::vector<int32_t> p_of(ng, -1), g_of(np, -1);
   std::set<int32_t> dropped;
@@ -452,7 +456,7 @@ std::optional<PlanData> plan_without_absent_routes(const Graph& g, const std::ve
       const int gc = k < edges.size() && edges[k].function ? g.index.at(edges[k].function.get()) : -1;
       int32_t pc = k < children.size() ? children[k] : -1;
       // A route the graph lacks: pass over its scatter to the tensor its rows were added into.
-      while (pc >= 0 && is_route_scatter(plan, pc) && (gc < 0 || *types[gc] != "IndexAddBackward0")) {
+      while (pc >= 0 && is_route_scatter(plan, pc) && (gc < 0 || traits_of(*types[gc]).route != RouteRole::kScatter)) {
         if (!dropped.insert(pc).second) return std::nullopt;  // a cycle: not a plan trace_plan wrote
         pc = plan.children[pc].empty() ? -1 : plan.children[pc][0];
       }

@@ -28,6 +28,8 @@
 // has nothing left to zero. Any other op in the chains keeps the core on the padded path.
 #include "row_attention.h"
 
+#include "node_traits.h"
+
 #include <collider/collider.h>
 
 #include <torch/csrc/autograd/generated/Functions.h>
@@ -54,11 +56,7 @@ int single_edge(const Node& n) {
   return found;
 }
 
-bool is_shape_only(const std::string& t) {
-  static const std::set<std::string> k = {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
-                                          "CloneBackward0"};
-  return k.count(t) > 0;
-}
+bool is_shape_only(const std::string& t) { return traits_of(t).shape_only; }
 
 // An expand to the sizes it already had: the identity.
 bool identity_expand(const NodePtr& n) {
@@ -175,7 +173,7 @@ NodePtrOf<RowAttentionNode> make_row_attention(const Graph& g, const PlanData& p
   for (int c : core.down)
     if (!chain_step(g.nodes[c], type(c), chain, why)) return nullptr;
   for (int c : core.up) {
-    if (single_edge(*g.nodes[c]) < 0 || !(is_shape_only(type(c)) || type(c) == "ToCopyBackward0" ||
+    if (single_edge(*g.nodes[c]) < 0 || !(is_shape_only(type(c)) || traits_of(type(c)).cast ||
                                           (type(c) == "ExpandBackward0" && identity_expand(g.nodes[c])))) {
       *why = fmt::format("{} between softmax and P V", type(c));
       return nullptr;

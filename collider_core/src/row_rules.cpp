@@ -2,6 +2,7 @@
 #include "row_rules.h"
 
 #include "classify.h"
+#include "node_traits.h"
 #include "node_fields.h"
 
 #include <collider/collider.h>
@@ -462,9 +463,9 @@ void check_row_rules(const Graph& g, const PlanData& plan, const std::vector<Obs
       case RowRule::kAlongDim: {
         // An attention core's softmax runs over the key columns, which the core's rewrite cuts as its
         // semantics say; the token-mixing ops were checked where their fields were classified
-        // (trace.cpp: concatenations onto an empty cache, attention sinks); an unbind along a token
+        // (passes/token_mixing.cpp: concatenations onto an empty cache, attention sinks); an unbind along a token
         // dimension would give as many nodes as tokens, which trace_plan refuses already.
-        if (ns.attention_core || token_mixing_nodes().count(ns.type) || ns.type.rfind("UnbindBackward0", 0) == 0) break;
+        if (ns.attention_core || traits_of(ns.type).mixes_tokens || ns.type.rfind("UnbindBackward0", 0) == 0) break;
         const FieldSpec* ref = reference_field(ns);
         const Observed* dims = observed_field(observed[i], "dim");
         if (!dims) dims = observed_field(observed[i], "dims");

@@ -7,8 +7,8 @@
 // The rules of all node types of the generated handlers (node_fields.h) are listed in
 // docs/ROW_RULES.md (`build/collider row-rules` writes it); the property test
 // python/tests/test_row_rules.py runs PyTorch's own sample inputs (OpInfo) through the ops the
-// rules cut and checks the rows do not move each other. trace_plan calls check_row_rules after
-// classifying every field (trace.cpp).
+// rules cut and checks the rows do not move each other. check_row_rules is the last of the plan's
+// passes (passes/table.cpp).
 #pragma once
 
 #include "graph.h"

@@ -482,11 +482,6 @@ class FilteredAttentionNode final : public Node {
 
 }  // namespace
 
-bool is_fused_attention_node(const std::string& type) {
-  return type == "ScaledDotProductFlashAttentionForCpuBackward0" || type == "ScaledDotProductFlashAttentionBackward0" ||
-         type == "ScaledDotProductEfficientAttentionBackward0" || type == "ScaledDotProductCudnnAttentionBackward0";
-}
-
 NodePtr make_filtered_attention(const NodePtr& fused, std::shared_ptr<TokenIndex> index, bool exact_query, bool masked,
                                 bool cross) {
   const bool hooked = check_saved(fused);

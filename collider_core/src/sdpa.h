@@ -11,8 +11,6 @@
 
 namespace collider::detail {
 
-bool is_fused_attention_node(const std::string& type);
-
 // A node computing dQ, dK, dV of kept tokens ([B, H, N, E]) from the gradient of the kept
 // output rows, with the fused node's next edges. masked: the same values scattered into
 // full-size zero tensors, for full-size gradients (the `masked` method). cross: the keys and

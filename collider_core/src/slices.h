@@ -4,7 +4,7 @@
 // (the written tensor, `base`, and the slice, `view`). Cut along token dimensions when the slice
 // leaves the token dimensions whole: base contiguous, the slice of the same rank and strides,
 // starting inside the dimensions after the last token one, and its inner node (copy_) saving
-// nothing. trace.cpp classifies the two geometries' sizes (fields "slice:base", "slice:view"),
+// nothing. passes/field_dims.cpp classifies the two geometries' sizes (fields "slice:base", "slice:view"),
 // the field cut (edits/field_cut.cpp) writes the cut geometries. Tests: python/tests/test_moe.py
 // (DeepSeek-V3), tests/test_core_plan.cpp.
 #pragma once

@@ -7,6 +7,7 @@
 #include "token_rows.h"
 
 #include "attention_cores.h"
+#include "node_traits.h"
 
 #include <collider/error.h>
 
@@ -33,7 +34,7 @@ struct Sequences {
   void join(int a, int b) { parent[find(a)] = find(b); }
 };
 
-bool has_token_field(const NodeSpec& ns) {
+bool node_has_token_field(const NodeSpec& ns) {
   for (const auto& f : ns.fields)
     if (f.shape.has_token()) return true;
   return false;
@@ -62,15 +63,14 @@ constexpr const char* kOtherLength =
     "Give the source, in the loss function trace_plan calls, a fixed length (not the seq_len it passes), or "
     "train that model without token filtering";
 
-bool is_bmm(const std::string& t) { return t == "BmmBackward0" || t == "BaddbmmBackward0"; }
-const char* key_operand(const std::string& t) { return t == "BaddbmmBackward0" ? "batch2" : "mat2"; }
+bool is_attention_matmul(const std::string& t) { return traits_of(t).matmul(); }
+const char* key_operand(const std::string& t) { return traits_of(t).key_operand(); }
 
 // The key and value edges of attention `a`, as (node, edge index).
 std::vector<std::pair<int, int>> key_edges(const Attention& a, const PlanData& plan) {
   if (a.fused >= 0) return {{a.fused, 1}, {a.fused, 2}};
-  if (a.bmm >= 0) return {{a.bmm, plan.nodes[a.bmm].type == "BaddbmmBackward0" ? 2 : 1}};
-  const bool baddbmm = plan.nodes[a.core.qk].type == "BaddbmmBackward0";
-  return {{a.core.qk, baddbmm ? 2 : 1}, {a.core.pv, 1}};
+  if (a.bmm >= 0) return {{a.bmm, traits_of(plan.nodes[a.bmm].type).query_edge() + 1}};
+  return {{a.core.qk, traits_of(plan.nodes[a.core.qk].type).query_edge() + 1}, {a.core.pv, 1}};
 }
 
 // An eager core no longer counted as one: its key-row inserts (exact_query) go with it.
@@ -127,7 +127,7 @@ void separate_sequences(const Graph& g, PlanData& plan) {
   for (int s = 0; s < n; ++s) {
     const NodeSpec& ns = plan.nodes[s];
     if (ns.fused_attention && !ns.cross_attention) attentions.push_back(Attention{{}, s});  // cross: by its sizes
-    if (!ns.attention_core || (ns.type != "SoftmaxBackward0" && ns.type != "SafeSoftmaxBackward0")) continue;
+    if (!ns.attention_core || !traits_of(ns.type).softmax()) continue;
     Attention a;
     a.core = locate_attention_core(g, plan, s);
     if (a.core.qk >= 0 && a.core.pv >= 0) attentions.push_back(a);
@@ -136,7 +136,7 @@ void separate_sequences(const Graph& g, PlanData& plan) {
   for (const auto& a : attentions)
     for (int c : a.nodes()) in_core[c] = 1;
   for (int i = 0; i < n; ++i) {
-    if (in_core[i] || !is_bmm(plan.nodes[i].type)) continue;
+    if (in_core[i] || !is_attention_matmul(plan.nodes[i].type)) continue;
     for (const auto& f : plan.nodes[i].fields) {
       if (f.kind != FieldKind::kSaved || f.name.rfind(key_operand(plan.nodes[i].type), 0) != 0) continue;
       if (f.shape.has_token()) attentions.push_back(Attention{{}, -1, i});
@@ -175,7 +175,7 @@ void separate_sequences(const Graph& g, PlanData& plan) {
   while (!queue.empty()) {
     const int v = queue.front();
     queue.pop_front();
-    bool rows = has_token_field(plan.nodes[v]);
+    bool rows = node_has_token_field(plan.nodes[v]);
     for (const auto& e : g.nodes[v]->next_edges()) {
       if (row_edge(e)) {
         rows = true;
@@ -257,7 +257,7 @@ void separate_sequences(const Graph& g, PlanData& plan) {
     // Its scores may take no gradient from outside the core but through Q and K (a bias learned over both
     // sequences would be cut along the source's positions).
     const std::vector<int> nodes = a.nodes();
-    const int query_edge = plan.nodes[a.core.qk].type == "BaddbmmBackward0" ? 1 : 0;  // (edge 0: baddbmm's bias)
+    const int query_edge = traits_of(plan.nodes[a.core.qk].type).query_edge();  // (edge 0: baddbmm's bias)
     for (int c : nodes) {
       const auto& edges = g.nodes[c]->next_edges();
       for (size_t e = 0; e < edges.size(); ++e) {

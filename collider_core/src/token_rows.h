@@ -6,7 +6,7 @@
 // whose rows are another sequence unless they meet the tokens again (a self-attention's keys come from the
 // hidden states its queries come from). What only an attention's keys reach (an encoder) is not cut, and an
 // attention from the tokens to it (a cross-attention) keeps all its key columns: its gradient is exact.
-// Used by build_plan (trace.cpp), after the analysis steps. Tests: python/tests/test_encoder_decoder.py.
+// A pass of the plan (passes/table.cpp), after the analysis steps. Tests: python/tests/test_encoder_decoder.py.
 #pragma once
 
 #include "graph.h"

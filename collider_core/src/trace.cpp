@@ -1,101 +1,30 @@
 // trace_plan: finds, for every node of the loss graph, which fields carry token dimensions.
 // The loss is built twice on dummy batches (B_a, T_a) and (B_b, T_b) of sizes no model uses;
 // a dimension is a token dimension when it equals T (or B*T) in both traces, a batch dimension
-// when it is B times the same constant in both. Attention cores (QK^T -> softmax -> PV) are
-// located structurally so exact_query knows query rows from key columns. The pieces: observe.h
-// (a node's fields in one trace), classify.h (token dimensions from two traces),
-// attention_cores.h, passthrough.h (declared non-ATen nodes).
+// when it is B times the same constant in both. build_plan observes both traces (observe.h) and
+// runs the plan's passes over them in the order of their table (passes/pass.h, passes/table.cpp):
+// each field classified (classify.h), every node an edit cannot cut refused with what to do, then
+// the whole-graph passes (the routes, the attention cores, the sinks, the sequences, the row rules).
 // Tests: tests/test_core_plan.cpp, tests/test_collider_*.cpp.
 #include <collider/collider.h>
 
 #include "classify.h"
-#include "edits/edit.h"
 #include "graph.h"
-#include "head_node.h"
-#include "node_fields.h"
+#include "node_traits.h"
 #include "observe.h"
-#include "passthrough.h"
+#include "passes/pass.h"
 #include "plan_impl.h"
 #include "routes.h"
-#include "row_rules.h"
-#include "slices.h"
-#include "sdpa.h"
-#include "token_rows.h"
+#include "trace_facts.h"
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
-#include <cstdlib>
-#include <deque>
-#include <optional>
-#include <set>
 #include <vector>
 
 namespace collider {
 namespace detail {
 
 namespace {
-
-// COLLIDER_DEBUG_PLAN=1: refusals also list the node's saved fields.
-bool debug_plan() {
-  const char* v = std::getenv("COLLIDER_DEBUG_PLAN");
-  return v && std::string(v) == "1";
-}
-
-// A node without a field handler (a custom Function, a torch.compile graph) whose gradients go into
-// token-shaped inputs must take a token-shaped gradient itself (a passthrough maps rows one to
-// one): one that makes them from a gradient without token dimensions (a compiled loss, a custom
-// reduction) would hand full-length rows to nodes whose rows were cut.
-void refuse_token_gradients_born_opaque(const Graph& g, const PlanData& plan) {
-  for (size_t i = 0; i < plan.nodes.size(); ++i) {
-    const NodeSpec& ns = plan.nodes[i];
-    if (find_node_fields(*g.nodes[i]) || ns.type == "torch::autograd::AccumulateGrad") continue;
-    // Collider's fused LM head: the head edit (edits/head_rows.cpp) has it write the kept rows'
-    // gradient straight into the cut layout.
-    if (dynamic_cast<const FusedHeadNode*>(g.nodes[i].get())) continue;
-    bool token_input = false;
-    for (const auto& f : ns.fields)
-      token_input = token_input || (f.kind == FieldKind::kInputMeta && f.shape.has_token());
-    if (token_input) continue;
-    for (const auto& e : g.nodes[i]->next_edges()) {
-      if (!e.function) continue;
-      const NodeSpec& c = plan.nodes[g.index.at(e.function.get())];
-      const FieldSpec* in = c.find(FieldKind::kInputMeta, static_cast<int32_t>(e.input_nr));
-      if (!in || !in->shape.has_token()) continue;
-      if (ns.type.find("CompiledFunction") != std::string::npos) {
-        throw Error(fmt::format(
-            "collider cannot filter through node {} (#{}): a torch.compile (AOTAutograd) graph whose backward makes "
-            "full-length token gradients. Build the loss (and the model) without torch.compile for the filtered step",
-            ns.type, i));
-      }
-      throw Error(fmt::format(
-          "collider cannot filter through node {} (#{}): not an ATen op, and it makes token-shaped gradients (for "
-          "{} #{}) from a gradient without token dimensions, at full length. Write it with torch operations",
-          ns.type, i, c.type, g.index.at(e.function.get())));
-    }
-  }
-}
-
-// Whether node a (b: the same node in the other trace) is a cat, slice or maximum along a dimension
-// of T + c positions (c <= kMaxTokenPlus): what attention sinks look like (GPT-OSS: scores [.., T]
-// and sinks [.., 1] concatenated, the row maximum subtracted, the sinks sliced off after the
-// softmax). Such a node is taken provisionally; the field cut's check_sinks (edits/field_cut.cpp)
-// keeps it only inside an attention core.
-bool along_token_plus_dim(const ObservedNode& a, const ObservedNode& b, Sizes sa, Sizes sb) {
-  if (a.type != "CatBackward0" && a.type != "SliceBackward0" && a.type != "MaxBackward0") return false;
-  if (!a.dim || !b.dim || a.fields.size() != b.fields.size()) return false;
-  for (size_t k = 0; k < a.fields.size(); ++k) {
-    const Observed& x = a.fields[k];
-    const Observed& y = b.fields[k];
-    if (x.kind == FieldKind::kSaved || x.scalar || x.values.size() != y.values.size() || x.values.empty()) continue;
-    const int64_t rank = static_cast<int64_t>(x.values.size());
-    const int64_t d = *a.dim < 0 ? *a.dim + rank : *a.dim;
-    if (d < 0 || d >= rank) continue;
-    const int64_t c = x.values[d] - sa.T;
-    if (c >= 1 && c <= kMaxTokenPlus && y.values[d] - sb.T == c) return true;
-  }
-  return false;
-}
 
 // What differs between the two traces' observations of one node: its type, else its fields (a cat of
 // 3 tensors in one trace and 4 in the other), each as "count name" in order of first appearance.
@@ -115,37 +44,6 @@ std::string trace_difference(const ObservedNode& a, const ObservedNode& b, Sizes
                      fields(b), sb.B, sb.T);
 }
 
-enum class FusedSequence { kTokens, kOther, kCross, kMixed };
-
-// Whether a fused attention node (a, b: its two observations) attends over the tokens: its query and
-// key ([B, H, L, E]) both have L = T in both traces. kOther: no field of it has token positions;
-// kCross: its queries do, and its keys and values are a sequence of one length in both traces (a
-// cross-attention onto an encoder's source); kMixed: some have, otherwise (keys whose length follows T
-// without being T: a prefix concatenated to the tokens' keys).
-FusedSequence fused_attention_sequence(const ObservedNode& a, const ObservedNode& b, Sizes sa, Sizes sb) {
-  bool tokens = false, query = false, key = false, fixed_key = false, fixed_value = false;
-  for (size_t k = 0; k < a.fields.size(); ++k) {
-    const Observed& x = a.fields[k];
-    const Observed& y = b.fields[k];
-    if (!x.defined || !y.defined || x.kind == FieldKind::kStrides || x.scalar) continue;
-    const bool positions = x.values.size() >= 2 && y.values.size() == x.values.size() &&
-                           x.values[x.values.size() - 2] == sa.T && y.values[y.values.size() - 2] == sb.T;
-    query = query || (x.name == "query_" && positions);
-    key = key || (x.name == "key_" && positions);
-    const bool fixed = x.values.size() >= 2 && y.values.size() == x.values.size() &&
-                       x.values[x.values.size() - 2] == y.values[y.values.size() - 2] &&
-                       x.values[x.values.size() - 2] != sa.T;
-    fixed_key = fixed_key || (x.name == "key_" && fixed);
-    fixed_value = fixed_value || (x.name == "value_" && fixed);
-    ShapeSpec spec;
-    std::string why;
-    tokens = tokens || !classify(x, y, sa, sb, spec, why) || spec.has_token();
-  }
-  if (query && key) return FusedSequence::kTokens;
-  if (query && fixed_key && fixed_value) return FusedSequence::kCross;
-  return tokens ? FusedSequence::kMixed : FusedSequence::kOther;
-}
-
 // The two traces observed node by node (observe.h), refused where they differ other than in
 // sizes: a graph that depends on the batch or sequence size cannot be planned (a mixture of
 // experts whose expert got no token in one trace: AmbiguousRoute, which trace_plan retries).
@@ -156,7 +54,7 @@ void observe_traces(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb, std::v
   // (scatters back into token rows) differs then, and other random tokens may use them all.
   auto scatters = [](const Graph& g) {
     for (const auto& node : g.nodes)
-      if (node->name() == "IndexAddBackward0") return true;
+      if (traits_of(node->name()).route == RouteRole::kScatter) return true;
     return false;
   };
   if (gb.nodes.size() != n) {
@@ -189,144 +87,11 @@ void observe_traces(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb, std::v
   }
 }
 
-// Node i's fields classified (classify.h) into plan.nodes[i]: its token-shaped fields kept, the
-// fused attention marked (the fused attention edit replaces it whole), and every node whose
-// token fields no edit can cut refused with what to do.
-void classify_node(const Graph& ga, size_t i, const std::vector<ObservedNode>& oa,
-                   const std::vector<ObservedNode>& ob, Sizes sa, Sizes sb, PlanData& plan, Classified& out) {
-  NodeSpec& ns = plan.nodes[i];
-  ns.type = oa[i].type;
-  if (along_token_plus_dim(oa[i], ob[i], sa, sb)) out.sink_ops.insert(static_cast<int>(i));
-  if (is_fused_attention_node(ns.type)) {
-    // Replaced whole at filter time (sdpa.h), which cuts its query rows and key columns as token
-    // positions: only where its query positions are the tokens. One over positions of their own
-    // (a vision tower's image patches, a fixed memory) is an ordinary node with nothing
-    // token-shaped, left as it is.
-    switch (fused_attention_sequence(oa[i], ob[i], sa, sb)) {
-      case FusedSequence::kTokens: ns.fused_attention = true; return;
-      case FusedSequence::kCross: ns.fused_attention = ns.cross_attention = true; return;
-      case FusedSequence::kOther: return;
-      case FusedSequence::kMixed:
-        throw Error(fmt::format(
-            "collider cannot rewrite node {} (#{}): a fused attention whose key positions follow the sequence "
-            "length without being the tokens' (a prefix concatenated to the keys); use "
-            "attn_implementation=\"eager\" for that module, or train it without token filtering",
-            ns.type, i));
-    }
-  }
-  if (is_reentrant_checkpoint(ns.type)) {
-    throw Error(
-        fmt::format("collider cannot filter through node {} (#{}): {}", ns.type, i, reentrant_checkpoint_advice()));
-  }
-  for (size_t k = 0; k < oa[i].fields.size(); ++k) {
-    const Observed& a = oa[i].fields[k];
-    const Observed& b = ob[i].fields[k];
-    if (!a.defined || !b.defined) continue;
-    if (a.kind == FieldKind::kStrides) continue;  // recomputed from the sibling sizes when those are cut
-    ShapeSpec spec;
-    std::string why;
-    // A size that follows neither B nor T may be a mixture-of-experts route (routes.h): taken as
-    // routed here, refused by assign_routes unless a route claims it.
-    if (!classify(a, b, sa, sb, spec, why) && classify(a, b, sa, sb, spec, why, /*allow_routed=*/true)) {
-      out.candidates.push_back(RoutedCandidate{static_cast<int>(i), a.name, why});
-    } else if (!why.empty()) {
-      // Its saved fields, which help whoever extends the rewriter, only under COLLIDER_DEBUG_PLAN=1:
-      // the message itself stays short enough to read (node, reason, what to do).
-      // (A size that follows neither B nor T reaches here only with a rank that differs between
-      // the traces; a routed one is assign_routes' to refuse, with its advice.)
-      throw Error(fmt::format(
-          "collider cannot rewrite node {} (#{}): field {} {}.{}", ns.type, i, a.name, why,
-          debug_plan() ? fmt::format(" Saved fields: {}", oa[i].described.empty() ? "(none)" : oa[i].described)
-                       : std::string()));
-    }
-    if (!spec.has_token()) continue;
-    if (spec.has_routed() && spec.dims.size() != 1) {  // one routed dimension, nothing else that scales
-      throw Error(fmt::format("collider cannot rewrite node {} (#{}): field {} {}", ns.type, i, a.name, why));
-    }
-    if (!oa[i].generated && ns.type.find("CompiledFunction") != std::string::npos) {
-      throw Error(
-          fmt::format("collider cannot rewrite node {} (#{}): it is a torch.compile (AOTAutograd) graph, "
-                      "whose saved activations live inside compiled code the rewriter cannot cut. Trace "
-                      "and filter the model and loss without torch.compile.",
-                      ns.type, i));
-    }
-    // A Python custom Function (its saved tensors visible): taken if its backward maps rows one to
-    // one, which check_python_functions (edits/field_cut.cpp) runs it to see once the fields are classified. One
-    // declared passthrough is not run (DDP's and FSDP2's queue work for the end of the backward).
-    if (!oa[i].generated && custom_saved(*ga.nodes[i]) && !is_passthrough(ns.type) &&
-        (a.kind == FieldKind::kSaved || a.kind == FieldKind::kInputMeta)) {
-      out.python_functions.insert(static_cast<int>(i));
-      ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
-      out.values[i].push_back(a.values);
-      continue;
-    }
-    if (!oa[i].generated && a.kind == FieldKind::kSaved) {
-      throw Error(fmt::format(
-          "collider cannot filter through node {} (#{}): declared passthrough, but it saves a token-shaped tensor "
-          "([{}]), which its backward would read at full length; registering it does not make that safe. Write "
-          "the op with torch operations",
-          ns.type, i, fmt::join(a.values, ", ")));
-    }
-    if (a.scalar) {
-      if (a.name.find("numel") != std::string::npos) continue;  // a divisor fixed by the forward (mean)
-      if (out.sink_ops.count(static_cast<int>(i)) && ns.type == "SliceBackward0" && a.name == "end") {
-        spec.dims[0].role = Role::kKey;  // the sinks sliced off the key columns: [..., :T] (check_sinks)
-        ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
-        out.values[i].push_back(a.values);
-        continue;
-      }
-      throw Error(fmt::format(
-          "collider cannot rewrite node {} (#{}): scalar field {} equals the sequence length; "
-          "the op indexes along the token dimension{}",
-          ns.type, i, a.name, debug_plan() ? fmt::format(". Saved fields: {}", oa[i].described) : std::string()));
-    }
-    if (a.name.rfind("geometry:", 0) == 0) {
-      throw Error(
-          fmt::format("collider cannot rewrite node {} (#{}): field {} (a TensorGeometry) has token "
-                      "dimensions",
-                      ns.type, i, a.name.substr(9)));
-    }
-    if (ns.type == "torch::autograd::CopySlices" && a.kind == FieldKind::kInputMeta) {
-      if (!oa[i].described.empty()) {  // slices.h: the cases it cuts
-        throw Error(fmt::format(
-            "collider cannot rewrite node {} (#{}): an in-place write into a slice of a token-shaped tensor "
-            "that collider does not cut ({}). Build the tensor with torch.cat",
-            ns.type, i, oa[i].described));
-      }
-      ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
-      out.values[i].push_back(a.values);
-      continue;
-    }
-    if (!oa[i].generated && a.kind == FieldKind::kInputMeta && !is_passthrough(ns.type) &&
-        ns.type != "torch::autograd::AccumulateGrad") {
-      // A node of C++ code (a Python custom Function is checked by running it, above): the contract
-      // is the user's to check.
-      throw Error(fmt::format(
-          "collider cannot rewrite node {} (#{}): not an ATen op, and its input has token dimensions. Only if "
-          "it saves nothing token-shaped and its backward maps gradient rows one to one, "
-          "collider.register_passthrough_node(\"{}\") declares it safe",
-          ns.type, i, ns.type));
-    }
-    if (token_mixing_nodes().count(ns.type) && along_token_dim(oa[i], a, spec) &&
-        !is_cat_onto_empty(oa[i], ob[i], sa, sb) && !out.sink_ops.count(static_cast<int>(i))) {
-      throw Error(
-          fmt::format("collider cannot rewrite node {} (#{}): it mixes or indexes positions along a "
-                      "token dimension (field {}); filtering rows would change its result{}",
-                      ns.type, i, a.name, mixing_hint(ns.type)));
-    }
-    ns.fields.push_back(FieldSpec{a.name, a.kind, a.item, spec});
-    out.values[i].push_back(a.values);
-  }
-}
-
 }  // namespace
 
-// The plan: both traces observed, every node classified, then the whole-graph steps in order:
-// first the check that every token gradient is born in a node an edit can cut, then each edit's
-// analysis step in the order of the analysis table (edits/table.cpp), each writing the part of the
-// plan its edit reads, then which token-sized rows are the tokens (token_rows.h: a second sequence of the
-// same length, an encoder's source, is not), last the check that each cut node acts row by row
-// (row_rules.h).
+// The plan: both traces observed, then the plan's passes in the order of their table
+// (passes/table.cpp): per node and per field, the checks and records of what each field's token
+// dimensions are; then the whole-graph passes, the edits' analysis steps among them.
 PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
   PlanData plan;
   plan.batch_a = sa.B;
@@ -343,12 +108,8 @@ PlanData build_plan(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb) {
       plan.children[i].push_back(e.function ? ga.index.at(e.function.get()) : -1);
   Classified c;
   c.values.resize(n);
-  for (size_t i = 0; i < n; ++i) classify_node(ga, i, oa, ob, sa, sb, plan, c);
-  refuse_token_gradients_born_opaque(ga, plan);
   const TraceFacts facts{ga, gb, sa, sb, oa, ob, c};
-  for (const AnalysisStep step : analysis_table()) step(facts, plan);
-  separate_sequences(ga, plan);
-  check_row_rules(ga, plan, oa);
+  run_plan_passes(facts, c, plan);
   return plan;
 }
 

@@ -1,6 +1,6 @@
-// Internal: what trace_plan has learned of a loss graph when its nodes are classified, handed to
-// each edit's analysis step (edits/edit.h): both traces (graphs, sizes, every node's observation)
-// and what the classification collected for the steps after it. Built in build_plan (trace.cpp).
+// Internal: what trace_plan has learned of a loss graph, handed to the plan's passes (passes/pass.h,
+// the edits' analysis steps among them): both traces (graphs, sizes, every node's observation)
+// and what the classification collected for the passes after it. Built in build_plan (trace.cpp).
 #pragma once
 
 #include "classify.h"

@@ -24,7 +24,7 @@ class AttentionRowsEdit final : public Edit {
     if (!tx.index().ragged() || tx.masked()) return;
     const auto& nodes = tx.plan().nodes;
     for (size_t i = 0; i < nodes.size(); ++i)
-      if (nodes[i].attention_core && nodes[i].type == "SoftmaxBackward0")
+      if (nodes[i].attention_core && traits_of(nodes[i].type).attention == AttentionRole::kSoftmax)
         replace_core(g, static_cast<int>(i), tx, taken);
   }
 

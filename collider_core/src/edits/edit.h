@@ -11,14 +11,16 @@
 // Before any of this, when the plan is built (trace.cpp: build_plan), an edit that needs more of the
 // plan than each node's token fields has an analysis step: it reads both traces (trace_facts.h) and
 // writes its part of the plan (the flattened rows' order, the routes, the attention cores), or
-// refuses what it cannot cut. The steps run in the order of the analysis table (table.cpp).
+// refuses what it cannot cut. The steps are whole-graph passes of the plan, run in the order of its
+// pass table (passes/table.cpp).
 // To add an edit: a file here that opens with what it cuts and why, its make_ function below, and
 // its line in table.cpp, at the place where it must win over the edits after it; if it needs an
-// analysis step, that step in the same file, declared below, with its line in the analysis table.
+// analysis step, that step in the same file, declared below, with its line in the plan's pass table.
 #pragma once
 
 #include "../graph.h"
 #include "../node_fields.h"
+#include "../node_traits.h"
 #include "../trace_facts.h"
 #include "../transaction.h"
 
@@ -52,11 +54,7 @@ std::unique_ptr<Edit> make_detach_edit();           // edges whose gradient is z
 std::unique_ptr<Edit> make_zero_padding_edit();     // ragged masks: padding rows zeroed where gradients are born
 std::unique_ptr<Edit> make_key_rows_edit();         // exact_query: dK/dV cut to the kept rows
 
-// An edit's analysis step, and the table of them in the order build_plan runs them (table.cpp).
-using AnalysisStep = void (*)(const TraceFacts&, PlanData&);
-const std::vector<AnalysisStep>& analysis_table();
-
-// The analysis steps, in the files of their edits.
+// The analysis steps, in the files of their edits (passes/table.cpp runs them as whole-graph passes).
 void field_cut_flat_order(const TraceFacts&, PlanData&);         // [B*T] rows: batch- or sequence-major
 void route_scatters_routes(const TraceFacts&, PlanData&);        // mixture-of-experts routes (routes.h)
 void field_cut_broadcast(const TraceFacts&, PlanData&);          // token fields without a batch dimension

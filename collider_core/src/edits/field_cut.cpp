@@ -282,7 +282,8 @@ void resolve_broadcast(const Graph& ga, Sizes sa, PlanData& plan,
     for (size_t k = 0; k < ns.fields.size(); ++k) {
       FieldSpec& f = ns.fields[k];
       if (batch_dim(f.shape) || has_flat(f.shape) || f.shape.has_route()) continue;
-      if (ns.type == "SliceBackward0" && f.name == "end") continue;  // a scalar: T key positions, not a tensor
+      if (traits_of(ns.type).sink == SinkRole::kSlice && f.name == "end")
+        continue;  // a scalar: T key positions, not a tensor
       if (!ref || !align_broadcast(f.shape, values[i][k], *ref)) {
         throw Error(
             fmt::format("collider cannot rewrite node {} (#{}): field {} has token dimensions but no "
@@ -342,11 +343,13 @@ void check_sinks(const PlanData& plan, const std::vector<ObservedNode>& oa, cons
       for (const auto& d : f.shape.dims) plus = plus || d.kind == DimKind::kTokenPlus;
     const int node = static_cast<int>(i);
     if (!plus && !sink_ops.count(node)) continue;
-    if (ns.type == "MaxBackward0" && ns.fields.empty()) continue;  // a detached row maximum (attention_cores.cpp)
+    if (traits_of(ns.type).sink == SinkRole::kMax && ns.fields.empty())
+      continue;  // a detached row maximum (attention_cores.cpp)
     if (!ns.attention_core) refuse(node, "T + c positions outside an attention core");
     if (!sink_ops.count(node)) continue;
     const ObservedNode& o = oa[i];
-    if (ns.type == "SliceBackward0") {
+    const SinkRole sink = traits_of(ns.type).sink;
+    if (sink == SinkRole::kSlice) {
       int64_t start = 0, end = -1, step = 1;
       for (const auto& f : o.fields) {
         if (f.name == "start" && f.scalar) start = f.values[0];
@@ -360,7 +363,7 @@ void check_sinks(const PlanData& plan, const std::vector<ObservedNode>& oa, cons
       if (start != 0 || step != 1 || (end != sa.T && end != -fixed) || fixed == 0) {
         refuse(node, "a slice other than [..., :T] of T + c positions");
       }
-    } else if (ns.type == "CatBackward0") {
+    } else if (sink == SinkRole::kCat) {
       const FieldSpec* scores = ns.find(FieldKind::kSizes, 0, "tensors_args_sizes_symint");
       const FieldSpec* sinks = ns.find(FieldKind::kSizes, 1, "tensors_args_sizes_symint");
       const int64_t rank = scores ? scores->shape.rank : 0;

@@ -36,7 +36,7 @@ class LeafRowsEdit final : public Edit {
   const char* name() const override { return "leaf rows"; }
   bool takes(const Graph&, int i, const Transaction& tx) const override {
     const NodeSpec& spec = tx.plan().nodes[i];
-    return !spec.fields.empty() && spec.type == "torch::autograd::AccumulateGrad";
+    return !spec.fields.empty() && traits_of(spec.type).leaf;
   }
   void cut(const Graph& g, int i, Transaction& tx) override {
     if (tx.masked()) return;

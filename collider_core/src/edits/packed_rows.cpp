@@ -55,7 +55,8 @@ class PackedRowsNode final : public torch::autograd::Node {
 // The next_edge of a GEMM node whose backward can run on packed rows: the token operand's, when
 // it is the node's only token-shaped field, a plain [B*T, D] matrix; else -1.
 int packed_token_output(const NodeSpec& spec) {
-  const char* field = spec.type == "MmBackward0" ? "self_" : spec.type == "AddmmBackward0" ? "mat1_" : nullptr;
+  const NodeTraits traits = traits_of(spec.type);
+  const char* field = traits.packed_operand;
   if (!field) return -1;
   bool saved = false;
   for (const auto& f : spec.fields) {
@@ -70,7 +71,7 @@ int packed_token_output(const NodeSpec& spec) {
     }
   }
   if (!saved) return -1;
-  return spec.type == "MmBackward0" ? 0 : 1;
+  return traits.packed_edge;
 }
 
 class PackedRowsEdit final : public Edit {

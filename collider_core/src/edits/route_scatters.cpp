@@ -15,7 +15,7 @@ class RouteScattersEdit final : public Edit {
   const char* name() const override { return "route scatters"; }
   bool takes(const Graph&, int i, const Transaction& tx) const override {
     const NodeSpec& spec = tx.plan().nodes[i];
-    return !spec.fields.empty() && !tx.masked() && spec.type == "IndexAddBackward0" &&
+    return !spec.fields.empty() && !tx.masked() && traits_of(spec.type).route == RouteRole::kScatter &&
            tx.index().hooked_route(static_cast<int32_t>(i));
   }
   void cut(const Graph& g, int i, Transaction& tx) override {

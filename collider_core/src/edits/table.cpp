@@ -27,20 +27,6 @@ std::vector<std::unique_ptr<Edit>> make_table() {
 
 }  // namespace
 
-// The analysis steps in the order build_plan runs them: the flattened rows' order first (the routes
-// and the broadcast layouts read it), the attention cores before the sinks that must lie in one.
-const std::vector<AnalysisStep>& analysis_table() {
-  static const std::vector<AnalysisStep> table = {
-      field_cut_flat_order,        // field cut
-      route_scatters_routes,       // route scatters
-      field_cut_broadcast,         // field cut
-      field_cut_python_functions,  // field cut
-      attention_rows_cores,        // attention rows (the key rows and the sinks read it)
-      field_cut_sinks,             // field cut
-  };
-  return table;
-}
-
 void run_edits(const Graph& g, Transaction& tx) {
   // One table per rewrite: an edit may keep what its before() found for its takes() and cut().
   const auto table = make_table();
