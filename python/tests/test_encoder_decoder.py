@@ -254,3 +254,21 @@ def test_a_learned_relative_position_bias_is_refused_at_trace_plan_saying_what_t
     frozen, every step is exact (test_exact_or_refused, family t5_frozen_bias)."""
     with pytest.raises(collider.Error, match=r"Freeze that bias \(requires_grad_\(False\)\)"):
         trace(tiny_model("t5", "eager"), source)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_a_learned_prefix_as_long_as_the_tokens_is_refused_at_trace_plan(attn):
+    """The other second sequence a decoder takes: PEFT's prefix tuning, learned keys and values concatenated before
+    the tokens' own in every attention, here as long as the tokens (num_virtual_tokens = T). Its keys are partly
+    the tokens and partly not, which collider does not cut: refused at trace_plan, whatever the step's sizes."""
+    from peft import PrefixTuningConfig, get_peft_model
+    from oracle import tiny_model as tiny_decoder
+    model = get_peft_model(tiny_decoder("llama", attn), PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=T))
+    gen = torch.Generator().manual_seed(1)
+
+    def loss_on_random_batch(batch, seq_len):
+        ids = torch.randint(3, 100, (batch, seq_len), generator=gen)
+        return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+    with pytest.raises(collider.Error, match="collider cannot rewrite node"):
+        collider.trace_plan(loss_on_random_batch)
