@@ -2,6 +2,7 @@
 #include "graph.h"
 
 #include "node_traits.h"
+#include "passthrough.h"
 
 #include <deque>
 #include <string>
@@ -42,8 +43,12 @@ std::vector<const std::string*> node_types(const Graph& g, NodeNames& names) {
   std::vector<const std::string*> types;
   types.reserve(g.nodes.size());
   for (const auto& n : g.nodes) {
-    auto it = names.find(typeid(*n));
-    if (it == names.end()) it = names.emplace(typeid(*n), n->name()).first;
+    if (custom_saved(*n)) {  // a Python custom Function
+      types.push_back(&names.per_node.emplace_back(n->name()));
+      continue;
+    }
+    auto it = names.by_type.find(typeid(*n));
+    if (it == names.by_type.end()) it = names.by_type.emplace(typeid(*n), n->name()).first;
     types.push_back(&it->second);  // an unordered_map's elements stay where they are
   }
   return types;

@@ -4,6 +4,7 @@
 
 #include "collider/torch_compat.h"
 
+#include <deque>
 #include <memory>
 #include <string>
 #include <typeindex>
@@ -24,8 +25,12 @@ struct Graph {
 Graph collect_graph(const NodePtr& root, size_t expected_nodes = 0);
 
 // Node::name() of every node of g (what a plan's NodeSpec::type records). Node::name() demangles on
-// every call: node_types demangles once per type into `names`, and types[i] points there.
-using NodeNames = std::unordered_map<std::type_index, std::string>;
+// every call: node_types demangles once per type into `names`, and types[i] points there. Every
+// Python custom Function's node is one C++ type (a PyNode) named after its Function: read per node.
+struct NodeNames {
+  std::unordered_map<std::type_index, std::string> by_type;
+  std::deque<std::string> per_node;  // a deque's elements stay where they are
+};
 std::vector<const std::string*> node_types(const Graph& g, NodeNames& names);
 
 // The node indices of g, every node after all the nodes with an edge into it (backward order).
