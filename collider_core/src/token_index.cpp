@@ -448,7 +448,14 @@ torch::Tensor TokenIndex::uncut(const torch::Tensor& x, const ShapeSpec& spec, b
   TORCH_CHECK(where.sizes() == x.sizes(), "collider: a leaf's gradient is [", x.sizes(), "], its cut layout [",
               where.sizes(), "]");
   auto full = torch::zeros(full_sizes, x.options());
-  full.view(-1).index_put_({where.reshape(-1)}, x.reshape(-1));
+  if (!ragged_) {
+    full.view(-1).index_put_({where.reshape(-1)}, x.reshape(-1));
+    return full;
+  }
+  // Ragged: a padding slot of the cut repeats a kept position; its gradient zeroed and the writes
+  // summed, the kept position gets its own value whichever write comes last.
+  full.view(-1).index_put_({where.reshape(-1)}, zero_padding(x, spec, /*keys_only=*/false).reshape(-1),
+                           /*accumulate=*/true);
   return full;
 }
 
