@@ -127,7 +127,7 @@ struct Opaque : public torch::autograd::Function<Opaque> {
   }
 };
 
-TEST(Plan, UnknownNodesAndTokenMixingOpsAreRefused) {
+TEST(Plan, UnknownNodesAreRefusedAndTokenMixingOpsRunWhole) {
   auto w = torch::randn({8, 8}, torch::requires_grad());
   auto opaque = error_of([&] {
     trace_plan([&](int64_t B, int64_t T) { return Opaque::apply(torch::randn({B, T, 8}).matmul(w)).sum(); });
@@ -139,11 +139,30 @@ TEST(Plan, UnknownNodesAndTokenMixingOpsAreRefused) {
     trace_plan([&](int64_t B, int64_t T) { return Opaque::apply(torch::randn({B, T, 8}).matmul(w)).sum(); });
   });
   EXPECT_EQ(ok, "(no error)");
-  // cumsum over the token dimension mixes positions.
-  auto mixing = error_of([&] {
-    trace_plan([&](int64_t B, int64_t T) { return torch::randn({B, T, 8}).matmul(w).cumsum(1).sum(); });
+  // cumsum over the token dimension mixes positions: it runs whole (DESIGN.md section 3), its dropped rows
+  // detached at its input. Oracle: plain autograd with torch.where(keep, x, x.detach()) there.
+  auto wd = torch::randn({8, 8}, torch::dtype(torch::kDouble).requires_grad(true));
+  auto x = torch::randn({3, 16, 8}, torch::kDouble);
+  auto keep = random_keep(3, 16, 0.5, 2);
+  auto loss_of = [&](const torch::Tensor& x_BTD, const torch::Tensor& keep_BT, bool oracle) {
+    auto h = x_BTD.matmul(wd);  // [B, T, 8]
+    if (oracle) h = torch::where(keep_BT.unsqueeze(-1), h, h.detach());
+    return (torch::tanh(h.cumsum(1)).sum(-1) * keep_BT.to(torch::kDouble)).sum();
+  };
+  Plan plan = trace_plan([&](int64_t B, int64_t T) {
+    return loss_of(torch::randn({B, T, 8}, torch::kDouble), torch::ones({B, T}, torch::kBool), false);
   });
-  EXPECT_NE(mixing.find("CumsumBackward0"), std::string::npos) << mixing;
+  EXPECT_NE(plan.to_string().find("CumsumBackward0 4"), std::string::npos) << plan.to_string();
+  loss_of(x, keep, true).backward();
+  const auto oracle = wd.grad().clone();
+  for (auto a : {AttentionGrad::kKeptOnly, AttentionGrad::kExactQuery}) {
+    wd.mutable_grad() = torch::Tensor();
+    auto loss = loss_of(x, keep, false);
+    FilterStats stats = filter_backward(loss, keep, plan, {a});
+    loss.backward();
+    EXPECT_EQ(stats.nodes_run_whole, 1);
+    EXPECT_TRUE(torch::allclose(wd.grad(), oracle, 1e-10, 1e-12)) << (wd.grad() - oracle).abs().max().item<double>();
+  }
 }
 
 // A fused attention with an additive bias (ALiBi-like, per head, [H, T, T]) and with a mask

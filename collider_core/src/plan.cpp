@@ -1,7 +1,8 @@
 // Plan: construction, copying, merging and its text form. The text form is line based, one block
 // per traced variant:
 //   collider-plan 1 trace B=3,5 T=53,61 cores=<n>
-//   node <i> <Type> <0 | 1 attention core | 2 fused attention> [<edges>]   edges: the plan indices of
+//   node <i> <Type> <0 | 1 attention core | 2 fused attention | 3 fused cross-attention | 4 run whole> [<edges>]
+//        edges: the plan indices of
 //        its next edges, comma separated, -1 for an edge to no node; "-" for none (optional on reading)
 //   field <name> <kind> <item> <rank> <pad_rank> <bcast_dim> <bcast_mult> <dims>   dims: dim:kind:role:mult[:route],... (route: routed kinds only)
 //   insert <node> <edge> <rank> <pad_rank> <bcast_dim> <bcast_mult> <dims>
@@ -108,7 +109,8 @@ std::string variant_text(const detail::PlanData& d) {
     std::string edges = "-";
     if (i < d.children.size() && !d.children[i].empty()) edges = fmt::format("{}", fmt::join(d.children[i], ","));
     out += fmt::format("node {} {} {}{}\n", i, n.type,
-                       n.fused_attention  ? (n.cross_attention ? 3 : 2)
+                       n.run_whole        ? 4
+                       : n.fused_attention  ? (n.cross_attention ? 3 : 2)
                        : n.attention_core ? 1
                                           : 0,
                        d.children.size() == d.nodes.size() ? " " + edges : "");
@@ -172,12 +174,13 @@ Plan Plan::from_string(const std::string& text) {
       size_t idx = 0;
       detail::NodeSpec n;
       int core = 0;
-      if (!(in >> idx >> n.type >> core) || idx != d.nodes.size()) {
+      if (!(in >> idx >> n.type >> core) || idx != d.nodes.size() || core < 0 || core > 4) {
         throw Error(fmt::format("Plan::from_string: line {}: malformed node line", line_no));
       }
       n.attention_core = core == 1;
       n.fused_attention = core == 2 || core == 3;
       n.cross_attention = core == 3;
+      n.run_whole = core == 4;
       std::string edges;
       if (in >> edges) {
         if (d.children.size() != d.nodes.size()) {

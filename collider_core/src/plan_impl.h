@@ -121,6 +121,11 @@ struct NodeSpec {
   // with fused_attention: its keys and values are another sequence than the tokens (a cross-attention onto an
   // encoder's source, token_rows.h): its query rows are cut, its keys all kept
   bool cross_attention = false;
+  // A node that cannot be cut row by row (it mixes or indexes positions along the tokens: a scan, a
+  // short convolution, a slice or scatter along them, a custom Function that is not row to row): run
+  // whole (edits/run_whole.cpp), its kept rows' gradient put back full-size, its backward at full size,
+  // the gradients of its token-shaped inputs cut to the kept rows. Only its input metadata is kept.
+  bool run_whole = false;
   std::vector<FieldSpec> fields;  // only fields with token dimensions
 
   // The field of this kind and item (and name, unless null); input metadata fields are named "input".
@@ -130,6 +135,21 @@ struct NodeSpec {
     return nullptr;
   }
 };
+
+// Marks ns to run whole (NodeSpec::run_whole): of its fields only its input metadata, the shapes of
+// the gradients it receives, stays (and of `values`, the fields' trace values, the same entries).
+inline void mark_run_whole(NodeSpec& ns, std::vector<std::vector<int64_t>>* values = nullptr) {
+  ns.run_whole = true;
+  size_t kept = 0;
+  for (size_t j = 0; j < ns.fields.size(); ++j) {
+    if (ns.fields[j].kind != FieldKind::kInputMeta) continue;
+    ns.fields[kept] = ns.fields[j];
+    if (values) (*values)[kept] = (*values)[j];
+    ++kept;
+  }
+  ns.fields.resize(kept);
+  if (values) values->resize(kept);
+}
 
 // exact_query: the gradient reaching a key/value input of an attention core carries all T
 // key rows; a node inserted on that edge cuts it to the kept rows.

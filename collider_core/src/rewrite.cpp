@@ -164,10 +164,11 @@ RewrittenGraphs& rewritten_graphs() {
 }
 
 // A Python custom Function must save nothing token-shaped beyond what the plan cuts (trace_plan
-// ran those row for row; a plan read from text, or a node registered passthrough, skipped that).
+// ran those row for row; a plan read from text, or a node registered passthrough, skipped that). One
+// that runs whole reads its saved tensors at full length, as it should.
 void check_passthrough_nodes(const Graph& g, const PlanData& plan, const TokenIndex& ix, const char* who) {
   for (size_t i = 0; i < g.nodes.size(); ++i) {
-    if (plan.nodes[i].fields.empty() || find_node_fields(*g.nodes[i])) continue;
+    if (plan.nodes[i].fields.empty() || plan.nodes[i].run_whole || find_node_fields(*g.nodes[i])) continue;
     auto* saved = custom_saved(*g.nodes[i]);
     if (!saved) continue;
     for (size_t k = 0; k < saved->size(); ++k) {

@@ -440,17 +440,20 @@ std::vector<std::pair<std::string, RowRuleEntry>> row_rule_table() {
   return out;
 }
 
-void check_row_rules(const Graph& g, const PlanData& plan, const std::vector<ObservedNode>& observed) {
+void check_row_rules(const Graph& g, PlanData& plan, const std::vector<ObservedNode>& observed) {
   const std::vector<bool> loss_side = below_token_free_path(g, plan);
   for (size_t i = 0; i < plan.nodes.size(); ++i) {
     const NodeSpec& ns = plan.nodes[i];
-    if (!find_node_fields(*g.nodes[i]) || ns.fused_attention || !has_token_field(ns)) continue;
+    if (!find_node_fields(*g.nodes[i]) || ns.fused_attention || ns.run_whole || !has_token_field(ns)) continue;
     const RowRuleEntry entry = row_rule(ns.type);
     auto refuse = [&](const std::string& why) {
       throw Error(fmt::format("collider cannot rewrite node {} (#{}): {}; cutting its token rows would change its "
                               "result. Write the model without it, or train it without token filtering",
                               ns.type, i, why));
     };
+    // What does not act row by row along its token dimensions runs whole (NodeSpec::run_whole).
+    bool whole = false;
+    auto run_whole = [&](const std::string&) { whole = true; };
     switch (entry.rule) {
       case RowRule::kPointwise:
       case RowRule::kLayout:
@@ -459,7 +462,7 @@ void check_row_rules(const Graph& g, const PlanData& plan, const std::vector<Obs
         refuse("a fused attention kernel over the tokens that collider has no replacement for (sdpa.h); use "
                "attn_implementation=\"eager\" or \"sdpa\"");
         break;
-      case RowRule::kRefused: refuse(entry.reason); break;
+      case RowRule::kRefused: run_whole(entry.reason); break;
       case RowRule::kAlongDim: {
         // An attention core's softmax runs over the key columns, which the core's rewrite cuts as its
         // semantics say; the token-mixing ops were checked where their fields were classified
@@ -472,10 +475,13 @@ void check_row_rules(const Graph& g, const PlanData& plan, const std::vector<Obs
         std::vector<int64_t> along;
         if (observed[i].dim) along.push_back(*observed[i].dim);
         if (dims && !dims->scalar) along.insert(along.end(), dims->values.begin(), dims->values.end());
-        if (!ref || along.empty()) refuse("it acts along a dimension collider cannot see");
+        if (!ref || along.empty()) {
+          run_whole("it acts along a dimension collider cannot see");
+          break;
+        }
         for (int64_t d : along) {
           const int64_t a = d < 0 ? d + ref->shape.rank : d;
-          if (is_token_dim(ref->shape, a)) refuse(fmt::format("it acts along dimension {}, a token dimension", d));
+          if (is_token_dim(ref->shape, a)) run_whole(fmt::format("it acts along dimension {}, a token dimension", d));
         }
         break;
       }
@@ -486,11 +492,11 @@ void check_row_rules(const Graph& g, const PlanData& plan, const std::vector<Obs
         for (const auto& f : ns.fields)
           if (f.kind != FieldKind::kInputMeta) most = std::max(most, count_token_dims(f.shape));
         if (kept < most && !loss_side[i])
-          refuse("it reduces over a token dimension, and its result flows back into token-shaped tensors");
+          run_whole("it reduces over a token dimension, and its result flows back into token-shaped tensors");
         break;
       }
       case RowRule::kNorm:
-        if (has_field(ns, "normalized_shape")) refuse("it normalises over a token dimension");
+        if (has_field(ns, "normalized_shape")) run_whole("it normalises over a token dimension");
         break;
       case RowRule::kMatmul: {
         if (ns.attention_core) break;
@@ -509,13 +515,14 @@ void check_row_rules(const Graph& g, const PlanData& plan, const std::vector<Obs
           const int32_t r = f.shape.rank;
           const int64_t inner = first || r < 2 ? r - 1 : r - 2;
           if (is_token_dim(f.shape, inner))
-            refuse("it sums products over a token dimension outside an attention core collider recognises");
+            run_whole("it sums products over a token dimension outside an attention core collider recognises");
         }
         break;
       }
       case RowRule::kRepeat: {
         const Observed* repeats = observed_field(observed[i], "repeats");
         const FieldSpec* self = ns.find(FieldKind::kSizes, 0, "self_sym_sizes");
+        // Refused, not run whole: the copies' rows are in an order the cut of its neighbours would misread.
         if (!repeats) refuse("it repeats its input along dimensions collider cannot see");
         if (!self) break;  // the input has no token dimension: its copies are new rows of their own
         // Tiling a token or batch dimension k times puts the copies outermost ([k, B*T] rows), an
@@ -528,6 +535,7 @@ void check_row_rules(const Graph& g, const PlanData& plan, const std::vector<Obs
         break;
       }
     }
+    if (whole) mark_run_whole(plan.nodes[i]);
   }
 }
 

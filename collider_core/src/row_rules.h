@@ -2,8 +2,9 @@
 // node's fields to the kept rows is exact only where the node acts row by row along that
 // dimension: every output row made from the same row of its inputs, every input row's gradient
 // from the same row of the output's gradient and of the saved tensors. So a node type is cut only
-// under a rule that says so; every other type, and every type the rules do not name, is refused
-// when one of its fields has a token dimension ("not known to act row by row"), never guessed.
+// under a rule that says so; every other type, and every type the rules do not name, runs whole
+// when one of its fields has a token dimension ("not known to act row by row"; NodeSpec::run_whole,
+// edits/run_whole.cpp), never guessed. A fused attention kernel with no replacement is refused.
 // The rules of all node types of the generated handlers (node_fields.h) are listed in
 // docs/ROW_RULES.md (`build/collider row-rules` writes it); the property test
 // python/tests/test_row_rules.py runs PyTorch's own sample inputs (OpInfo) through the ops the
@@ -53,8 +54,9 @@ const char* rule_name(RowRule rule);
 // Every generated node type with its rule, in Functions.h order (docs/ROW_RULES.md).
 std::vector<std::pair<std::string, RowRuleEntry>> row_rule_table();
 
-// Throws collider::Error for the first node with a token-dimension field that its rule does not let
-// collider cut. Runs after every field is classified and the attention cores are found.
-void check_row_rules(const Graph& g, const PlanData& plan, const std::vector<ObservedNode>& observed);
+// Marks run whole every node with a token-dimension field that its rule does not let collider cut;
+// throws collider::Error for a fused attention kernel with no replacement. Runs after every field is
+// classified and the attention cores are found.
+void check_row_rules(const Graph& g, PlanData& plan, const std::vector<ObservedNode>& observed);
 
 }  // namespace collider::detail

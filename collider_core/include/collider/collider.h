@@ -69,6 +69,8 @@ struct FilterStats {
   int64_t checked = 0;                 // 1: this step was checked against mask_backward (validate, or
                                        // the check on first use)
   int64_t gemms_packed = 0;            // ragged rows: token-row GEMMs run on the packed kept rows
+  int64_t nodes_run_whole = 0;         // nodes that cannot be cut row by row (a scan, a convolution
+                                       // along the tokens): their backward at full size
   int64_t batch = 0, seq_len = 0;      // B, T
   int64_t kept = 0;                    // positions per row after the cut: T', the largest kept count
   int64_t kept_total = 0;              // kept tokens over the batch (B * T' unless ragged)

@@ -21,6 +21,7 @@ void for_each_filter_stats_field(F&& f) {
   f("gather_nodes_inserted", &FilterStats::gather_nodes_inserted);
   f("checked", &FilterStats::checked);
   f("gemms_packed", &FilterStats::gemms_packed);
+  f("nodes_run_whole", &FilterStats::nodes_run_whole);
   f("batch", &FilterStats::batch);
   f("seq_len", &FilterStats::seq_len);
   f("kept", &FilterStats::kept);
@@ -31,8 +32,8 @@ void for_each_filter_stats_field(F&& f) {
   f("gather_ms", &FilterStats::gather_ms);
 }
 
-// 15 int64_t counts and 2 double times: a field added to the struct but not above fails here.
-static_assert(sizeof(FilterStats) == 15 * sizeof(int64_t) + 2 * sizeof(double),
+// 16 int64_t counts and 2 double times: a field added to the struct but not above fails here.
+static_assert(sizeof(FilterStats) == 16 * sizeof(int64_t) + 2 * sizeof(double),
               "FilterStats changed: list its fields in for_each_filter_stats_field");
 
 }  // namespace collider

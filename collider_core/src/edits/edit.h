@@ -43,6 +43,7 @@ class Edit {
 };
 
 // The edits, one file each (the table, table.cpp, says in which order they run).
+std::unique_ptr<Edit> make_run_whole_edit();        // nodes that cannot be cut row by row: run at full size
 std::unique_ptr<Edit> make_attention_rows_edit();   // ragged masks: eager attention cores row by row
 std::unique_ptr<Edit> make_fused_attention_edit();  // SDPA nodes: a filtered attention backward
 std::unique_ptr<Edit> make_leaf_rows_edit();        // leaf tensors with token rows: the gradient uncut

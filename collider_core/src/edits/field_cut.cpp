@@ -303,8 +303,8 @@ void resolve_broadcast(const Graph& ga, Sizes sa, PlanData& plan,
 // Python custom Functions with token-shaped inputs or saved tensors (BLOOM's GELU) are cut like an
 // ATen op where their backward maps rows one to one: rows only (no key or routed dimension), every
 // gradient they return token-shaped, and the backward run on cut rows giving the full run's kept
-// rows (passthrough.h: row_mismatch).
-void check_python_functions(const Graph& g, const PlanData& plan, const std::vector<ObservedNode>& observed,
+// rows (passthrough.h: row_mismatch). Any other runs whole (NodeSpec::run_whole).
+void check_python_functions(const Graph& g, PlanData& plan, const std::vector<ObservedNode>& observed,
                             const std::set<int>& nodes, Sizes s) {
   for (int i : nodes) {
     const NodeSpec& ns = plan.nodes[i];
@@ -319,17 +319,14 @@ void check_python_functions(const Graph& g, const PlanData& plan, const std::vec
                                    : nullptr);
     }
     if (why.empty()) why = row_mismatch(g.nodes[i], ns, observed[i].custom_saved, outputs, s.B, s.T);
-    if (why.empty()) continue;
-    throw Error(fmt::format(
-        "collider cannot filter through node {} (#{}): a custom autograd Function not seen to map gradient rows one "
-        "to one ({}; run on the traced batch). Write the op with torch operations",
-        ns.type, i, why));
+    if (!why.empty()) mark_run_whole(plan.nodes[i]);
   }
 }
 
-// Attention sinks (kTokenPlus): every field with T + c positions must lie in a recognised attention
-// core, its cat must append the c fixed columns after the T scores and its slice keep [..., :T].
-void check_sinks(const PlanData& plan, const std::vector<ObservedNode>& oa, const std::set<int>& sink_ops, Sizes sa) {
+// Attention sinks (kTokenPlus): in a recognised attention core, a cat must append the c fixed columns
+// after the T scores and a slice keep [..., :T]. A node with T + c positions outside an attention core
+// (a convolution's padding, sliced off by [..., :T]) runs whole (NodeSpec::run_whole).
+void check_sinks(PlanData& plan, const std::vector<ObservedNode>& oa, const std::set<int>& sink_ops, Sizes sa) {
   auto refuse = [&](int i, const std::string& why) {
     throw Error(
         fmt::format("collider cannot rewrite node {} (#{}): {}; collider follows T + c positions only as "
@@ -345,7 +342,10 @@ void check_sinks(const PlanData& plan, const std::vector<ObservedNode>& oa, cons
     if (!plus && !sink_ops.count(node)) continue;
     if (traits_of(ns.type).sink == SinkRole::kMax && ns.fields.empty())
       continue;  // a detached row maximum (attention_cores.cpp)
-    if (!ns.attention_core) refuse(node, "T + c positions outside an attention core");
+    if (!ns.attention_core) {
+      mark_run_whole(plan.nodes[i]);
+      continue;
+    }
     if (!sink_ops.count(node)) continue;
     const ObservedNode& o = oa[i];
     const SinkRole sink = traits_of(ns.type).sink;

@@ -12,6 +12,7 @@ namespace {
 
 std::vector<std::unique_ptr<Edit>> make_table() {
   std::vector<std::unique_ptr<Edit>> table;
+  table.push_back(make_run_whole_edit());  // before any edit that would cut its fields
   table.push_back(make_attention_rows_edit());  // takes whole eager cores under ragged masks
   table.push_back(make_fused_attention_edit());
   table.push_back(make_leaf_rows_edit());

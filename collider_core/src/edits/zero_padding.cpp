@@ -2,7 +2,8 @@
 // count, and a shorter sequence's slots past its own count are padding. Their gradient must be
 // zero, also where the loss does not mask them, so a ZeroPaddingNode is inserted where every
 // token-shaped gradient is born: on each edge from a node without token-shaped inputs (the loss's
-// reduction) into one with them (token_index.cpp says why this suffices).
+// reduction) into one with them (token_index.cpp says why this suffices). A node run whole zeroes
+// them on its own edges (edits/run_whole.cpp).
 #include "edit.h"
 
 namespace collider::detail {
@@ -47,7 +48,7 @@ class ZeroPaddingEdit final : public Edit {
       bool has_token_input = false;
       for (const auto& f : data.nodes[i].fields)
         has_token_input = has_token_input || (f.kind == FieldKind::kInputMeta && f.shape.has_token());
-      if (has_token_input || data.nodes[i].fused_attention) continue;
+      if (has_token_input || data.nodes[i].fused_attention || data.nodes[i].run_whole) continue;
       const auto& edges = g.nodes[i]->next_edges();
       for (size_t e = 0; e < edges.size(); ++e) {
         if (!edges[e].function) continue;

@@ -1,9 +1,10 @@
 // Pass (whole graph): a node without a field handler (a custom Function, a torch.compile graph)
 // whose gradients go into token-shaped inputs must take a token-shaped gradient itself (a
 // passthrough maps rows one to one): one that makes them from a gradient without token dimensions
-// (a compiled loss, a custom reduction) would hand full-length rows to nodes whose rows were cut.
-// Refused, first among the whole-graph passes: every later one assumes token gradients are born
-// where an edit can cut them.
+// (a fused linear cross-entropy, a custom reduction) would hand full-length rows to nodes whose
+// rows were cut. It runs whole (NodeSpec::run_whole: its gradients cut to the kept rows as they
+// leave it); a torch.compile graph is refused. First among the whole-graph passes: every later one
+// assumes token gradients are born where an edit can cut them.
 #include "pass.h"
 
 #include "../head_node.h"
@@ -39,10 +40,8 @@ void refuse_token_gradients_born_opaque(const TraceFacts& t, PlanData& plan) {
             "full-length token gradients. Build the loss (and the model) without torch.compile for the filtered step",
             ns.type, i));
       }
-      throw Error(fmt::format(
-          "collider cannot filter through node {} (#{}): not an ATen op, and it makes token-shaped gradients (for "
-          "{} #{}) from a gradient without token dimensions, at full length. Write it with torch operations",
-          ns.type, i, c.type, g.index.at(e.function.get())));
+      mark_run_whole(plan.nodes[i]);
+      break;
     }
   }
 }

@@ -75,7 +75,7 @@ FieldVerdict check_scalar_field(NodeFacts&, FieldFacts&);               // scala
 FieldVerdict refuse_tensor_geometry(NodeFacts&, FieldFacts&);           // tensor_geometry.cpp
 FieldVerdict check_copy_slices(NodeFacts&, FieldFacts&);                // copy_slices.cpp
 FieldVerdict refuse_non_aten_input(NodeFacts&, FieldFacts&);            // non_aten_nodes.cpp
-FieldVerdict refuse_token_mixing(NodeFacts&, FieldFacts&);              // token_mixing.cpp
+FieldVerdict run_token_mixing_whole(NodeFacts&, FieldFacts&);          // token_mixing.cpp
 void refuse_token_gradients_born_opaque(const TraceFacts&, PlanData&);  // opaque_gradients.cpp
 
 }  // namespace collider::detail

@@ -1,7 +1,8 @@
 // Pass (per field): a scalar field equal to the sequence length is an index along the token
-// dimension, refused, except a divisor fixed by the forward (a mean's numel, dropped) and the end
-// of the slice that cuts attention sinks off the key columns ([..., :T], kept as a key position
-// for check_sinks, edits/field_cut.cpp).
+// dimension (a convolution's padding sliced off, x[..., :T]): the node runs whole
+// (NodeSpec::run_whole, edits/run_whole.cpp). Except a divisor fixed by the forward (a mean's
+// numel, dropped) and the end of the slice that cuts attention sinks off the key columns
+// ([..., :T], kept as a key position for check_sinks, edits/field_cut.cpp).
 #include "pass.h"
 
 #include <collider/collider.h>
@@ -18,10 +19,8 @@ FieldVerdict check_scalar_field(NodeFacts& n, FieldFacts& f) {
     f.spec.dims[0].role = Role::kKey;  // the sinks sliced off the key columns: [..., :T] (check_sinks)
     return FieldVerdict::kKeep;
   }
-  throw Error(fmt::format(
-      "collider cannot rewrite node {} (#{}): scalar field {} equals the sequence length; "
-      "the op indexes along the token dimension{}",
-      n.spec.type, n.i, a.name, debug_plan() ? fmt::format(". Saved fields: {}", n.a.described) : std::string()));
+  n.spec.run_whole = true;
+  return FieldVerdict::kSkip;
 }
 
 }  // namespace collider::detail

@@ -45,7 +45,7 @@ const std::vector<PlanPass>& plan_passes() {
       {"tensor geometry", nullptr, refuse_tensor_geometry},
       {"copy slices", nullptr, check_copy_slices},
       {"non-ATen nodes", nullptr, refuse_non_aten_input},
-      {"token mixing", nullptr, refuse_token_mixing},
+      {"token mixing", nullptr, run_token_mixing_whole},  // run whole
       // over the whole graph
       {"opaque gradients", nullptr, nullptr, refuse_token_gradients_born_opaque},
       {"flattened row order", nullptr, nullptr, field_cut_flat_order},         // field cut
@@ -86,6 +86,7 @@ void run_plan_passes(const TraceFacts& trace, Classified& out, PlanData& plan) {
       ns.fields.push_back(FieldSpec{field.a.name, field.a.kind, field.a.item, field.spec});
       out.values[i].push_back(field.a.values);
     }
+    if (ns.run_whole) mark_run_whole(ns, &out.values[i]);
   }
   for (const PlanPass& p : table)
     if (p.graph) p.graph(trace, plan);
