@@ -82,7 +82,33 @@ bool has_flat(const ShapeSpec& s) {
 // joined by an edge whose tensor is flat see the same rows, so they share one order: every
 // reshape of such a group must agree. A group without a reshape keeps the batch-major order of
 // batch-first models, unless the graph has sequence-first tensors ([T, B, ..]): then it is refused.
-void resolve_flat_order(const Graph& g, PlanData& plan) {
+// A batch-major flat dimension of B*mult*T rows is [B, mult, T] flattened (row = (b*mult + j)*T + t:
+// attention's [B, H, T, ..] -> [B*H*T, ..]). [B, T, k] flattened (row = (b*T + t)*k + j: a per-head
+// norm's [B, T, H, D] -> [B*T*H, D]) has the same size and another order, which the cut would misread:
+// refused where a reshape shows the dimensions between the batch and the sequence are not the mult.
+static void refuse_rows_after_the_sequence(const NodeSpec& ns, int i, const FieldSpec& flat, const FieldSpec& split,
+                                    const ObservedNode& observed) {
+  const DimSpec* b = batch_dim(split.shape);
+  const auto toks = token_dims(split.shape);
+  if (!b || toks.size() != 1 || toks[0] < b->dim) return;
+  int64_t mult = 1;
+  for (const auto& d : flat.shape.dims)
+    if (d.kind == DimKind::kFlatToken) mult = d.mult;
+  const Observed* sizes = nullptr;
+  for (const auto& o : observed.fields)
+    if (o.name == split.name && o.kind == split.kind && o.item == split.item) sizes = &o;
+  if (!sizes || static_cast<int64_t>(sizes->values.size()) <= toks[0]) return;
+  int64_t between = 1;
+  for (int32_t d = b->dim + 1; d < toks[0]; ++d) between *= sizes->values[d];
+  if (between == mult) return;
+  throw Error(fmt::format(
+      "collider cannot rewrite node {} (#{}): it flattens rows that follow the sequence ([B, T, k, ..] -> "
+      "[B*T*k, ..], k = {} per position) into one dimension, an order of rows collider does not cut; flatten "
+      "[B, k, T, ..] or keep the positions a dimension of their own",
+      ns.type, i, mult / std::max<int64_t>(between, 1)));
+}
+
+void resolve_flat_order(const Graph& g, PlanData& plan, const std::vector<ObservedNode>& observed) {
   const int n = static_cast<int>(plan.nodes.size());
   auto flat_input = [&](int c, int64_t input_nr) {
     for (const auto& f : plan.nodes[c].fields)
@@ -122,6 +148,7 @@ void resolve_flat_order(const Graph& g, PlanData& plan) {
     const DimSpec* b = batch_dim(split->shape);
     auto toks = token_dims(split->shape);
     if (!b || toks.size() != 1) continue;
+    refuse_rows_after_the_sequence(ns, i, *flat, *split, observed[i]);
     (toks[0] < b->dim ? token_major : batch_major)[find(i)].push_back(fmt::format("#{} {}", i, ns.type));
   }
   for (int i = 0; i < n; ++i) {

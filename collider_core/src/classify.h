@@ -38,7 +38,7 @@ bool has_flat(const ShapeSpec& s);
 
 // Gives every flattened token dimension of the plan its row order (batch- or sequence-major),
 // read from the reshapes around it; throws collider::Error where the graph does not show it.
-void resolve_flat_order(const Graph& g, PlanData& plan);
+void resolve_flat_order(const Graph& g, PlanData& plan, const std::vector<ObservedNode>& observed);
 
 // A reference layout: rank, batch position and multiplier, token positions (padded coordinates).
 struct RefLayout {

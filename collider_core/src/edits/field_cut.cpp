@@ -383,7 +383,7 @@ void check_sinks(PlanData& plan, const std::vector<ObservedNode>& oa, const std:
 }  // namespace
 
 // The order of flattened [B*T] rows (classify.h).
-void field_cut_flat_order(const TraceFacts& t, PlanData& plan) { resolve_flat_order(t.ga, plan); }
+void field_cut_flat_order(const TraceFacts& t, PlanData& plan) { resolve_flat_order(t.ga, plan, t.oa); }
 
 void field_cut_broadcast(const TraceFacts& t, PlanData& plan) {
   resolve_broadcast(t.ga, t.sa, plan, t.classified.values);
