@@ -5,7 +5,7 @@
 // give dropped positions no gradient), and a CutRowsNode on each of its edges into a token-shaped
 // gradient cuts what it sends back to the kept rows: the dropped rows are detached at the node's
 // inputs (DESIGN.md section 3), the rule exact_query applies to attention's keys and values. The
-// masked method's gradients are full-size: it only zeroes the dropped rows on those edges.
+// masked method's gradients are full-size: it zeroes the dropped rows on those edges instead.
 #include "edit.h"
 
 namespace collider::detail {
@@ -20,17 +20,19 @@ struct GradientShape {
   std::vector<int64_t> full;
 };
 
-// In front of the node: each token-shaped gradient it receives, from the kept rows to full size.
+// In front of the node: each token-shaped gradient it receives, from the kept rows to full size (the
+// masked method's is full-size already: its dropped rows zeroed).
 class WholeRowsNode final : public torch::autograd::Node {
  public:
-  WholeRowsNode(std::shared_ptr<TokenIndex> index, std::vector<GradientShape> inputs, bool cut_keys)
-      : index_(std::move(index)), inputs_(std::move(inputs)), cut_keys_(cut_keys) {}
-  std::string name() const override { return "collider::WholeRows"; }
+  WholeRowsNode(std::shared_ptr<TokenIndex> index, std::vector<GradientShape> inputs, bool cut_keys, bool masked)
+      : index_(std::move(index)), inputs_(std::move(inputs)), cut_keys_(cut_keys), masked_(masked) {}
+  std::string name() const override { return masked_ ? "collider::MaskedWholeRows" : "collider::WholeRows"; }
   variable_list apply(variable_list&& grads) override {
     torch::NoGradGuard no_grad;
     for (size_t k = 0; k < grads.size(); ++k) {
       if (!grads[k].defined() || inputs_[k].full.empty()) continue;
-      grads[k] = index_->uncut(grads[k], inputs_[k].spec, cut_keys_, inputs_[k].full);
+      grads[k] = masked_ ? index_->zero_dropped(grads[k], inputs_[k].spec, cut_keys_)
+                         : index_->uncut(grads[k], inputs_[k].spec, cut_keys_, inputs_[k].full);
     }
     return std::move(grads);
   }
@@ -39,6 +41,7 @@ class WholeRowsNode final : public torch::autograd::Node {
   std::shared_ptr<TokenIndex> index_;
   std::vector<GradientShape> inputs_;
   bool cut_keys_;
+  bool masked_;
 };
 
 // On an edge out of the node into a token-shaped gradient: its dropped rows detached (cut away, or
@@ -71,7 +74,7 @@ class RunWholeEdit final : public Edit {
     const NodePtr& node = g.nodes[i];
     const NodeSpec& ns = tx.plan().nodes[i];
     ++tx.stats().nodes_run_whole;
-    if (!tx.masked()) put_in_front(g, i, node, ns, tx);
+    put_in_front(g, i, node, ns, tx);
     const auto& edges = node->next_edges();
     for (size_t e = 0; e < edges.size(); ++e) {
       if (!edges[e].function) continue;
@@ -140,11 +143,12 @@ class RunWholeEdit final : public Edit {
       any = true;
     }
     if (!any) return;
-    auto front = make_node<WholeRowsNode>(tx.shared_index(), inputs, tx.cut_keys());
+    auto front = make_node<WholeRowsNode>(tx.shared_index(), inputs, tx.cut_keys(), tx.masked());
     for (uint32_t k = 0; k < node->num_inputs(); ++k) {
       const auto& meta = node->input_metadata(k);
       auto full = to_ints(meta.shape_as_dim_vector());
-      auto sizes = inputs[k].full.empty() ? full : tx.index().cut_sizes(full, inputs[k].spec, tx.cut_keys());
+      auto sizes = inputs[k].full.empty() || tx.masked() ? full
+                                                         : tx.index().cut_sizes(full, inputs[k].spec, tx.cut_keys());
       front->add_input_metadata(meta.options(), to_syms(sizes), false, false, std::nullopt);
       front->add_next_edge(torch::autograd::Edge(node, k));
     }
