@@ -40,7 +40,9 @@ IMAGE_PATCHES = 4  # image-text-to-text: images of 4 x 4 patches (fewer tokens w
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 ATTENTION = ("kept_only", "exact_query")
 TOL = {torch.float64: 1e-4, torch.float32: 1e-3}
-ARCH_SECONDS = 60  # the whole of one architecture: build, probe, traces, comparisons
+# The whole of one architecture (build, probe, traces, comparisons): a guard against a hang, not a
+# speed test, so generous (a scan's reference implementation on a loaded 2-core machine takes 70 s).
+ARCH_SECONDS = 180
 FORWARD_SECONDS = 20  # one probe forward + backward; slower models are not buildable here
 OUTCOMES = ("crashed", "wrong", "refused", "exact", "not buildable")  # worst first
 SOURCE_TASKS = ("seq2seq", "speech")  # an encoder's source beside the tokens
@@ -498,7 +500,7 @@ def batch_and_masks(model, arch: Architecture, shape: Shape = STEP) -> tuple:
     masks["batch_topk 0.5"] = collider.select_tokens(scores, 0.5, policy="batch_topk", valid=valid)
     counts = masks["batch_topk 0.5"].sum(1).tolist()
     assert counts[0] != counts[1], counts
-    if shape == EQUAL:
+    if shape.batch == shape.seq == shape.hidden:  # a coincidence run (run_equal)
         masks = {"batch_topk 0.5": masks["batch_topk 0.5"]}
     return batch, masks
 
@@ -514,10 +516,11 @@ def plain_grads(model, task: str, batch: Batch, keep) -> dict:
 
 
 def max_rel_diff(got: dict, ref: dict) -> tuple:
-    """(max over parameters of max|got - ref| / max(max|ref|, 1e-6 * the largest entry of all), the
+    """(max over parameters of max|got - ref| / max(max|ref|, 1e-5 * the largest entry of all), the
     parameter where it is largest); infinite where either side is not finite or the two have different
     parameter sets. A parameter whose true gradient is zero (an attention's key bias: the softmax ignores
-    a constant per row) holds rounding noise on both sides, which counts against the largest gradient."""
+    a constant per row) holds rounding noise on both sides, which counts against the largest gradient (a
+    vision tower's key bias in Cohere2-Vision: 9e-11 on both sides, 2e-11 apart, the largest entry 0.16)."""
     if got.keys() != ref.keys():
         return float("inf"), "gradient sets differ: " + ", ".join(sorted(set(got) ^ set(ref)))[:120]
     worst, where = 0.0, ""
@@ -526,7 +529,7 @@ def max_rel_diff(got: dict, ref: dict) -> tuple:
     for k in ref:
         if not (bool(torch.isfinite(got[k]).all()) and bool(torch.isfinite(ref[k]).all())):
             return float("inf"), f"{k} not finite"
-        denom = max(ref[k].abs().max().item() if ref[k].numel() else 0.0, 1e-6 * largest)
+        denom = max(ref[k].abs().max().item() if ref[k].numel() else 0.0, 1e-5 * largest)
         diff = (got[k] - ref[k]).abs().max().item()
         rel = diff / denom if denom > 0 else diff
         if rel > worst:
@@ -748,6 +751,10 @@ def against_oracle(model, task: str, plan, batch: Batch, keep, tol: float) -> tu
     refuses is left out. None where the oracle was not compared: the model's attention does not dispatch
     through transformers' AttentionInterface, or it failed."""
     from oracle import oracle_keep  # registers the oracle attention with transformers
+    if re.search(r"^node \d+ \S+ 4\b", plan.to_string(), flags=re.M):
+        # The oracle detaches dropped rows in the attention only; the ops run whole (DESIGN.md section 3) are
+        # checked against their own oracle in test_run_whole.py / test_unseen_ops.py.
+        return None, "not compared: nodes run whole"
     worst = 0.0
     for attention in ATTENTION:
         got = {}
@@ -801,3 +808,8 @@ def run_architecture(arch: Architecture, shape: Shape = STEP) -> Result:
             except ArchitectureTimeout as e:
                 impls["default"] = ImplResult("crashed", f"timed out after the probe: {e}")
     return Result(arch, impls, time.perf_counter() - start)
+
+
+def run_equal(arch: Architecture) -> Result:
+    """The coincidence run (test_equal_sizes): batch, sequence and hidden sizes equal (EQUAL)."""
+    return run_architecture(arch, EQUAL)

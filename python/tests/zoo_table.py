@@ -3,12 +3,14 @@ sequence-to-sequence and speech-sequence-to-sequence architecture.
 
 Runs zoo.run_architecture (the code test_zoo.py runs) on every architecture, or on those named,
 with one CPU thread, at the zoo's sizes and again with batch, sequence and hidden sizes equal
-(zoo.EQUAL; test_equal_sizes), and writes the date, the commits, torch's and transformers' versions, the
+(zoo.run_equal; test_equal_sizes), and writes the date, the commits, torch's and transformers' versions, the
 counts per outcome, the share exact among the architectures built, the largest refusal causes and
-one row per architecture. --json also writes the rows as JSON. The collider package is the one
+one row per architecture. --json also writes the rows as JSON; --jobs N runs N architectures at once,
+each in its own process on one thread (the table's seconds are then the wall time). The collider package is the one
 built in COLLIDER_BUILD_DIR (default build/), as for pytest (conftest.py).
   COLLIDER_BUILD_DIR=build python python/tests/zoo_table.py                # all, writes docs/ZOO.md
   python python/tests/zoo_table.py --out /tmp/zoo.md --json /tmp/zoo.json llama bert   # a few
+  python python/tests/zoo_table.py --jobs 2                                # all, on 2 cores
 """
 import os
 
@@ -100,7 +102,7 @@ def count_row(task: str, rows: list) -> str:
             f"{counts['wrong']} | {counts['crashed']} | {share} |")
 
 
-def write_markdown(rows: list, path: Path, seconds: float, names: list) -> None:
+def write_markdown(rows: list, path: Path, seconds: float, names: list, jobs: int = 1) -> None:
     equal_rows = [{**r, **r["equal"]} for r in rows if r["equal"]]
     groups: dict = collections.defaultdict(list)
     for r in rows:
@@ -136,7 +138,9 @@ def write_markdown(rows: list, path: Path, seconds: float, names: list) -> None:
         "semantics, with plain autograd through the independent attention oracle of `python/tests/oracle.py`",
         "(registered with transformers' AttentionInterface; it shares no code with collider): a difference is",
         "**wrong** (mask_backward's gradients too, also where filter_backward refused: each is called on its own);",
-        "a model whose attention does not dispatch through the interface is not compared; in an encoder-decoder it",
+        "a model whose attention does not dispatch through the interface is not compared, nor one with nodes run",
+        "whole (an op that mixes positions outside attention: DESIGN.md section 3; its rule has its own oracle in",
+        "`test_run_whole.py`); in an encoder-decoder it",
         "applies the keep mask to the decoder's own self-attention only (found by where the module sits).",
         f"Column *equal sizes*: the same run with B = T = hidden = {zoo.EQUAL.seq} (and the source as long as",
         "the target; the ragged batch_topk 0.5 mask alone), where nothing can be told apart by its size",
@@ -146,7 +150,7 @@ def write_markdown(rows: list, path: Path, seconds: float, names: list) -> None:
         f"- zoo commit: {git_commit(ROOT)}; collider: `{Path(collider._C.__file__).name}` built "
         f"{built_at(collider._C.__file__)} in `{BUILD_DIR}`, whose checkout is at commit {git_commit(BUILD_DIR.parent)}",
         f"- torch {torch.__version__}, transformers {transformers.__version__}, Python {sys.version.split()[0]}, "
-        f"1 CPU thread; {seconds:.0f} s in all",
+        f"1 CPU thread per architecture; {seconds:.0f} s in all ({jobs} at once)",
     ]
     if names:
         lines.append(f"- only the architectures named: {', '.join(names)}")
@@ -185,27 +189,45 @@ def write_markdown(rows: list, path: Path, seconds: float, names: list) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def run_one(arch: zoo.Architecture) -> tuple:
+    """(its row, its progress line): both runs of one architecture."""
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    result = zoo.run_architecture(arch)
+    equal = zoo.run_equal(arch) if arch.source != "other" else None
+    line = (f"{arch.id} {arch.model_class}: {result.outcome} ({result.seconds:.1f} s) {result.cause[:120]}"
+            + (f"; equal sizes: {equal.outcome} ({equal.seconds:.1f} s)" if equal else ""))
+    return row_of(result, equal), line
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="mapping keys or model classes to run (default: all)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "ZOO.md")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here as JSON")
+    parser.add_argument("--jobs", type=int, default=1, help="architectures run at once, one process each")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     archs = [a for a in zoo.architectures()
              if not args.names or {a.id, a.name, a.model_class} & set(args.names)]
     start = time.perf_counter()
-    rows = []
-    for i, arch in enumerate(archs):
-        result = zoo.run_architecture(arch)
-        equal = zoo.run_architecture(arch, zoo.EQUAL) if arch.source != "other" else None
-        rows.append(row_of(result, equal))
-        print(f"[{i + 1}/{len(archs)}] {arch.id} {arch.model_class}: {result.outcome} "
-              f"({result.seconds:.1f} s) {result.cause[:120]}"
-              + (f"; equal sizes: {equal.outcome} ({equal.seconds:.1f} s)" if equal else ""), flush=True)
+    rows = [None] * len(archs)
+    if args.jobs > 1:
+        import concurrent.futures
+        import multiprocessing
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(run_one, arch): i for i, arch in enumerate(archs)}
+            for done, future in enumerate(concurrent.futures.as_completed(futures)):
+                rows[futures[future]], line = future.result()
+                print(f"[{done + 1}/{len(archs)}] {line}", flush=True)
+    else:
+        for i, arch in enumerate(archs):
+            rows[i], line = run_one(arch)
+            print(f"[{i + 1}/{len(archs)}] {line}", flush=True)
     seconds = time.perf_counter() - start
-    write_markdown(rows, args.out, seconds, args.names)
+    write_markdown(rows, args.out, seconds, args.names, args.jobs)
     if args.json:
         args.json.write_text(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__,
                                          "collider": collider.__version__, "seconds": round(seconds, 1),
