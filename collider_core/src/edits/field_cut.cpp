@@ -325,7 +325,8 @@ void check_python_functions(const Graph& g, PlanData& plan, const std::vector<Ob
 
 // Attention sinks (kTokenPlus): in a recognised attention core, a cat must append the c fixed columns
 // after the T scores and a slice keep [..., :T]. A node with T + c positions outside an attention core
-// (a convolution's padding, sliced off by [..., :T]) runs whole (NodeSpec::run_whole).
+// (a convolution's padding, sliced off by [..., :T]) runs whole (NodeSpec::run_whole), unless one of
+// its tensors has both T and T + c positions (scores with sinks in a core collider does not recognise).
 void check_sinks(PlanData& plan, const std::vector<ObservedNode>& oa, const std::set<int>& sink_ops, Sizes sa) {
   auto refuse = [&](int i, const std::string& why) {
     throw Error(
@@ -343,6 +344,16 @@ void check_sinks(PlanData& plan, const std::vector<ObservedNode>& oa, const std:
     if (traits_of(ns.type).sink == SinkRole::kMax && ns.fields.empty())
       continue;  // a detached row maximum (attention_cores.cpp)
     if (!ns.attention_core) {
+      bool both = false;
+      for (const auto& f : ns.fields) {
+        bool token = false, token_plus = false;
+        for (const auto& d : f.shape.dims) {
+          token = token || d.kind == DimKind::kToken;
+          token_plus = token_plus || d.kind == DimKind::kTokenPlus;
+        }
+        both = both || (token && token_plus);
+      }
+      if (both) refuse(node, "T + c positions outside an attention core");
       mark_run_whole(plan.nodes[i]);
       continue;
     }
