@@ -14,7 +14,7 @@ test fails when an architecture is `wrong` (accepted, gradients differ beyond 1e
 1e-3 in float32, relative to each parameter's largest entry or to 1e-5 of the largest of all; or refused, but a plain backward of that loss no longer gives the loss_only
 gradient) or `crashed` (an exception other than collider.Error after Collider accepted, or an
 untyped error from Collider); `refused` and `not buildable` pass. Marker `zoo` (conftest.py): left
-out of ./scripts/test.sh --quick. 1027 s for both runs of 444 architectures on 2 cores, one thread each
+out of ./scripts/test.sh --quick. 684 s for both runs of 444 architectures on 2 cores, one thread each
 (zoo_table.py --jobs 2; docs/ZOO.md's date). The table of outcomes: python/tests/zoo_table.py writes docs/ZOO.md.
   pytest -m zoo python/tests/test_zoo.py
 """
