@@ -126,7 +126,7 @@ class RunWholeEdit final : public Edit {
     if (spec.pad_rank != 0) {
       throw Error(fmt::format("{}: node #{} runs whole (it cannot be cut row by row) and a gradient at its border "
                               "is shared by the batch's sequences (no batch dimension), so its kept rows cannot be "
-                              "put back apart; use mask_backward, or the model without that op",
+                              "put back apart; write the model without that op, or train it without token filtering",
                               tx.who(), node));
     }
     return full;
