@@ -108,6 +108,25 @@ TEST(TokenIndexCut, FlatTokenRows) {
   EXPECT_TRUE(torch::equal(out, want));
 }
 
+// [B, T, H, D] flattened to [B*T*H, D] (a per-head norm): H rows per position, row (b*T + t)*H + h.
+TEST(TokenIndexCut, FlatRowsPerToken) {
+  for (int64_t B : {3, 1}) {
+  const int64_t T = 31, N = 12, H = 4, D = 8;
+  auto keep = keep_mask(B, T, N, 6);
+  TokenIndex ix(keep);
+  auto x_BTHD = torch::randn({B, T, H, D});
+  auto per_token = spec(2, {{0, DimKind::kFlatPerToken, Role::kQuery, H}});
+  auto want = reference_cut(x_BTHD, keep, 1).reshape({B * N * H, D});
+  EXPECT_TRUE(torch::equal(ix.cut(x_BTHD.reshape({B * T * H, D}), per_token, true), want));
+  EXPECT_EQ(ix.cut_sizes({B * T * H, D}, per_token, true), (std::vector<int64_t>{B * N * H, D}));
+  auto keep_BT11 = keep.view({B, T, 1, 1}).to(torch::kFloat);
+  EXPECT_TRUE(torch::equal(ix.zero_dropped(x_BTHD.reshape({B * T * H, D}), per_token, true),
+                           (x_BTHD * keep_BT11).reshape({B * T * H, D})));
+  auto back = ix.uncut(want, per_token, true, {B * T * H, D});
+  EXPECT_TRUE(torch::equal(back, (x_BTHD * keep_BT11).reshape({B * T * H, D})));
+  }
+}
+
 TEST(TokenIndexCut, PermutedViewIsCutInMemoryOrderAndKeepsItsLayout) {
   const int64_t B = 3, T = 29, H = 4, E = 16, N = 13;
   auto keep = keep_mask(B, T, N, 4);

@@ -6,6 +6,7 @@
 #include <collider/collider.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <functional>
@@ -84,28 +85,44 @@ bool has_flat(const ShapeSpec& s) {
 // batch-first models, unless the graph has sequence-first tensors ([T, B, ..]): then it is refused.
 // A batch-major flat dimension of B*mult*T rows is [B, mult, T] flattened (row = (b*mult + j)*T + t:
 // attention's [B, H, T, ..] -> [B*H*T, ..]). [B, T, k] flattened (row = (b*T + t)*k + j: a per-head
-// norm's [B, T, H, D] -> [B*T*H, D]) has the same size and another order, which the cut would misread:
-// refused where a reshape shows the dimensions between the batch and the sequence are not the mult.
-static void refuse_rows_after_the_sequence(const NodeSpec& ns, int i, const FieldSpec& flat, const FieldSpec& split,
-                                    const ObservedNode& observed) {
-  const DimSpec* b = batch_dim(split.shape);
+// norm's [B, T, H, D] -> [B*T*H, D]) has the same size and another order: a reshape whose rows
+// between the batch and the sequence are not the mult shows it, and its rows are cut k per kept
+// position (kFlatPerToken). Rows from both sides of the sequence ([B, m, T, k] -> [B*m*T*k]) are
+// refused. The rows before the sequence are read from the sizes (the split's before its token
+// dimension over the flat one's before its flat dimension), so a trace of one sequence (B = 1, no
+// batch dimension to see) tells the orders apart as well.
+enum class FlatOrder { kUnknown, kBatchMajor, kPerToken };
+static FlatOrder order_after_the_batch(const NodeSpec& ns, int i, const FieldSpec& flat, const FieldSpec& split,
+                                       const ObservedNode& observed, int64_t B) {
   const auto toks = token_dims(split.shape);
-  if (!b || toks.size() != 1 || toks[0] < b->dim) return;
-  int64_t mult = 1;
+  const DimSpec* flat_dim = nullptr;
   for (const auto& d : flat.shape.dims)
-    if (d.kind == DimKind::kFlatToken) mult = d.mult;
-  const Observed* sizes = nullptr;
-  for (const auto& o : observed.fields)
-    if (o.name == split.name && o.kind == split.kind && o.item == split.item) sizes = &o;
-  if (!sizes || static_cast<int64_t>(sizes->values.size()) <= toks[0]) return;
-  int64_t between = 1;
-  for (int32_t d = b->dim + 1; d < toks[0]; ++d) between *= sizes->values[d];
-  if (between == mult) return;
+    if (d.kind == DimKind::kFlatToken) flat_dim = &d;
+  if (!flat_dim) return FlatOrder::kUnknown;
+  auto sizes_of = [&](const FieldSpec& f) -> const std::vector<int64_t>* {
+    for (const auto& o : observed.fields)
+      if (o.name == f.name && o.kind == f.kind && o.item == f.item) return &o.values;
+    return nullptr;
+  };
+  const auto *split_sizes = sizes_of(split), *flat_sizes = sizes_of(flat);
+  if (!split_sizes || !flat_sizes || static_cast<int32_t>(split_sizes->size()) <= toks[0] ||
+      static_cast<int32_t>(flat_sizes->size()) <= flat_dim->dim) {
+    return FlatOrder::kUnknown;
+  }
+  int64_t before_split = 1, before_flat = 1;
+  for (int32_t d = 0; d < toks[0]; ++d) before_split *= (*split_sizes)[d];
+  for (int32_t d = 0; d < flat_dim->dim; ++d) before_flat *= (*flat_sizes)[d];
+  if (before_flat == 0 || before_split % before_flat != 0 || (before_split / before_flat) % B != 0) {
+    return FlatOrder::kUnknown;
+  }
+  const int64_t between = before_split / before_flat / B;  // [B*m, T, ..] -> [B*m*T, ..]: m
+  if (between == flat_dim->mult) return FlatOrder::kBatchMajor;
+  if (between == 1) return FlatOrder::kPerToken;
   throw Error(fmt::format(
-      "collider cannot rewrite node {} (#{}): it flattens rows that follow the sequence ([B, T, k, ..] -> "
-      "[B*T*k, ..], k = {} per position) into one dimension, an order of rows collider does not cut; flatten "
-      "[B, k, T, ..] or keep the positions a dimension of their own",
-      ns.type, i, mult / std::max<int64_t>(between, 1)));
+      "collider cannot rewrite node {} (#{}): it flattens rows from both sides of the sequence ([B, m, T, k, ..] "
+      "-> [B*m*T*k, ..], m = {}, k = {}) into one dimension, an order of rows collider does not cut; flatten "
+      "[B, m*k, T, ..] or [B, T, m*k, ..], or keep the positions a dimension of their own",
+      ns.type, i, between, flat_dim->mult / std::max<int64_t>(between, 1)));
 }
 
 void resolve_flat_order(const Graph& g, PlanData& plan, const std::vector<ObservedNode>& observed) {
@@ -133,7 +150,8 @@ void resolve_flat_order(const Graph& g, PlanData& plan, const std::vector<Observ
     }
   }
   if (!any_flat) return;
-  std::map<int, std::vector<std::string>> batch_major, token_major;  // group -> the reshapes showing it
+  // group -> the reshapes showing it
+  std::map<int, std::vector<std::string>> batch_major, token_major, per_token;
   for (int i = 0; i < n; ++i) {
     const NodeSpec& ns = plan.nodes[i];
     const FieldSpec *in_sizes = nullptr, *out_meta = nullptr;
@@ -147,19 +165,29 @@ void resolve_flat_order(const Graph& g, PlanData& plan, const std::vector<Observ
     if (!flat || has_flat(split->shape)) continue;
     const DimSpec* b = batch_dim(split->shape);
     auto toks = token_dims(split->shape);
-    if (!b || toks.size() != 1) continue;
-    refuse_rows_after_the_sequence(ns, i, *flat, *split, observed[i]);
-    (toks[0] < b->dim ? token_major : batch_major)[find(i)].push_back(fmt::format("#{} {}", i, ns.type));
+    if ((!b && plan.batch_a != 1) || toks.size() != 1) continue;
+    const bool sequence_first = b && toks[0] < b->dim;
+    const FlatOrder order =
+        sequence_first ? FlatOrder::kUnknown : order_after_the_batch(ns, i, *flat, *split, observed[i], plan.batch_a);
+    (sequence_first                   ? token_major
+     : order == FlatOrder::kPerToken ? per_token
+                                      : batch_major)[find(i)]
+        .push_back(fmt::format("#{} {}", i, ns.type));
   }
   for (int i = 0; i < n; ++i) {
     const int r = find(i);
-    const bool bm = batch_major.count(r) > 0, tm = token_major.count(r) > 0;
-    if (bm && tm) {
-      throw Error(
-          fmt::format("collider cannot rewrite node {} (#{}): its flattened batch and sequence rows are "
-                      "batch-major according to {} and sequence-major according to {}; reshape from one "
-                      "layout only",
-                      plan.nodes[i].type, i, batch_major[r].front(), token_major[r].front()));
+    const bool bm = batch_major.count(r) > 0, tm = token_major.count(r) > 0, pt = per_token.count(r) > 0;
+    if (bm + tm + pt > 1) {
+      auto says = [&](const char* order, std::map<int, std::vector<std::string>>& by) {
+        return by.count(r) ? fmt::format("{} according to {}", order, by[r].front()) : std::string();
+      };
+      std::vector<std::string> orders;
+      for (auto s : {says("batch-major", batch_major), says("sequence-major", token_major),
+                     says("k rows per position", per_token)})
+        if (!s.empty()) orders.push_back(s);
+      throw Error(fmt::format("collider cannot rewrite node {} (#{}): its flattened batch and sequence rows are "
+                              "{}; reshape from one layout only",
+                              plan.nodes[i].type, i, fmt::join(orders, " and ")));
     }
     bool flat_here = false;
     for (const auto& f : plan.nodes[i].fields) flat_here = flat_here || has_flat(f.shape);
@@ -172,10 +200,10 @@ void resolve_flat_order(const Graph& g, PlanData& plan, const std::vector<Observ
                       "or [T, B, ..] tensor",
                       plan.nodes[i].type, i));
     }
-    if (!tm) continue;
+    if (!tm && !pt) continue;
     for (auto& f : plan.nodes[i].fields)
       for (auto& d : f.shape.dims)
-        if (d.kind == DimKind::kFlatToken) d.kind = DimKind::kFlatSeqFirst;
+        if (d.kind == DimKind::kFlatToken) d.kind = tm ? DimKind::kFlatSeqFirst : DimKind::kFlatPerToken;
   }
 }
 

@@ -84,7 +84,7 @@ detail::ShapeSpec parse_shape(std::istringstream& in, int line_no) {
     detail::DimSpec d;
     int kind = 0, role = 0;
     const int got = std::sscanf(item.c_str(), "%d:%d:%d:%ld:%d", &d.dim, &kind, &role, &d.mult, &d.route);
-    if (kind < 0 || kind > static_cast<int>(detail::DimKind::kTokenPlus)) {
+    if (kind < 0 || kind > static_cast<int>(detail::DimKind::kFlatPerToken)) {
       throw Error(fmt::format("Plan::from_string: line {}: malformed dimension '{}'", line_no, item));
     }
     d.kind = static_cast<detail::DimKind>(kind);

@@ -36,6 +36,8 @@ enum class DimKind : uint8_t {
   // positions followed by mult fixed ones, which a cut keeps. Only inside a recognised attention
   // core (attention_cores.h).
   kTokenPlus,
+  kFlatPerToken,  // size B*T*mult, position-major (row = (b*T + t)*mult + j): a [B, T, mult, ..]
+                  // flattened, mult rows per token (a per-head norm over [B*T*H, D])
 };
 
 enum class Role : uint8_t {
@@ -47,11 +49,13 @@ struct DimSpec {
   int32_t dim = 0;
   DimKind kind = DimKind::kToken;
   Role role = Role::kQuery;
-  int64_t mult = 1;    // kBatch: size / B; kFlatToken, kFlatSeqFirst: size / (B*T)
+  int64_t mult = 1;    // kBatch: size / B; the flat kinds: size / (B*T)
   int32_t route = -1;  // has_route(): the plan index of the node that sends the route's rows back to
                        // the token rows (IndexAddBackward0; grouped experts: IndexBackward0)
 
-  bool flat() const { return kind == DimKind::kFlatToken || kind == DimKind::kFlatSeqFirst; }
+  bool flat() const {
+    return kind == DimKind::kFlatToken || kind == DimKind::kFlatSeqFirst || kind == DimKind::kFlatPerToken;
+  }
   // A dimension of a route's rows (its size R).
   bool routed() const {
     return kind == DimKind::kRouted || kind == DimKind::kRoutedPositions || kind == DimKind::kRoutedSlots;

@@ -153,11 +153,15 @@ void walk_route(const Graph& g, const std::vector<ObservedNode>& oa, const std::
   }
 }
 
+// B*T*mult flattened rows in either order (a trace of one sequence shows the top-k pairs' [T, k] ->
+// [T*k] as k rows per position; of several, [B*T, k] -> [B*T*k] shows no order and reads batch-major).
+bool flat_token_rows(const DimSpec& d) { return d.kind == DimKind::kFlatToken || d.kind == DimKind::kFlatPerToken; }
+
 // A field with one scaling dimension, dimension 0 of B*T*mult flattened rows: its DimSpec.
 const DimSpec* flat_rows(const FieldSpec* f) {
   if (!f || f->shape.dims.size() != 1) return nullptr;
   const DimSpec& d = f->shape.dims[0];
-  return d.dim == 0 && d.kind == DimKind::kFlatToken ? &d : nullptr;
+  return d.dim == 0 && flat_token_rows(d) ? &d : nullptr;
 }
 
 // Grouped experts (transformers' grouped_mm experts), one route per layer, named after node x:
@@ -180,7 +184,7 @@ bool assign_sorted_route(const Graph& g, const std::vector<ObservedNode>& observ
     return false;
   }
   const int64_t k = slots->mult;
-  auto pairs = [k](const DimSpec& d) { return d.kind == DimKind::kFlatToken && d.mult == k; };
+  auto pairs = [k](const DimSpec& d) { return flat_token_rows(d) && d.mult == k; };
   std::map<int, NodeSpec> changed;  // written to the plan once the route is complete
   int gathers = 0;
   std::vector<int> stack{g.index.at(g.nodes[x]->next_edges().at(0).function.get())};

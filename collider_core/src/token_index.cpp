@@ -196,6 +196,9 @@ torch::Tensor TokenIndex::zero_padding_impl(torch::Tensor x, bool in_place, cons
     } else if (d.kind == DimKind::kFlatSeqFirst) {
       shape[dim] = B_ * d.mult * N_;
       f = live.t().repeat_interleave(d.mult, 1).reshape(shape);
+    } else if (d.kind == DimKind::kFlatPerToken) {
+      shape[dim] = B_ * N_ * d.mult;
+      f = live.reshape({-1}).repeat_interleave(d.mult).reshape(shape);
     } else {
       f = live.repeat_interleave(mult, 0);  // [B*m, N]
       if (d.kind == DimKind::kTokenPlus) f = torch::cat({f, torch::ones({f.size(0), d.mult}, f.options())}, 1);
@@ -249,6 +252,16 @@ const torch::Tensor& TokenIndex::flat_rows_seq_first(int64_t mult) {
   auto j_11M = torch::arange(mult, idx_BN_.options()).view({1, 1, mult});
   auto flat = (t_NB1 + b_1B1 + j_11M).reshape({-1}).contiguous();
   return seq_first_cache_.emplace(mult, flat).first->second;
+}
+
+const torch::Tensor& TokenIndex::flat_rows_per_token(int64_t mult) {
+  auto it = per_token_cache_.find(mult);
+  if (it != per_token_cache_.end()) return it->second;
+  // out row (b*N + n)*mult + j = in row (b*T + idx[b, n])*mult + j
+  auto j_1M = torch::arange(mult, idx_BN_.options()).view({1, mult});
+  auto b_B1 = torch::arange(B_, idx_BN_.options()).mul_(T_).view({B_, 1});
+  auto flat = ((b_B1 + idx_BN_).view({-1, 1}).mul(mult) + j_1M).reshape({-1}).contiguous();
+  return per_token_cache_.emplace(mult, flat).first->second;
 }
 
 const torch::Tensor& TokenIndex::idx_rows(int64_t rpb) {
@@ -397,7 +410,9 @@ torch::Tensor TokenIndex::cut(const torch::Tensor& x_in, const ShapeSpec& spec, 
   for (const auto& d : spec.dims) {
     if (!cut_this(d, cut_keys)) continue;
     if (d.flat()) {
-      const auto& rows = d.kind == DimKind::kFlatToken ? flat_rows(d.mult) : flat_rows_seq_first(d.mult);
+      const auto& rows = d.kind == DimKind::kFlatToken      ? flat_rows(d.mult)
+                         : d.kind == DimKind::kFlatSeqFirst ? flat_rows_seq_first(d.mult)
+                                                            : flat_rows_per_token(d.mult);
       x = select_rows(x, d.dim + off, rows);
     } else {
       TORCH_CHECK(bdim >= 0 || B_ == 1, "collider: token dimension without a batch dimension (plan bug)");
@@ -476,6 +491,9 @@ torch::Tensor TokenIndex::zero_dropped(const torch::Tensor& x, const ShapeSpec& 
     } else if (d.kind == DimKind::kFlatSeqFirst) {
       shape[d.dim] = B_ * d.mult * T_;
       f = keep.t().repeat_interleave(d.mult, 1).reshape(shape);  // [T, B*m] in row order
+    } else if (d.kind == DimKind::kFlatPerToken) {
+      shape[d.dim] = B_ * T_ * d.mult;
+      f = keep.reshape({-1}).repeat_interleave(d.mult).reshape(shape);
     } else {
       TORCH_CHECK(bdim >= 0 || B_ == 1, "collider: masking needs a batch dimension (plan bug)");
       f = keep.repeat_interleave(mult, 0);  // [B*m, T]

@@ -107,6 +107,7 @@ class TokenIndex {
   torch::Tensor cut_in_memory_order(const torch::Tensor& x, const ShapeSpec& spec, bool cut_keys);
   const torch::Tensor& flat_rows(int64_t rows_per_batch);   // [B*rpb*N] row indices into [B*rpb*T]
   const torch::Tensor& flat_rows_seq_first(int64_t mult);   // [N*B*mult] row indices into [T*B*mult]
+  const torch::Tensor& flat_rows_per_token(int64_t mult);   // [B*N*mult] row indices into [B*T*mult]
   const torch::Tensor& idx_rows(int64_t rows_per_batch);    // [B*rpb, N] column indices
   const torch::Tensor& idx_square(int64_t rows_per_batch);  // [B*rpb, N*N] flat (i*T + j) indices
   // Both of the last two dims are token dims of one batch row (attention's [.., Tq, Tk]): one pass.
@@ -129,7 +130,7 @@ class TokenIndex {
   torch::Tensor pad_rows_;           // int64 [B*N - S], ragged only (padding_rows)
   std::vector<int64_t> counts_;      // kept per row
   bool ragged_ = false;
-  std::map<int64_t, torch::Tensor> flat_cache_, seq_first_cache_, rows_cache_, square_cache_;
+  std::map<int64_t, torch::Tensor> flat_cache_, seq_first_cache_, per_token_cache_, rows_cache_, square_cache_;
   ChunkTables chunks_;
   std::vector<std::unique_ptr<TokenIndex>> rows_;  // row(b), built on first use
   std::vector<torch::Tensor> live_slots_;          // [B] x int64 [N_b], ragged only

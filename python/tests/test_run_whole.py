@@ -6,6 +6,9 @@ autograd Function (a no-op on a Function that does act row by row: no gradient r
 
 - A toy hybrid block (HybridLM): a causal short convolution along the tokens (padded, then sliced back to T,
   as Mamba's is), a cumulative-sum scan with a learned decay, and an MLP.
+- A gated delta rule's pattern (GatedNormLM): a scan over the tokens (run whole) whose [B, T, heads, D] output
+  is flattened to [B*T*heads, D] rows for a per-head gated RMSNorm (cut: heads rows per position, in the
+  order (b*T + t)*heads + h, DESIGN.md section 3), as Qwen3.5, Qwen3-Next and OLMo hybrid do.
 - The fused Functions people load from kernel libraries, written here in plain torch with their own backward
   (FunctionLM): an RMSNorm whose weight gradient sums over rows, a RoPE, an attention (softmax(QK^T)V with a
   causal mask, one Function for the whole of it) and a fused linear cross-entropy as the loss.
@@ -55,6 +58,31 @@ class HybridLM(torch.nn.Module):
         u = torch.sigmoid(self.decay) * (h @ self.w_in)  # [B, T, H]
         h = h + torch.cumsum(detach_dropped(u, keep), dim=1) / T
         h = h + torch.tanh(h @ self.w_out)
+        return h @ self.head.T
+
+
+class GatedNormLM(torch.nn.Module):
+    """Embedding -> per-head scan (cumulative sum with a decay) -> [B*T*heads, D] gated RMSNorm -> head."""
+
+    def __init__(self, hidden, heads=2):
+        super().__init__()
+        g = torch.Generator().manual_seed(2)
+        H = hidden
+        p = lambda *s: torch.nn.Parameter(torch.randn(*s, generator=g, dtype=torch.float64) * 0.3)
+        self.heads = heads
+        self.emb, self.w_in, self.w_gate, self.w_out, self.head = p(V, H), p(H, H), p(H, H), p(H, H), p(V, H)
+        self.norm = torch.nn.Parameter(1 + torch.randn(H // heads, generator=g, dtype=torch.float64) * 0.1)
+        self.oracle_keep = None
+
+    def forward(self, ids):  # ids [B, T] -> logits [B, T, V]
+        B, T = ids.shape
+        h = self.emb[ids]  # [B, T, H]
+        u = (h @ self.w_in).view(B, T, self.heads, -1)  # [B, T, heads, D]
+        s = torch.cumsum(detach_dropped(u, self.oracle_keep), dim=1) / T  # the scan, along the tokens
+        gate = (h @ self.w_gate).view(B, T, self.heads, -1)
+        x = s.reshape(-1, s.shape[-1])  # [B*T*heads, D]: heads rows per position
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm * F.silu(gate.reshape(x.shape))
+        h = h + x.view(B, T, -1) @ self.w_out
         return h @ self.head.T
 
 
@@ -178,7 +206,7 @@ def hybrid_loss(model, ids, keep):
     return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), reduction="sum") / keep.sum()
 
 
-MODELS = {"hybrid": (HybridLM, hybrid_loss), "functions": (FunctionLM, lambda m, ids, keep: m.loss(ids, keep))}
+MODELS = {"hybrid": (HybridLM, hybrid_loss), "gated_norm": (GatedNormLM, hybrid_loss), "functions": (FunctionLM, lambda m, ids, keep: m.loss(ids, keep))}
 
 
 def grads(model):
@@ -210,6 +238,8 @@ def test_run_whole_matches_the_oracle(name, B, T, hidden):
                                                     torch.ones(b, t, dtype=torch.bool)))
     kinds = [line.split()[3] for line in plan.to_string().splitlines() if line.startswith("node ")]
     assert "4" in kinds, plan.to_string()  # a node run whole, in the plan's text form
+    if name == "gated_norm":  # the norm's rows are cut, heads per position (dimension kind 10 of the plan text)
+        assert ":10:0:2" in plan.to_string(), plan.to_string()
     ids, masks = keep_masks(B, T, seed=B + T)
     for mask_name, keep in masks.items():
         model.zero_grad()

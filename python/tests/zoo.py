@@ -495,6 +495,8 @@ def batch_and_masks(model, arch: Architecture, shape: Shape = STEP) -> tuple:
     masks = {}
     for ratio in (0.25, 0.5):
         masks[f"per_sequence {ratio}"] = collider.select_tokens(torch.rand(B, T, generator=gen), ratio, valid=valid)
+    if B == 1:  # one sequence: nothing ragged
+        return batch, masks
     scores = torch.rand(B, T, generator=gen)
     scores[1] += 0.3  # row 1 keeps more: ragged rows
     masks["batch_topk 0.5"] = collider.select_tokens(scores, 0.5, policy="batch_topk", valid=valid)
