@@ -26,6 +26,13 @@ namespace detail {
 
 namespace {
 
+// What to do about a graph that changes with the trace sizes (appended to those refusals).
+constexpr const char* kFollowsTheLength =
+    "; a graph that follows the sequence length alone (a Python loop over chunks) is traced at two lengths "
+    "that give one graph, the step's T and T - 1 or T + 1 (TraceOptions; collider.hf.trace_plan(model, "
+    "seq_len=T)): a plan per length, merged into one with Plan::merge";
+
+
 // What differs between the two traces' observations of one node: its type, else its fields (a cat of
 // 3 tensors in one trace and 4 in the other), each as "count name" in order of first appearance.
 std::string trace_difference(const ObservedNode& a, const ObservedNode& b, Sizes sa, Sizes sb) {
@@ -66,8 +73,8 @@ void observe_traces(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb, std::v
     }
     throw Error(
         fmt::format("trace_plan: the loss graph has {} nodes for (B={}, T={}) but {} for (B={}, T={}); "
-                    "the model's graph must not depend on the batch or sequence size",
-                    n, sa.B, sa.T, gb.nodes.size(), sb.B, sb.T));
+                    "the model's graph must not depend on the batch or sequence size{}",
+                    n, sa.B, sa.T, gb.nodes.size(), sb.B, sb.T, kFollowsTheLength));
   }
   oa.assign(n, {});
   ob.assign(n, {});
@@ -81,8 +88,8 @@ void observe_traces(const Graph& ga, const Graph& gb, Sizes sa, Sizes sb, std::v
             "trace_plan: node #{} {}: an expert of a mixture-of-experts layer received no token in one trace", i,
             differs));
       }
-      throw Error(fmt::format(
-          "trace_plan: node #{} {}; the graph must not depend on the batch or sequence size", i, differs));
+      throw Error(fmt::format("trace_plan: node #{} {}; the graph must not depend on the batch or sequence size{}", i,
+                              differs, kFollowsTheLength));
     }
   }
 }

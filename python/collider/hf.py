@@ -297,7 +297,8 @@ def training_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch
     return main if aux is None else main + aux.to(main.dtype)
 
 
-def trace_plan(model: torch.nn.Module, loss: str = "labels", router_aux: bool = False) -> Plan:
+def trace_plan(model: torch.nn.Module, loss: str = "labels", router_aux: bool = False,
+               seq_len: Optional[int] = None) -> Plan:
     """collider.trace_plan for a transformers causal LM, from the model alone: random token ids in
     [0, config.vocab_size), use_cache=False, the loss form `loss` (see LOSS_FORMS) with a random
     half of the positions kept. Traced twice and merged (Plan.merge): without an attention mask and
@@ -308,7 +309,11 @@ def trace_plan(model: torch.nn.Module, loss: str = "labels", router_aux: bool = 
     torch.compile'd model. router_aux: the loss adds a mixture-of-experts model's load-balancing
     loss over the kept tokens (training_loss(router_aux=True)); trace with the steps' setting.
     Mixture-of-experts models are filtered with transformers' default grouped experts and with its
-    eager ones; grouped experts with one expert per token need experts_implementation="eager"."""
+    eager ones; grouped experts with one expert per token need experts_implementation="eager".
+    seq_len: trace at the steps' sequence length (and at T - 1 or T + 1, whichever gives the same graph)
+    instead of the default lengths: for a model whose graph follows the length (the reference scans of
+    Qwen3.5 and Qwen3-Next loop over chunks of 64 positions in Python), whose default plan then does not
+    match the steps' graph. One plan per length; Plan.merge keeps several in one."""
     base = _unwrap(model, "collider.hf.trace_plan")
     if loss not in LOSS_FORMS:
         raise Error(f"collider.hf.trace_plan: loss must be one of {', '.join(LOSS_FORMS)}; got {loss!r}")
@@ -331,10 +336,15 @@ def trace_plan(model: torch.nn.Module, loss: str = "labels", router_aux: bool = 
         return training_loss(model, ids, labels, keep.to(device), loss=loss, attention_mask=attention_mask,
                              router_aux=router_aux)
 
-    shapes = _trace_shapes(base.config)
+    if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 3):
+        raise Error(f"collider.hf.trace_plan: seq_len must be an int >= 3 (the steps' sequence length), got {seq_len!r}")
     try:
-        plan = _collider.trace_plan(loss_on_random_batch, shapes)
-        plan.merge(_collider.trace_plan(lambda b, t: loss_on_random_batch(b, t, padded=True), shapes))
+        if seq_len is None:
+            shapes = _trace_shapes(base.config)
+            plan = _collider.trace_plan(loss_on_random_batch, shapes)
+            plan.merge(_collider.trace_plan(lambda b, t: loss_on_random_batch(b, t, padded=True), shapes))
+        else:
+            plan = _trace_at_length(loss_on_random_batch, seq_len)
     except UntraceableRoutes:
         # Other random tokens do not help a router that sends every token to the same few experts,
         # as new models' routers often do; grouped experts run one graph whatever the routing.
@@ -343,6 +353,27 @@ def trace_plan(model: torch.nn.Module, loss: str = "labels", router_aux: bool = 
             "router often sends them all to a few experts); load the model with "
             "experts_implementation=\"grouped_mm\" (transformers' default) or trace a trained router") from None
     return plan
+
+
+def _trace_at_length(loss_on_random_batch, seq_len: int) -> Plan:
+    """The plan traced at (3, seq_len) and (5, a neighbour length): T - 1, or T + 1 where T - 1 gives
+    another graph (a loop over chunks whose count changes between them), unpadded and padded."""
+    b_a, _, b_b, _ = _collider._TRACE_SHAPES
+    first = None
+    for other in (seq_len - 1, seq_len + 1):
+        shapes = (b_a, seq_len, b_b, other)
+        try:
+            plan = _collider.trace_plan(loss_on_random_batch, shapes)
+        except Error as e:
+            if "must not depend on the batch or sequence size" not in str(e):
+                raise
+            first = first or e
+            continue
+        plan.merge(_collider.trace_plan(lambda b, t: loss_on_random_batch(b, t, padded=True), shapes))
+        return plan
+    raise Error(f"collider.hf.trace_plan(seq_len={seq_len}): the graph at T = {seq_len} is neither that at "
+                f"T - 1 nor at T + 1 (a loop over every position, as a recurrent layer's reference forward "
+                f"runs, cannot be traced): {first}") from first
 
 
 def _trace_shapes(config) -> tuple:
