@@ -224,6 +224,13 @@ def _small_kwargs(default, hidden: int = HIDDEN) -> dict:
                 kwargs[key] = TOKEN_ID_KEYS.index(key) if key in TOKEN_ID_KEYS else FIRST_TEXT_ID - 1
     if "use_cache" in values:
         kwargs["use_cache"] = False
+    rope = values.get("rope_parameters")
+    if "mrope_section" in getattr(type(default), "ignore_keys_at_rope_validation", ()) and isinstance(rope, dict):
+        # multimodal rotary (Qwen2-VL's kind): its (time, height, width) sections, whose default sits in the
+        # modeling code, must add up to half the tiny rotary dimension
+        head = HEAD_DIM if "head_dim" in values else hidden // HEADS
+        half = int(head * (rope.get("partial_rotary_factor") or values.get("partial_rotary_factor") or 1)) // 2
+        kwargs["rope_parameters"] = {**rope, "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
     if "kv_lora_rank" in values and "qk_rope_head_dim" in values:  # latent attention: head_dim is the rotary part
         kwargs.update(num_key_value_heads=HEADS, head_dim=SIZES["qk_rope_head_dim"])
         kwargs = {k: v for k, v in kwargs.items() if k in values}
@@ -253,6 +260,9 @@ def tiny_config(arch: Architecture, shape: Shape = STEP):
         patch, size = vision.patch_size, getattr(vision, "image_size", None)
         side = IMAGE_PATCHES * (patch[0] if isinstance(patch, (list, tuple)) else patch)
         kwargs["vision_config"]["image_size"] = [side, side] if isinstance(size, (list, tuple)) else side
+        # the patch size the side was measured in, kept where the sub-config's own default differs (LLaVA's
+        # CLIP tower: 14 in LlavaConfig, 32 in CLIPVisionConfig)
+        kwargs["vision_config"]["patch_size"] = patch
     kwargs = _merge(kwargs, OVERRIDES.get(arch.model_class, {}))
     return config_class(**kwargs)
 
@@ -315,9 +325,62 @@ class Batch:
     labels: torch.Tensor  # [B, T]: the token ids (an encoder-decoder's target), -100 on image tokens
 
 
+# ---- images ------------------------------------------------------------------------------------
+# One image per row of S x S pixels (S = IMAGE_PATCHES patches of the vision config's patch_size, set by
+# tiny_config), in the layout the model's own get_image_features takes, read from its signature:
+#   pixels: pixel_values [B, 3, S, S] (or [B, n, 3, S, S] where the model cuts an image into n tiles: the
+#     smallest n that get_image_features takes), and image_sizes [B, 2] = (S, S) where it requires them;
+#   patches (it takes image_grid_thw: Qwen2-VL and its kind): pixel_values [B * g * g, C * tp * P * P], the
+#     flattened g x g patches of every image, and image_grid_thw [B, 3] = (1, g, g).
+# The image token count comes from what get_image_features gives for one image (image_spec); its tokens sit
+# at positions 1 .. n of every row, after the vision-start token at 0 where the config names one.
+IMAGE_TILES = (1, 2, 3, 4, 5)  # the tile counts n tried for a [B, n, 3, S, S] layout
+
+
+def _takes(fn: Callable, name: str) -> Optional[inspect.Parameter]:
+    return inspect.signature(fn).parameters.get(name)
+
+
+def _image_features_fn(model) -> Optional[Callable]:
+    inner = getattr(model, "model", None)
+    return getattr(inner, "get_image_features", None) or getattr(model, "get_image_features", None)
+
+
+def _patch_layout(model) -> tuple:
+    """(g, C * tp * P * P) of the patches layout: g patches a side (IMAGE_PATCHES rounded up to the spatial
+    merge size), and the length of one flattened patch."""
+    vision = model.config.vision_config
+    patch = vision.patch_size[0] if isinstance(vision.patch_size, (list, tuple)) else vision.patch_size
+    temporal = getattr(vision, "temporal_patch_size", None) or 1
+    temporal = temporal[0] if isinstance(temporal, (list, tuple)) else temporal
+    merge = getattr(vision, "spatial_merge_size", None) or 1
+    channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", None) or 3
+    g = -(-IMAGE_PATCHES // merge) * merge
+    return g, channels * temporal * patch * patch
+
+
+def image_inputs(model, batch: int, side: int, gen: Optional[torch.Generator] = None, tiles: int = 0) -> dict:
+    """The forward's image arguments for `batch` random images (zeros without gen), one per row, in the
+    model's layout (the section's comment); tiles: n of a [B, n, 3, S, S] layout, 0 for [B, 3, S, S]."""
+    dtype = next(model.parameters()).dtype
+    get = _image_features_fn(model)
+
+    def rand(*size):
+        return (torch.randn(*size, generator=gen) if gen is not None else torch.zeros(*size)).to(dtype)
+    if _takes(get, "image_grid_thw") is not None:
+        g, flat = _patch_layout(model)
+        return {"pixel_values": rand(batch * g * g, flat), "image_grid_thw": torch.tensor([[1, g, g]] * batch)}
+    inputs = {"pixel_values": rand(batch, tiles, 3, side, side) if tiles else rand(batch, 3, side, side)}
+    sizes = _takes(get, "image_sizes")
+    if sizes is not None and sizes.default is inspect.Parameter.empty:  # required: it splits features by them
+        inputs["image_sizes"] = torch.tensor([[side, side]] * batch)
+    return inputs
+
+
 def image_spec(model, seq: int = T) -> tuple:
-    """(image tokens per row, image side S in pixels, image token id) of an image-text-to-text model:
-    the tokens counted from what its get_image_features gives for one image. Raises NotBuildable."""
+    """(image tokens per row, image side S in pixels, image token id, tiles) of an image-text-to-text model:
+    the tokens counted from what its get_image_features gives for one image, in the first layout of
+    IMAGE_TILES it takes (image_inputs). Raises NotBuildable."""
     spec = getattr(model, "_zoo_image_spec", None)
     if spec is not None:
         return spec
@@ -327,13 +390,21 @@ def image_spec(model, seq: int = T) -> tuple:
     side = size[0] if isinstance(size, (list, tuple)) else size
     token = next((getattr(config, k) for k in ("image_token_id", "image_token_index")
                   if type(getattr(config, k, None)) is int), None)
-    inner = getattr(model, "model", None)
-    get = getattr(inner, "get_image_features", None) or getattr(model, "get_image_features", None)
+    get = _image_features_fn(model)
     if type(side) is not int or token is None or get is None:
         raise NotBuildable("no vision_config.image_size, image token id or get_image_features to size an image by")
-    pixels = torch.zeros(1, 3, side, side, dtype=next(model.parameters()).dtype)
-    with torch.no_grad():
-        out = get(pixel_values=pixels, **_image_extras(model, 1, side))
+    first_error = None
+    for tiles in (0,) + IMAGE_TILES:
+        try:
+            with torch.no_grad():
+                out = get(**image_inputs(model, 1, side, tiles=tiles))
+            break
+        except Exception as e:
+            first_error = first_error or e
+            if _takes(get, "image_grid_thw") is not None:
+                raise
+    else:
+        raise first_error
     features = getattr(out, "pooler_output", None)
     if features is None:
         features = out[0] if isinstance(out, (tuple, list)) or hasattr(out, "last_hidden_state") else out
@@ -341,21 +412,15 @@ def image_spec(model, seq: int = T) -> tuple:
     count = sum(f.numel() // f.shape[-1] for f in parts)
     if not 0 < count <= seq // 2:
         raise NotBuildable(f"{count} image tokens for one {side} x {side} image (at most {seq // 2} fit)")
-    model._zoo_image_spec = (count, side, token)
+    model._zoo_image_spec = (count, side, token, tiles)
     return model._zoo_image_spec
-
-
-def _image_extras(model, batch: int, side: int) -> dict:
-    """The image sizes [B, 2] for the models whose forward names them (LLaVA-NeXT, Mistral3)."""
-    if "image_sizes" in inspect.signature(model.forward).parameters:
-        return {"image_sizes": torch.tensor([[side, side]] * batch)}
-    return {}
 
 
 def make_batch(model, arch: Architecture, batch: int, seq_len: int, gen: torch.Generator,
                shape: Shape = STEP) -> Batch:
     """Random token ids [batch, seq_len] from FIRST_TEXT_ID up; for images, one random image per row
-    whose tokens sit at positions 1 .. n (labels -100 there); for an encoder-decoder, the ids are the
+    whose tokens sit at positions 1 .. n (labels -100 there), and where the forward takes them the
+    token types [batch, seq_len] (1 on image tokens); for an encoder-decoder, the ids are the
     decoder's and the source has source_positions."""
     ids = torch.randint(FIRST_TEXT_ID, VOCAB, (batch, seq_len), generator=gen)
     if arch.task in SOURCE_TASKS and getattr(model.config, "is_encoder_decoder", False):
@@ -363,12 +428,19 @@ def make_batch(model, arch: Architecture, batch: int, seq_len: int, gen: torch.G
         return Batch({**source_inputs(model, batch, positions, gen), "decoder_input_ids": ids}, ids)
     if arch.task != "image":
         return Batch({"input_ids": ids}, ids)
-    count, side, token = image_spec(model, seq_len)
+    count, side, token, tiles = image_spec(model, seq_len)
+    start = getattr(model.config, "vision_start_token_id", None)
+    if type(start) is int:
+        ids[:, 0] = start
     ids[:, 1:1 + count] = token
     labels = ids.clone()
     labels[:, 1:1 + count] = chf.IGNORE_INDEX
-    pixels = torch.randn(batch, 3, side, side, generator=gen).to(next(model.parameters()).dtype)
-    return Batch({"input_ids": ids, "pixel_values": pixels, **_image_extras(model, batch, side)}, labels)
+    inputs = {"input_ids": ids, **image_inputs(model, batch, side, gen, tiles)}
+    types = (ids == token).long()
+    for name in ("mm_token_type_ids", "token_type_ids"):
+        if _takes(model.forward, name) is not None:
+            inputs[name] = types
+    return Batch(inputs, labels)
 
 
 def source_positions(arch: Architecture, seq_len: int, shape: Shape) -> int:
