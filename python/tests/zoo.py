@@ -182,6 +182,10 @@ OVERRIDES: dict = {
     "PerceiverForMaskedLM": {"num_latents": 16, "d_latents": 32, "num_self_attends_per_block": 2},
     "ReformerModelWithLMHead": {"is_decoder": True},
     "ZayaForCausalLM": {"num_experts_per_tok": 1},
+    # its vision adapter: the pixel shuffle (ratio 0.5) makes 4 * hidden channels, read by a layer of
+    # intermediate_size inputs, and the projector's widths follow one another
+    "Llama4ForConditionalGeneration": {"vision_config": {"intermediate_size": 4 * HIDDEN, "projector_input_dim": HIDDEN,
+                                                         "projector_output_dim": HIDDEN, "vision_output_dim": HIDDEN}},
 }
 # Per-model-class calls on the built model before its first forward.
 PREPARE: dict = {
@@ -255,16 +259,48 @@ def tiny_config(arch: Architecture, shape: Shape = STEP):
     kwargs = _small_kwargs(default, shape.hidden)
     if arch.source and type(getattr(default, "max_source_positions", None)) is int:
         kwargs["max_source_positions"] = shape.seq if arch.source == "same" else SOURCE_OTHER
-    vision = getattr(default, "vision_config", None) if arch.task == "image" else None
-    if isinstance(kwargs.get("vision_config"), dict) and hasattr(vision, "patch_size"):
-        patch, size = vision.patch_size, getattr(vision, "image_size", None)
-        side = IMAGE_PATCHES * (patch[0] if isinstance(patch, (list, tuple)) else patch)
-        kwargs["vision_config"]["image_size"] = [side, side] if isinstance(size, (list, tuple)) else side
-        # the patch size the side was measured in, kept where the sub-config's own default differs (LLaVA's
-        # CLIP tower: 14 in LlavaConfig, 32 in CLIPVisionConfig)
-        kwargs["vision_config"]["patch_size"] = patch
+    if arch.task == "image":
+        _tiny_vision(default, kwargs, shape)
     kwargs = _merge(kwargs, OVERRIDES.get(arch.model_class, {}))
     return config_class(**kwargs)
+
+
+# Vision sub-config keys sized beside the generic ones (image task only: elsewhere these words mean other
+# things): its layer count, and the width it hands the text model.
+VISION_LAYER_KEYS = ("depth",)
+VISION_OUT_KEYS = ("out_hidden_size", "text_hidden_size")
+# Top-level keys of an image model's config: the image tokens one image becomes (Gemma 3 pools its
+# IMAGE_PATCHES x IMAGE_PATCHES patches to this many).
+IMAGE_TOKEN_KEYS = ("mm_tokens_per_image",)
+
+
+def _tiny_vision(default, kwargs: dict, shape: Shape) -> None:
+    """An image model's vision sub-config made tiny in kwargs (in place): images of IMAGE_PATCHES x IMAGE_PATCHES
+    patches of its own patch size, its layers and output width tiny; where the config cuts an image into tiles
+    on a grid of resolutions (LLaVA-NeXT's anyres), one tile of that side."""
+    vision = getattr(default, "vision_config", None)
+    if not isinstance(kwargs.get("vision_config"), dict) or vision is None:
+        return
+    sub, values = kwargs["vision_config"], vision.to_dict()
+    side = None
+    if hasattr(vision, "patch_size"):
+        patch, size = vision.patch_size, getattr(vision, "image_size", None)
+        side = IMAGE_PATCHES * (patch[0] if isinstance(patch, (list, tuple)) else patch)
+        sub["image_size"] = [side, side] if isinstance(size, (list, tuple)) else side
+        # the patch size the side was measured in, kept where the sub-config's own default differs (LLaVA's
+        # CLIP tower: 14 in LlavaConfig, 32 in CLIPVisionConfig)
+        sub["patch_size"] = patch
+    for key in VISION_LAYER_KEYS:
+        if type(values.get(key)) is int:
+            sub[key] = LAYERS
+    for key in VISION_OUT_KEYS:
+        if type(values.get(key)) is int:
+            sub[key] = shape.hidden
+    for key in IMAGE_TOKEN_KEYS:
+        if type(getattr(default, key, None)) is int:
+            kwargs[key] = IMAGE_PATCHES * IMAGE_PATCHES
+    if side is not None and getattr(default, "image_grid_pinpoints", None):
+        kwargs["image_grid_pinpoints"] = [[side, side]]
 
 
 # ---- the model and its loss ------------------------------------------------------------------
