@@ -270,8 +270,12 @@ def tiny_config(arch: Architecture, shape: Shape = STEP):
 VISION_LAYER_KEYS = ("depth",)
 VISION_OUT_KEYS = ("out_hidden_size", "text_hidden_size")
 # Top-level keys of an image model's config: the image tokens one image becomes (Gemma 3 pools its
-# IMAGE_PATCHES x IMAGE_PATCHES patches to this many).
+# IMAGE_PATCHES x IMAGE_PATCHES patches to this many); the width of the image features the text model reads
+# (PaliGemma's projector); the vision layers whose hidden states it reads (VipLLaVA's 5 of 24), each moved
+# into the tiny tower's LAYERS + 1 hidden states.
 IMAGE_TOKEN_KEYS = ("mm_tokens_per_image",)
+IMAGE_WIDTH_KEYS = ("projection_dim",)
+FEATURE_LAYER_KEYS = ("vision_feature_layer", "vision_feature_layers")
 
 
 def _tiny_vision(default, kwargs: dict, shape: Shape) -> None:
@@ -299,7 +303,20 @@ def _tiny_vision(default, kwargs: dict, shape: Shape) -> None:
     for key in IMAGE_TOKEN_KEYS:
         if type(getattr(default, key, None)) is int:
             kwargs[key] = IMAGE_PATCHES * IMAGE_PATCHES
+    for key in IMAGE_WIDTH_KEYS:
+        if type(getattr(default, key, None)) is int:
+            kwargs[key] = shape.hidden
+    for key in FEATURE_LAYER_KEYS:
+        layers = getattr(default, key, None)
+        if type(layers) is int or (isinstance(layers, (list, tuple)) and all(type(i) is int for i in layers)):
+            moved = [max(i, -LAYERS - 1) if i < 0 else min(i, LAYERS) for i in ([layers] if type(layers) is int else layers)]
+            kwargs[key] = moved[0] if type(layers) is int else moved
     if side is not None and getattr(default, "image_grid_pinpoints", None):
+        # anyres (LLaVA-NeXT): a base image and one tile of the same side, each IMAGE_PATCHES / 2 patches a side,
+        # and a newline token per tile row: 2 * 4 + 2 = 10 tokens (4 x 4 patches would be 36, over T / 2)
+        patch = vision.patch_size[0] if isinstance(vision.patch_size, (list, tuple)) else vision.patch_size
+        side = IMAGE_PATCHES // 2 * patch
+        sub["image_size"] = [side, side] if isinstance(sub["image_size"], list) else side
         kwargs["image_grid_pinpoints"] = [[side, side]]
 
 
@@ -472,11 +489,21 @@ def make_batch(model, arch: Architecture, batch: int, seq_len: int, gen: torch.G
     labels = ids.clone()
     labels[:, 1:1 + count] = chf.IGNORE_INDEX
     inputs = {"input_ids": ids, **image_inputs(model, batch, side, gen, tiles)}
-    types = (ids == token).long()
-    for name in ("mm_token_type_ids", "token_type_ids"):
-        if _takes(model.forward, name) is not None:
-            inputs[name] = types
+    if _takes(model.forward, "mm_token_type_ids") is not None:  # the multimodal rotary's: 1 on image tokens
+        inputs["mm_token_type_ids"] = (ids == token).long()
+    if type(model).__name__ in TOKEN_TYPES:
+        inputs["token_type_ids"] = TOKEN_TYPES[type(model).__name__](ids == token)
     return Batch(inputs, labels)
+
+
+# token_type_ids [B, T] from where the image tokens are (bool [B, T]), for the models whose attention
+# reads them, each in its own convention (elsewhere left out: the model's default).
+TOKEN_TYPES: dict = {
+    # 1 on image tokens: those attend to one another both ways
+    "Gemma3ForConditionalGeneration": lambda image: image.long(),
+    # 0 on the prefix (position 0 and the image), attended both ways; 1 on the text after it
+    "PaliGemmaForConditionalGeneration": lambda image: ((image.cumsum(1) >= image.sum(1, keepdim=True)) & ~image).long(),
+}
 
 
 def source_positions(arch: Architecture, seq_len: int, shape: Shape) -> int:
