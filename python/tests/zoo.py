@@ -229,7 +229,8 @@ def _small_kwargs(default, hidden: int = HIDDEN) -> dict:
     if "use_cache" in values:
         kwargs["use_cache"] = False
     rope = values.get("rope_parameters")
-    if "mrope_section" in getattr(type(default), "ignore_keys_at_rope_validation", ()) and isinstance(rope, dict):
+    flat = isinstance(rope, dict) and "rope_type" in rope  # one rotary for all layers, not one per layer type
+    if "mrope_section" in getattr(type(default), "ignore_keys_at_rope_validation", ()) and flat:
         # multimodal rotary (Qwen2-VL's kind): its (time, height, width) sections, whose default sits in the
         # modeling code, must add up to half the tiny rotary dimension
         head = HEAD_DIM if "head_dim" in values else hidden // HEADS
