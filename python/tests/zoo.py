@@ -228,14 +228,6 @@ def _small_kwargs(default, hidden: int = HIDDEN) -> dict:
                 kwargs[key] = TOKEN_ID_KEYS.index(key) if key in TOKEN_ID_KEYS else FIRST_TEXT_ID - 1
     if "use_cache" in values:
         kwargs["use_cache"] = False
-    rope = values.get("rope_parameters")
-    flat = isinstance(rope, dict) and "rope_type" in rope  # one rotary for all layers, not one per layer type
-    if "mrope_section" in getattr(type(default), "ignore_keys_at_rope_validation", ()) and flat:
-        # multimodal rotary (Qwen2-VL's kind): its (time, height, width) sections, whose default sits in the
-        # modeling code, must add up to half the tiny rotary dimension
-        head = HEAD_DIM if "head_dim" in values else hidden // HEADS
-        half = int(head * (rope.get("partial_rotary_factor") or values.get("partial_rotary_factor") or 1)) // 2
-        kwargs["rope_parameters"] = {**rope, "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
     if "kv_lora_rank" in values and "qk_rope_head_dim" in values:  # latent attention: head_dim is the rotary part
         kwargs.update(num_key_value_heads=HEADS, head_dim=SIZES["qk_rope_head_dim"])
         kwargs = {k: v for k, v in kwargs.items() if k in values}
@@ -262,6 +254,8 @@ def tiny_config(arch: Architecture, shape: Shape = STEP):
         kwargs["max_source_positions"] = shape.seq if arch.source == "same" else SOURCE_OTHER
     if arch.task == "image":
         _tiny_vision(default, kwargs, shape)
+        if "mrope_section" in inspect.getsource(inspect.getmodule(getattr(transformers, arch.model_class))):
+            _tiny_mrope(default, kwargs, shape.hidden)
     kwargs = _merge(kwargs, OVERRIDES.get(arch.model_class, {}))
     return config_class(**kwargs)
 
@@ -270,13 +264,31 @@ def tiny_config(arch: Architecture, shape: Shape = STEP):
 # things): its layer count, and the width it hands the text model.
 VISION_LAYER_KEYS = ("depth",)
 VISION_OUT_KEYS = ("out_hidden_size", "text_hidden_size")
-# Top-level keys of an image model's config: the image tokens one image becomes (Gemma 3 pools its
+# Keys of an image model's config: the image tokens one image becomes (Gemma 3 pools its
 # IMAGE_PATCHES x IMAGE_PATCHES patches to this many); the width of the image features the text model reads
 # (PaliGemma's projector); the vision layers whose hidden states it reads (VipLLaVA's 5 of 24), each moved
 # into the tiny tower's LAYERS + 1 hidden states.
-IMAGE_TOKEN_KEYS = ("mm_tokens_per_image",)
+IMAGE_TOKEN_KEYS = ("mm_tokens_per_image", "resampler_n_latents")  # also in a sub-config (Idefics2's perceiver)
 IMAGE_WIDTH_KEYS = ("projection_dim",)
 FEATURE_LAYER_KEYS = ("vision_feature_layer", "vision_feature_layers")
+
+
+def _tiny_mrope(default, kwargs: dict, hidden: int) -> None:
+    """Multimodal rotary (Qwen2-VL's kind) of an image model, in kwargs (in place): the (time, height, width)
+    sections of the config or its text sub-config, whose default sits in the modeling code, made to add up to
+    half the tiny rotary dimension. Only on a flat rope_parameters (one rotary for every layer)."""
+    for config, sub in ((default, kwargs), (getattr(default, "text_config", None), kwargs.get("text_config"))):
+        if config is None or not isinstance(sub, dict):
+            continue
+        values = config.to_dict()
+        rope = values.get("rope_parameters")
+        if not (isinstance(rope, dict) and "rope_type" in rope):
+            continue
+        head = HEAD_DIM if "head_dim" in values else hidden // HEADS
+        half = int(head * (rope.get("partial_rotary_factor") or values.get("partial_rotary_factor") or 1)) // 2
+        if "qk_rope_head_dim" in values:  # latent attention: the rotary part is its own
+            half = SIZES["qk_rope_head_dim"] // 2
+        sub["rope_parameters"] = {**rope, "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
 
 
 def _tiny_vision(default, kwargs: dict, shape: Shape) -> None:
@@ -301,9 +313,11 @@ def _tiny_vision(default, kwargs: dict, shape: Shape) -> None:
     for key in VISION_OUT_KEYS:
         if type(values.get(key)) is int:
             sub[key] = shape.hidden
-    for key in IMAGE_TOKEN_KEYS:
-        if type(getattr(default, key, None)) is int:
-            kwargs[key] = IMAGE_PATCHES * IMAGE_PATCHES
+    for name in [None] + list(getattr(default, "sub_configs", {}) or {}):
+        config, sub = (default, kwargs) if name is None else (getattr(default, name, None), kwargs.get(name))
+        for key in IMAGE_TOKEN_KEYS:
+            if type(getattr(config, key, None)) is int and isinstance(sub, dict):
+                sub[key] = IMAGE_PATCHES * IMAGE_PATCHES
     for key in IMAGE_WIDTH_KEYS:
         if type(getattr(default, key, None)) is int:
             kwargs[key] = shape.hidden
@@ -385,10 +399,12 @@ class Batch:
 #   pixels: pixel_values [B, 3, S, S] (or [B, n, 3, S, S] where the model cuts an image into n tiles: the
 #     smallest n that get_image_features takes), and image_sizes [B, 2] = (S, S) where it requires them;
 #   patches (it takes image_grid_thw: Qwen2-VL and its kind): pixel_values [B * g * g, C * tp * P * P], the
-#     flattened g x g patches of every image, and image_grid_thw [B, 3] = (1, g, g).
+#     flattened g x g patches of every image (or [B * g * g, C, P, P], the first that get_image_features takes:
+#     Kimi-K2.5, PaddleOCR-VL), and image_grid_thw [B, 3] = (1, g, g).
 # The image token count comes from what get_image_features gives for one image (image_spec); its tokens sit
 # at positions 1 .. n of every row, after the vision-start token at 0 where the config names one.
 IMAGE_TILES = (1, 2, 3, 4, 5)  # the tile counts n tried for a [B, n, 3, S, S] layout
+PATCH_SHAPES = ("flat", "square")  # the patches layouts tried: [N, C * tp * P * P], [N, C, P, P]
 
 
 def _takes(fn: Callable, name: str) -> Optional[inspect.Parameter]:
@@ -400,9 +416,9 @@ def _image_features_fn(model) -> Optional[Callable]:
     return getattr(inner, "get_image_features", None) or getattr(model, "get_image_features", None)
 
 
-def _patch_layout(model) -> tuple:
-    """(g, C * tp * P * P) of the patches layout: g patches a side (IMAGE_PATCHES rounded up to the spatial
-    merge size), and the length of one flattened patch."""
+def _patch_layout(model, layout: int = 0) -> tuple:
+    """(g, the shape of one patch) of the patches layout: g patches a side (IMAGE_PATCHES rounded up to the
+    spatial merge size), and one patch (C * tp * P * P,) or (C, P, P) (PATCH_SHAPES[layout])."""
     vision = model.config.vision_config
     patch = vision.patch_size[0] if isinstance(vision.patch_size, (list, tuple)) else vision.patch_size
     temporal = getattr(vision, "temporal_patch_size", None) or 1
@@ -410,21 +426,29 @@ def _patch_layout(model) -> tuple:
     merge = getattr(vision, "spatial_merge_size", None) or 1
     channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", None) or 3
     g = -(-IMAGE_PATCHES // merge) * merge
-    return g, channels * temporal * patch * patch
+    one = (channels * temporal * patch * patch,) if PATCH_SHAPES[layout] == "flat" else (channels, patch, patch)
+    return g, one
 
 
-def image_inputs(model, batch: int, side: int, gen: Optional[torch.Generator] = None, tiles: int = 0) -> dict:
-    """The forward's image arguments for `batch` random images (zeros without gen), one per row, in the
-    model's layout (the section's comment); tiles: n of a [B, n, 3, S, S] layout, 0 for [B, 3, S, S]."""
+def _layouts(model) -> tuple:
+    """The layouts image_spec tries, in order: indices of PATCH_SHAPES for the patches layout, else tile counts
+    (0: [B, 3, S, S])."""
+    return tuple(range(len(PATCH_SHAPES))) if _takes(_image_features_fn(model), "image_grid_thw") else (0,) + IMAGE_TILES
+
+
+def image_inputs(model, batch: int, side: int, gen: torch.Generator, layout: int = 0) -> dict:
+    """The forward's image arguments for `batch` random images, one per row, in the model's layout (the
+    section's comment): layout, of patches, the index of PATCH_SHAPES; else n of a [B, n, 3, S, S] layout, 0
+    for [B, 3, S, S]."""
     dtype = next(model.parameters()).dtype
     get = _image_features_fn(model)
 
     def rand(*size):
-        return (torch.randn(*size, generator=gen) if gen is not None else torch.zeros(*size)).to(dtype)
+        return torch.randn(*size, generator=gen).to(dtype)
     if _takes(get, "image_grid_thw") is not None:
-        g, flat = _patch_layout(model)
-        return {"pixel_values": rand(batch * g * g, flat), "image_grid_thw": torch.tensor([[1, g, g]] * batch)}
-    inputs = {"pixel_values": rand(batch, tiles, 3, side, side) if tiles else rand(batch, 3, side, side)}
+        g, one = _patch_layout(model, layout)
+        return {"pixel_values": rand(batch * g * g, *one), "image_grid_thw": torch.tensor([[1, g, g]] * batch)}
+    inputs = {"pixel_values": rand(batch, layout, 3, side, side) if layout else rand(batch, 3, side, side)}
     sizes = _takes(get, "image_sizes")
     if sizes is not None and sizes.default is inspect.Parameter.empty:  # required: it splits features by them
         inputs["image_sizes"] = torch.tensor([[side, side]] * batch)
@@ -432,9 +456,10 @@ def image_inputs(model, batch: int, side: int, gen: Optional[torch.Generator] = 
 
 
 def image_spec(model, seq: int = T) -> tuple:
-    """(image tokens per row, image side S in pixels, image token id, tiles) of an image-text-to-text model:
-    the tokens counted from what its get_image_features gives for one image, in the first layout of
-    IMAGE_TILES it takes (image_inputs). Raises NotBuildable."""
+    """(image tokens per row, image side S in pixels, image token id, layout) of an image-text-to-text model:
+    the tokens counted from what its get_image_features gives for one random image (not zeros: Idefics3
+    drops all-zero images as padding), in the first layout of _layouts it takes (image_inputs). Raises
+    NotBuildable, or the first layout's error where none is taken."""
     spec = getattr(model, "_zoo_image_spec", None)
     if spec is not None:
         return spec
@@ -448,15 +473,13 @@ def image_spec(model, seq: int = T) -> tuple:
     if type(side) is not int or token is None or get is None:
         raise NotBuildable("no vision_config.image_size, image token id or get_image_features to size an image by")
     first_error = None
-    for tiles in (0,) + IMAGE_TILES:
+    for layout in _layouts(model):
         try:
             with torch.no_grad():
-                out = get(**image_inputs(model, 1, side, tiles=tiles))
+                out = get(**image_inputs(model, 1, side, torch.Generator().manual_seed(0), layout))
             break
         except Exception as e:
             first_error = first_error or e
-            if _takes(get, "image_grid_thw") is not None:
-                raise
     else:
         raise first_error
     features = getattr(out, "pooler_output", None)
@@ -466,7 +489,7 @@ def image_spec(model, seq: int = T) -> tuple:
     count = sum(f.numel() // f.shape[-1] for f in parts)
     if not 0 < count <= seq // 2:
         raise NotBuildable(f"{count} image tokens for one {side} x {side} image (at most {seq // 2} fit)")
-    model._zoo_image_spec = (count, side, token, tiles)
+    model._zoo_image_spec = (count, side, token, layout)
     return model._zoo_image_spec
 
 
@@ -482,14 +505,14 @@ def make_batch(model, arch: Architecture, batch: int, seq_len: int, gen: torch.G
         return Batch({**source_inputs(model, batch, positions, gen), "decoder_input_ids": ids}, ids)
     if arch.task != "image":
         return Batch({"input_ids": ids}, ids)
-    count, side, token, tiles = image_spec(model, seq_len)
+    count, side, token, layout = image_spec(model, seq_len)
     start = getattr(model.config, "vision_start_token_id", None)
     if type(start) is int:
         ids[:, 0] = start
     ids[:, 1:1 + count] = token
     labels = ids.clone()
     labels[:, 1:1 + count] = chf.IGNORE_INDEX
-    inputs = {"input_ids": ids, **image_inputs(model, batch, side, gen, tiles)}
+    inputs = {"input_ids": ids, **image_inputs(model, batch, side, gen, layout)}
     if _takes(model.forward, "mm_token_type_ids") is not None:  # the multimodal rotary's: 1 on image tokens
         inputs["mm_token_type_ids"] = (ids == token).long()
     if type(model).__name__ in TOKEN_TYPES:
