@@ -261,15 +261,16 @@ def tiny_config(arch: Architecture, shape: Shape = STEP):
 
 
 # Vision sub-config keys sized beside the generic ones (image task only: elsewhere these words mean other
-# things): its layer count, and the width it hands the text model.
+# things): its layer count.
 VISION_LAYER_KEYS = ("depth",)
-VISION_OUT_KEYS = ("out_hidden_size", "text_hidden_size")
 # Keys of an image model's config: the image tokens one image becomes (Gemma 3 pools its
-# IMAGE_PATCHES x IMAGE_PATCHES patches to this many); the width of the image features the text model reads
-# (PaliGemma's projector); the vision layers whose hidden states it reads (VipLLaVA's 5 of 24), each moved
+# IMAGE_PATCHES x IMAGE_PATCHES patches to this many); the widths between the vision tower and the text model,
+# in the config or its vision sub-config (PaliGemma's and Kimi-K2.5's projectors, Qwen2.5-VL's vision output),
+# all the tiny hidden size as both sides are; the vision layers whose hidden states it reads (VipLLaVA's 5 of 24), each moved
 # into the tiny tower's LAYERS + 1 hidden states.
-IMAGE_TOKEN_KEYS = ("mm_tokens_per_image", "resampler_n_latents")  # also in a sub-config (Idefics2's perceiver)
-IMAGE_WIDTH_KEYS = ("projection_dim",)
+IMAGE_TOKEN_KEYS = ("mm_tokens_per_image", "resampler_n_latents", "num_image_tokens")  # also in a sub-config
+IMAGE_WIDTH_KEYS = ("projection_dim", "projection_hidden_size", "projection_hidden_dim", "projector_hidden_size",
+                    "out_hidden_size", "text_hidden_size")
 FEATURE_LAYER_KEYS = ("vision_feature_layer", "vision_feature_layers")
 
 
@@ -310,7 +311,7 @@ def _tiny_vision(default, kwargs: dict, shape: Shape) -> None:
     for key in VISION_LAYER_KEYS:
         if type(values.get(key)) is int:
             sub[key] = LAYERS
-    for key in VISION_OUT_KEYS:
+    for key in IMAGE_WIDTH_KEYS:
         if type(values.get(key)) is int:
             sub[key] = shape.hidden
     for name in [None] + list(getattr(default, "sub_configs", {}) or {}):
