@@ -315,10 +315,10 @@ def _tiny_vision(default, kwargs: dict, shape: Shape) -> None:
         if type(values.get(key)) is int:
             sub[key] = shape.hidden
     for name in [None] + list(getattr(default, "sub_configs", {}) or {}):
-        config, sub = (default, kwargs) if name is None else (getattr(default, name, None), kwargs.get(name))
+        config, into = (default, kwargs) if name is None else (getattr(default, name, None), kwargs.get(name))
         for key in IMAGE_TOKEN_KEYS:
-            if type(getattr(config, key, None)) is int and isinstance(sub, dict):
-                sub[key] = IMAGE_PATCHES * IMAGE_PATCHES
+            if type(getattr(config, key, None)) is int and isinstance(into, dict):
+                into[key] = IMAGE_PATCHES * IMAGE_PATCHES
     for key in IMAGE_WIDTH_KEYS:
         if type(getattr(default, key, None)) is int:
             kwargs[key] = shape.hidden
@@ -327,6 +327,8 @@ def _tiny_vision(default, kwargs: dict, shape: Shape) -> None:
         if type(layers) is int or (isinstance(layers, (list, tuple)) and all(type(i) is int for i in layers)):
             moved = [max(i, -LAYERS - 1) if i < 0 else min(i, LAYERS) for i in ([layers] if type(layers) is int else layers)]
             kwargs[key] = moved[0] if type(layers) is int else moved
+    if getattr(default, "projector_patch_to_query_dict", None):  # Aria: patches per image -> query tokens
+        kwargs["projector_patch_to_query_dict"] = {IMAGE_PATCHES * IMAGE_PATCHES: IMAGE_PATCHES}
     if side is not None and getattr(default, "image_grid_pinpoints", None):
         # anyres (LLaVA-NeXT): a base image and one tile of the same side, each IMAGE_PATCHES / 2 patches a side,
         # and a newline token per tile row: 2 * 4 + 2 = 10 tokens (4 x 4 patches would be 36, over T / 2)
@@ -398,7 +400,8 @@ class Batch:
 # One image per row of S x S pixels (S = IMAGE_PATCHES patches of the vision config's patch_size, set by
 # tiny_config), in the layout the model's own get_image_features takes, read from its signature:
 #   pixels: pixel_values [B, 3, S, S] (or [B, n, 3, S, S] where the model cuts an image into n tiles: the
-#     smallest n that get_image_features takes), and image_sizes [B, 2] = (S, S) where it requires them;
+#     smallest n that get_image_features takes), and where it requires them image_sizes [B, 2] = (S, S) and
+#     pixel_attention_mask [B, (n,) S, S], all true;
 #   patches (it takes image_grid_thw: Qwen2-VL and its kind): pixel_values [B * g * g, C * tp * P * P], the
 #     flattened g x g patches of every image (or [B * g * g, C, P, P], the first that get_image_features takes:
 #     Kimi-K2.5, PaddleOCR-VL), and image_grid_thw [B, 3] = (1, g, g).
@@ -422,7 +425,7 @@ def _patch_layout(model, layout: int = 0) -> tuple:
     spatial merge size), and one patch (C * tp * P * P,) or (C, P, P) (PATCH_SHAPES[layout])."""
     vision = model.config.vision_config
     patch = vision.patch_size[0] if isinstance(vision.patch_size, (list, tuple)) else vision.patch_size
-    temporal = getattr(vision, "temporal_patch_size", None) or 1
+    temporal = getattr(vision, "temporal_patch_size", None) or getattr(vision, "patch_temporal", None) or 1
     temporal = temporal[0] if isinstance(temporal, (list, tuple)) else temporal
     merge = getattr(vision, "spatial_merge_size", None) or 1
     channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", None) or 3
@@ -453,6 +456,10 @@ def image_inputs(model, batch: int, side: int, gen: torch.Generator, layout: int
     sizes = _takes(get, "image_sizes")
     if sizes is not None and sizes.default is inspect.Parameter.empty:  # required: it splits features by them
         inputs["image_sizes"] = torch.tensor([[side, side]] * batch)
+    mask = _takes(get, "pixel_attention_mask")
+    if mask is not None and mask.default is inspect.Parameter.empty:  # required (Granite-Docling): no padding
+        shape = inputs["pixel_values"].shape
+        inputs["pixel_attention_mask"] = torch.ones(*shape[:-3], *shape[-2:], dtype=torch.bool)
     return inputs
 
 
@@ -658,9 +665,12 @@ def batch_and_masks(model, arch: Architecture, shape: Shape = STEP) -> tuple:
     if B == 1:  # one sequence: nothing ragged
         return batch, masks
     scores = torch.rand(B, T, generator=gen)
-    scores[1] += 0.3  # row 1 keeps more: ragged rows
-    masks["batch_topk 0.5"] = collider.select_tokens(scores, 0.5, policy="batch_topk", valid=valid)
-    counts = masks["batch_topk 0.5"].sum(1).tolist()
+    for _ in range(4):  # row 1 keeps more: ragged rows (raised again where rows 0 and 1 still keep as many)
+        scores[1] += 0.3
+        masks["batch_topk 0.5"] = collider.select_tokens(scores, 0.5, policy="batch_topk", valid=valid)
+        counts = masks["batch_topk 0.5"].sum(1).tolist()
+        if counts[0] != counts[1]:
+            break
     assert counts[0] != counts[1], counts
     if shape.batch == shape.seq == shape.hidden:  # a coincidence run (run_equal)
         masks = {"batch_topk 0.5": masks["batch_topk 0.5"]}
