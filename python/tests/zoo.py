@@ -267,7 +267,7 @@ VISION_LAYER_KEYS = ("depth",)
 # IMAGE_PATCHES x IMAGE_PATCHES patches to this many); the widths between the vision tower and the text model,
 # in the config or its vision sub-config (PaliGemma's and Kimi-K2.5's projectors, Qwen2.5-VL's vision output),
 # all the tiny hidden size as both sides are; the vision layers whose hidden states it reads (VipLLaVA's 5 of 24), each moved
-# into the tiny tower's LAYERS + 1 hidden states.
+# into the tiny tower's LAYERS + 1 hidden states (a positive index to a layer of it: Molmo2 counts layers).
 IMAGE_TOKEN_KEYS = ("mm_tokens_per_image", "resampler_n_latents", "num_image_tokens")  # also in a sub-config
 IMAGE_WIDTH_KEYS = ("projection_dim", "projection_hidden_size", "projection_hidden_dim", "projector_hidden_size",
                     "out_hidden_size", "text_hidden_size")
@@ -322,11 +322,15 @@ def _tiny_vision(default, kwargs: dict, shape: Shape) -> None:
     for key in IMAGE_WIDTH_KEYS:
         if type(getattr(default, key, None)) is int:
             kwargs[key] = shape.hidden
-    for key in FEATURE_LAYER_KEYS:
-        layers = getattr(default, key, None)
-        if type(layers) is int or (isinstance(layers, (list, tuple)) and all(type(i) is int for i in layers)):
-            moved = [max(i, -LAYERS - 1) if i < 0 else min(i, LAYERS) for i in ([layers] if type(layers) is int else layers)]
-            kwargs[key] = moved[0] if type(layers) is int else moved
+    for name in [None] + list(getattr(default, "sub_configs", {}) or {}):  # also Molmo2's adapter_config
+        config, into = (default, kwargs) if name is None else (getattr(default, name, None), kwargs.get(name))
+        for key in FEATURE_LAYER_KEYS:
+            layers = getattr(config, key, None)
+            if not isinstance(into, dict) or not (type(layers) is int or (
+                    isinstance(layers, (list, tuple)) and all(type(i) is int for i in layers))):
+                continue
+            moved = [max(i, -LAYERS - 1) if i < 0 else min(i, LAYERS - 1) for i in ([layers] if type(layers) is int else layers)]
+            into[key] = moved[0] if type(layers) is int else moved
     if getattr(default, "projector_patch_to_query_dict", None):  # Aria: patches per image -> query tokens
         kwargs["projector_patch_to_query_dict"] = {IMAGE_PATCHES * IMAGE_PATCHES: IMAGE_PATCHES}
     if side is not None and getattr(default, "image_grid_pinpoints", None):
@@ -404,7 +408,7 @@ class Batch:
 #     pixel_attention_mask [B, (n,) S, S], all true;
 #   patches (it takes image_grid_thw: Qwen2-VL and its kind): pixel_values [B * g * g, C * tp * P * P], the
 #     flattened g x g patches of every image (or [B * g * g, C, P, P], the first that get_image_features takes:
-#     Kimi-K2.5, PaddleOCR-VL), and image_grid_thw [B, 3] = (1, g, g).
+#     Kimi-K2.5, PaddleOCR-VL), image_grid_thw [B, 3] = (1, g, g), and where it takes them image_merge_sizes [B].
 # The image token count comes from what get_image_features gives for one image (image_spec); its tokens sit
 # at positions 1 .. n of every row, after the vision-start token at 0 where the config names one.
 IMAGE_TILES = (1, 2, 3, 4, 5)  # the tile counts n tried for a [B, n, 3, S, S] layout
@@ -451,7 +455,11 @@ def image_inputs(model, batch: int, side: int, gen: torch.Generator, layout: int
         return torch.randn(*size, generator=gen).to(dtype)
     if _takes(get, "image_grid_thw") is not None:
         g, one = _patch_layout(model, layout)
-        return {"pixel_values": rand(batch * g * g, *one), "image_grid_thw": torch.tensor([[1, g, g]] * batch)}
+        inputs = {"pixel_values": rand(batch * g * g, *one), "image_grid_thw": torch.tensor([[1, g, g]] * batch)}
+        if _takes(get, "image_merge_sizes") is not None:  # VideoLLaMA3: each image's spatial merge
+            merge = getattr(model.config.vision_config, "spatial_merge_size", None) or 1
+            inputs["image_merge_sizes"] = torch.tensor([merge] * batch)
+        return inputs
     inputs = {"pixel_values": rand(batch, layout, 3, side, side) if layout else rand(batch, 3, side, side)}
     sizes = _takes(get, "image_sizes")
     if sizes is not None and sizes.default is inspect.Parameter.empty:  # required: it splits features by them
