@@ -266,8 +266,9 @@ VISION_LAYER_KEYS = ("depth",)
 # Keys of an image model's config: the image tokens one image becomes (Gemma 3 pools its
 # IMAGE_PATCHES x IMAGE_PATCHES patches to this many); the widths between the vision tower and the text model,
 # in the config or its vision sub-config (PaliGemma's and Kimi-K2.5's projectors, Qwen2.5-VL's vision output),
-# all the tiny hidden size as both sides are; the vision layers whose hidden states it reads (VipLLaVA's 5 of 24), each moved
-# into the tiny tower's LAYERS + 1 hidden states (a positive index to a layer of it: Molmo2 counts layers).
+# all the tiny hidden size as both sides are; the vision layers whose hidden states it reads (VipLLaVA's 5 of
+# 24), each moved into the tiny tower's LAYERS + 1 hidden states (a positive index to a layer of it: Molmo2
+# counts layers).
 IMAGE_TOKEN_KEYS = ("mm_tokens_per_image", "resampler_n_latents", "num_image_tokens")  # also in a sub-config
 IMAGE_WIDTH_KEYS = ("projection_dim", "projection_hidden_size", "projection_hidden_dim", "projector_hidden_size",
                     "out_hidden_size", "text_hidden_size")
@@ -329,7 +330,8 @@ def _tiny_vision(default, kwargs: dict, shape: Shape) -> None:
             if not isinstance(into, dict) or not (type(layers) is int or (
                     isinstance(layers, (list, tuple)) and all(type(i) is int for i in layers))):
                 continue
-            moved = [max(i, -LAYERS - 1) if i < 0 else min(i, LAYERS - 1) for i in ([layers] if type(layers) is int else layers)]
+            moved = [max(i, -LAYERS - 1) if i < 0 else min(i, LAYERS - 1) for i in
+                     ([layers] if type(layers) is int else layers)]
             into[key] = moved[0] if type(layers) is int else moved
     if getattr(default, "projector_patch_to_query_dict", None):  # Aria: patches per image -> query tokens
         kwargs["projector_patch_to_query_dict"] = {IMAGE_PATCHES * IMAGE_PATCHES: IMAGE_PATCHES}
@@ -441,7 +443,8 @@ def _patch_layout(model, layout: int = 0) -> tuple:
 def _layouts(model) -> tuple:
     """The layouts image_spec tries, in order: indices of PATCH_SHAPES for the patches layout, else tile counts
     (0: [B, 3, S, S])."""
-    return tuple(range(len(PATCH_SHAPES))) if _takes(_image_features_fn(model), "image_grid_thw") else (0,) + IMAGE_TILES
+    patches = _takes(_image_features_fn(model), "image_grid_thw") is not None
+    return tuple(range(len(PATCH_SHAPES))) if patches else (0,) + IMAGE_TILES
 
 
 def image_inputs(model, batch: int, side: int, gen: torch.Generator, layout: int = 0) -> dict:
@@ -512,9 +515,10 @@ def image_spec(model, seq: int = T) -> tuple:
 def make_batch(model, arch: Architecture, batch: int, seq_len: int, gen: torch.Generator,
                shape: Shape = STEP) -> Batch:
     """Random token ids [batch, seq_len] from FIRST_TEXT_ID up; for images, one random image per row
-    whose tokens sit at positions 1 .. n (labels -100 there), and where the forward takes them the
-    token types [batch, seq_len] (1 on image tokens); for an encoder-decoder, the ids are the
-    decoder's and the source has source_positions."""
+    (image_inputs) whose tokens sit at positions 1 .. n (labels -100 there), the config's vision-start token
+    at 0 where it names one (Qwen2.5-Omni's rotary finds images by it), and the token types [batch, seq_len]
+    where the forward reads them (mm_token_type_ids: 1 on image tokens; token_type_ids: TOKEN_TYPES); for an
+    encoder-decoder, the ids are the decoder's and the source has source_positions."""
     ids = torch.randint(FIRST_TEXT_ID, VOCAB, (batch, seq_len), generator=gen)
     if arch.task in SOURCE_TASKS and getattr(model.config, "is_encoder_decoder", False):
         positions = source_positions(arch, seq_len, shape)
@@ -542,7 +546,8 @@ TOKEN_TYPES: dict = {
     # 1 on image tokens: those attend to one another both ways
     "Gemma3ForConditionalGeneration": lambda image: image.long(),
     # 0 on the prefix (position 0 and the image), attended both ways; 1 on the text after it
-    "PaliGemmaForConditionalGeneration": lambda image: ((image.cumsum(1) >= image.sum(1, keepdim=True)) & ~image).long(),
+    "PaliGemmaForConditionalGeneration":
+        lambda image: ((image.cumsum(1) >= image.sum(1, keepdim=True)) & ~image).long(),
 }
 
 
