@@ -407,7 +407,7 @@ class Batch:
 # tiny_config), in the layout the model's own get_image_features takes, read from its signature:
 #   pixels: pixel_values [B, 3, S, S] (or [B, n, 3, S, S] where the model cuts an image into n tiles: the
 #     smallest n that get_image_features takes), and where it requires them image_sizes [B, 2] = (S, S) and
-#     pixel_attention_mask [B, (n,) S, S], all true;
+#     pixel_attention_mask [B, n], every tile real;
 #   patches (it takes image_grid_thw: Qwen2-VL and its kind): pixel_values [B * g * g, C * tp * P * P], the
 #     flattened g x g patches of every image (or [B * g * g, C, P, P], the first that get_image_features takes:
 #     Kimi-K2.5, PaddleOCR-VL), image_grid_thw [B, 3] = (1, g, g), and where it takes them image_merge_sizes [B].
@@ -443,8 +443,13 @@ def _patch_layout(model, layout: int = 0) -> tuple:
 def _layouts(model) -> tuple:
     """The layouts image_spec tries, in order: indices of PATCH_SHAPES for the patches layout, else tile counts
     (0: [B, 3, S, S])."""
-    patches = _takes(_image_features_fn(model), "image_grid_thw") is not None
-    return tuple(range(len(PATCH_SHAPES))) if patches else (0,) + IMAGE_TILES
+    get = _image_features_fn(model)
+    if _takes(get, "image_grid_thw") is not None:
+        return tuple(range(len(PATCH_SHAPES)))
+    mask = _takes(get, "pixel_attention_mask")
+    if mask is not None and mask.default is inspect.Parameter.empty:  # a mask of tiles: tiled images only
+        return IMAGE_TILES
+    return (0,) + IMAGE_TILES
 
 
 def image_inputs(model, batch: int, side: int, gen: torch.Generator, layout: int = 0) -> dict:
@@ -468,9 +473,8 @@ def image_inputs(model, batch: int, side: int, gen: torch.Generator, layout: int
     if sizes is not None and sizes.default is inspect.Parameter.empty:  # required: it splits features by them
         inputs["image_sizes"] = torch.tensor([[side, side]] * batch)
     mask = _takes(get, "pixel_attention_mask")
-    if mask is not None and mask.default is inspect.Parameter.empty:  # required (Granite-Docling): no padding
-        shape = inputs["pixel_values"].shape
-        inputs["pixel_attention_mask"] = torch.ones(*shape[:-3], *shape[-2:], dtype=torch.bool)
+    if mask is not None and mask.default is inspect.Parameter.empty:  # required (Granite-Docling): real tiles
+        inputs["pixel_attention_mask"] = torch.ones(inputs["pixel_values"].shape[:-3], dtype=torch.bool)
     return inputs
 
 
