@@ -254,8 +254,8 @@ def tiny_config(arch: Architecture, shape: Shape = STEP):
         kwargs["max_source_positions"] = shape.seq if arch.source == "same" else SOURCE_OTHER
     if arch.task == "image":
         _tiny_vision(default, kwargs, shape)
-        if "mrope_section" in inspect.getsource(inspect.getmodule(getattr(transformers, arch.model_class))):
-            _tiny_mrope(default, kwargs, shape.hidden)
+        source = inspect.getsource(inspect.getmodule(getattr(transformers, arch.model_class)))
+        _tiny_mrope(default, kwargs, shape.hidden, "mrope_section" in source)
     kwargs = _merge(kwargs, OVERRIDES.get(arch.model_class, {}))
     return config_class(**kwargs)
 
@@ -275,12 +275,16 @@ IMAGE_WIDTH_KEYS = ("projection_dim", "projection_hidden_size", "projection_hidd
 FEATURE_LAYER_KEYS = ("vision_feature_layer", "vision_feature_layers")
 
 
-def _tiny_mrope(default, kwargs: dict, hidden: int) -> None:
+def _tiny_mrope(default, kwargs: dict, hidden: int, named: bool) -> None:
     """Multimodal rotary (Qwen2-VL's kind) of an image model, in kwargs (in place): the (time, height, width)
     sections of the config or its text sub-config, whose default sits in the modeling code, made to add up to
-    half the tiny rotary dimension. Only on a flat rope_parameters (one rotary for every layer)."""
+    half the tiny rotary dimension, where the config class declares them (ignore_keys_at_rope_validation: GLM-4.6V,
+    whose modeling module imports GLM-4V's) or the modeling module names them (named: PaddleOCR-VL). Only on a
+    flat rope_parameters (one rotary for every layer)."""
     for config, sub in ((default, kwargs), (getattr(default, "text_config", None), kwargs.get("text_config"))):
         if config is None or not isinstance(sub, dict):
+            continue
+        if not (named or "mrope_section" in getattr(type(config), "ignore_keys_at_rope_validation", ())):
             continue
         values = config.to_dict()
         rope = values.get("rope_parameters")
