@@ -75,7 +75,7 @@ TEST(Plan, DetachAndRouteLinesAreChecked) {
   // A grouped route's token slots (kind 8) pointing at node 0, which sends no route back.
   msg = error_of([&] { Plan::from_string(text + "field indices_ 0 0 1 0 -1 1 0:8:0:2:0\n"); });
   EXPECT_NE(msg.find("is not an IndexAddBackward0 or IndexBackward0 node"), std::string::npos) << msg;
-  msg = error_of([&] { Plan::from_string(text + "field indices_ 0 0 1 0 -1 1 0:10:0:2\n"); });
+  msg = error_of([&] { Plan::from_string(text + "field indices_ 0 0 1 0 -1 1 0:11:0:2\n"); });  // no kind 11
   EXPECT_NE(msg.find("malformed dimension"), std::string::npos) << msg;
 }
 

@@ -52,9 +52,10 @@ bool has_routes(const PlanData& plan) {
 std::string node_count_mismatch(const Graph& g, const PlanData& plan, const char* who, size_t i, const std::string& t) {
   return fmt::format(
       "{}: the loss graph has {} nodes where the plan has {} (node #{} is {}, the plan expects {}): the graph "
-      "does not match the plan: another model or loss, or a forward whose graph follows the sequence length "
-      "(a Python loop over chunks). For the latter, trace a plan at this step's length and merge it into "
-      "this one (collider.hf.trace_plan(model, seq_len=T); C++: TraceOptions at T and T - 1, Plan::merge).",
+      "does not match the plan: another model or loss (Re-trace with collider::trace_plan), or a forward whose "
+      "graph follows the sequence length (a Python loop over chunks): trace a plan at this step's length and "
+      "merge it into this one (collider.hf.trace_plan(model, seq_len=T); C++: TraceOptions at T and T - 1, "
+      "Plan::merge).",
       who, g.nodes.size(), plan.nodes.size(), i, t, plan.nodes[i].type);
 }
 

@@ -11,6 +11,7 @@ built in COLLIDER_BUILD_DIR (default build/), as for pytest (conftest.py).
   COLLIDER_BUILD_DIR=build python python/tests/zoo_table.py                # all, writes docs/ZOO.md
   python python/tests/zoo_table.py --out /tmp/zoo.md --json /tmp/zoo.json llama bert   # a few
   python python/tests/zoo_table.py --jobs 2                                # all, on 2 cores
+  python python/tests/zoo_table.py --merge /tmp/zoo.json --json /tmp/zoo.json llava-image   # rerun a few rows
 """
 import os
 
@@ -102,7 +103,19 @@ def count_row(task: str, rows: list) -> str:
             f"{counts['wrong']} | {counts['crashed']} | {share} |")
 
 
-def write_markdown(rows: list, path: Path, seconds: float, names: list, jobs: int = 1) -> None:
+def stamp(seconds: float, jobs: int) -> str:
+    """When, at which commit and on what this run ran (the table's header lines; kept in --json)."""
+    return "\n".join([
+        f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- zoo commit: {git_commit(ROOT)}; collider: `{Path(collider._C.__file__).name}` built "
+        f"{built_at(collider._C.__file__)} in `{BUILD_DIR}`, whose checkout is at commit {git_commit(BUILD_DIR.parent)}",
+        f"- torch {torch.__version__}, transformers {transformers.__version__}, Python {sys.version.split()[0]}, "
+        f"1 CPU thread per architecture; {seconds:.0f} s in all ({jobs} at once)"])
+
+
+def write_markdown(rows: list, path: Path, seconds: float, names: list, jobs: int = 1,
+                   merged: tuple = None) -> None:
+    """merged: (the earlier run's stamp, the architectures rerun now) for a --merge run."""
     equal_rows = [{**r, **r["equal"]} for r in rows if r["equal"]]
     groups: dict = collections.defaultdict(list)
     for r in rows:
@@ -146,12 +159,12 @@ def write_markdown(rows: list, path: Path, seconds: float, names: list, jobs: in
         "the target; the ragged batch_topk 0.5 mask alone), where nothing can be told apart by its size",
         "(`test_equal_sizes`): a result that depended on two sizes differing shows there.",
         "",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- zoo commit: {git_commit(ROOT)}; collider: `{Path(collider._C.__file__).name}` built "
-        f"{built_at(collider._C.__file__)} in `{BUILD_DIR}`, whose checkout is at commit {git_commit(BUILD_DIR.parent)}",
-        f"- torch {torch.__version__}, transformers {transformers.__version__}, Python {sys.version.split()[0]}, "
-        f"1 CPU thread per architecture; {seconds:.0f} s in all ({jobs} at once)",
     ]
+    if merged:
+        earlier, rerun = merged
+        lines += [f"Rows of an earlier run, except {len(rerun)} rerun later (`--merge`): {', '.join(rerun)}.", "",
+                  "The earlier run:", earlier, "", "The rerun:"]
+    lines += stamp(seconds, jobs).splitlines()
     if names:
         lines.append(f"- only the architectures named: {', '.join(names)}")
     lines += ["", "| task | tried | exact | refused | not buildable | wrong | crashed | exact among built |",
@@ -207,7 +220,12 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "ZOO.md")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here as JSON")
     parser.add_argument("--jobs", type=int, default=1, help="architectures run at once, one process each")
+    parser.add_argument("--merge", type=Path, default=None,
+                        help="a --json of an earlier run: the architectures run now replace their rows there, and "
+                             "the table is written from all its rows (its run time is the earlier run's)")
     args = parser.parse_args()
+    if args.merge and not args.merge.exists():
+        parser.error(f"--merge {args.merge}: no such file; give the --json of an earlier full run")
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     archs = [a for a in zoo.architectures()
@@ -227,10 +245,21 @@ def main() -> int:
             rows[i], line = run_one(arch)
             print(f"[{i + 1}/{len(archs)}] {line}", flush=True)
     seconds = time.perf_counter() - start
-    write_markdown(rows, args.out, seconds, args.names, args.jobs)
+    merged, now = None, stamp(seconds, args.jobs)
+    if args.merge:
+        earlier = json.loads(args.merge.read_text())
+        if "stamp" not in earlier:
+            parser.error(f"--merge {args.merge}: it records no stamp (date, commit) of its run; rerun all")
+        ran = {r["id"]: r for r in rows}
+        merged = (earlier["stamp"], earlier.get("rerun", []) + [r["id"] for r in rows if r["id"] not in
+                                                                 earlier.get("rerun", [])])
+        rows = [ran.pop(r["id"], r) for r in earlier["rows"]] + list(ran.values())
+        args.names = []
+    write_markdown(rows, args.out, seconds, args.names, args.jobs, merged)
     if args.json:
         args.json.write_text(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__,
                                          "collider": collider.__version__, "seconds": round(seconds, 1),
+                                         "stamp": merged[0] if merged else now, "rerun": merged[1] if merged else [],
                                          "rows": rows}, indent=1) + "\n")
     bad = [r["id"] for r in rows if r["outcome"] in ("wrong", "crashed")]
     bad += [r["id"] + " (equal sizes)" for r in rows if r["equal"] and r["equal"]["outcome"] in ("wrong", "crashed")]
