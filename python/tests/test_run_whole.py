@@ -34,6 +34,12 @@ def detach_dropped(x, keep):
     return torch.where(k.view(*k.shape, *[1] * (x.dim() - k.dim())), x, x.detach())
 
 
+def parameters(seed):
+    """A maker of float64 parameters of a given shape, N(0, 0.3^2), from one generator seeded with `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return lambda *shape: torch.nn.Parameter(torch.randn(*shape, generator=g, dtype=torch.float64) * 0.3)
+
+
 class HybridLM(torch.nn.Module):
     """Embedding -> short convolution along the tokens -> scan (cumulative sum with a decay) -> MLP -> head."""
 
@@ -66,12 +72,10 @@ class GatedNormLM(torch.nn.Module):
 
     def __init__(self, hidden, heads=2):
         super().__init__()
-        g = torch.Generator().manual_seed(2)
-        H = hidden
-        p = lambda *s: torch.nn.Parameter(torch.randn(*s, generator=g, dtype=torch.float64) * 0.3)
+        H, p = hidden, parameters(seed=2)
         self.heads = heads
         self.emb, self.w_in, self.w_gate, self.w_out, self.head = p(V, H), p(H, H), p(H, H), p(H, H), p(V, H)
-        self.norm = torch.nn.Parameter(1 + torch.randn(H // heads, generator=g, dtype=torch.float64) * 0.1)
+        self.norm = torch.nn.Parameter(1 + p(H // heads).detach() / 3)
         self.oracle_keep = None
 
     def forward(self, ids):  # ids [B, T] -> logits [B, T, V]
@@ -174,9 +178,7 @@ class FunctionLM(torch.nn.Module):
 
     def __init__(self, hidden, heads=2):
         super().__init__()
-        g = torch.Generator().manual_seed(1)
-        H = hidden
-        p = lambda *s: torch.nn.Parameter(torch.randn(*s, generator=g, dtype=torch.float64) * 0.3)
+        H, p = hidden, parameters(seed=1)
         self.heads = heads
         self.emb, self.norm1, self.norm2 = p(V, H), torch.nn.Parameter(torch.ones(H, dtype=torch.float64)), \
             torch.nn.Parameter(torch.ones(H, dtype=torch.float64))
