@@ -48,15 +48,15 @@ bool has_routes(const PlanData& plan) {
   return false;
 }
 
-// A graph of another size than the plan's, first differing at node i (type t).
-std::string node_count_mismatch(const Graph& g, const PlanData& plan, const char* who, size_t i, const std::string& t) {
+// A graph of another size than the plan's, first differing at node i (type t; `cast`: a dtype cast
+// there, as another torch.autocast makes): one short line.
+std::string node_count_mismatch(const Graph& g, const PlanData& plan, const char* who, size_t i, const std::string& t,
+                                bool cast) {
   return fmt::format(
-      "{}: the loss graph has {} nodes where the plan has {} (node #{} is {}, the plan expects {}): the graph "
-      "does not match the plan: another model or loss (Re-trace with collider::trace_plan), or a forward whose "
-      "graph follows the sequence length (a Python loop over chunks): trace a plan at this step's length and "
-      "merge it into this one (collider.hf.trace_plan(model, seq_len=T); C++: TraceOptions at T and T - 1, "
-      "Plan::merge).",
-      who, g.nodes.size(), plan.nodes.size(), i, t, plan.nodes[i].type);
+      "{}: the graph does not match the plan: {} nodes, the plan {} (node #{} is {}, the plan expects {}): "
+      "another model, loss{} (Re-trace with collider::trace_plan), or one that follows the sequence length "
+      "(collider.hf.trace_plan(model, seq_len=T))",
+      who, g.nodes.size(), plan.nodes.size(), i, t, plan.nodes[i].type, cast ? " or torch.autocast" : "");
 }
 
 // Why the graph is not the one `plan` was traced on (its first differing node), or empty.
@@ -71,8 +71,9 @@ std::string type_mismatch(const Graph& g, const std::vector<const std::string*>&
         !(plan.nodes[i].fused_attention && traits_of(t).fused_attention != FusedAttention::kNone)) {
       if (traits_of(t).reentrant_checkpoint)
         return fmt::format("{}: node #{} is {}: {}", who, i, t, reentrant_checkpoint_advice());
-      if (g.nodes.size() != plan.nodes.size()) return node_count_mismatch(g, plan, who, i, t);
-      if (traits_of(t).cast || traits_of(plan.nodes[i].type).cast) {  // a dtype cast where the trace had none
+      const bool cast = traits_of(t).cast || traits_of(plan.nodes[i].type).cast;  // where the trace had none
+      if (g.nodes.size() != plan.nodes.size()) return node_count_mismatch(g, plan, who, i, t, cast);
+      if (cast) {
         return fmt::format(
             "{}: node #{} is {} but the plan expects {}: the casts differ, as when the forward runs under "
             "another torch.autocast than the trace did. Trace the plan under the same autocast (Plan::merge keeps "
