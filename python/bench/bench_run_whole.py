@@ -49,8 +49,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_hf_backward import (Clock, chf, collider, group_figures, median, median_iqr,  # noqa: E402
-                               per_round_median, provenance, side_by_side)
+from bench_hf_backward import (Clock, chf, collider, group_figures, method_figures, provenance,  # noqa: E402
+                               side_by_side)
 
 METHODS = ("regular", "collider kept_only", "collider exact_query", "floor")
 ATTENTION = {"collider kept_only": "kept_only", "collider exact_query": "exact_query"}
@@ -146,11 +146,13 @@ def run_once(model, plan, batch: Batch, method: str, clock: Clock) -> dict:
     t0 = clock.now()
     loss = method_loss(model, batch, method)
     t1 = clock.now()
+    sample = {}
     if method in ATTENTION:
-        collider.filter_backward(loss, batch.keep_BT, plan, attention=ATTENTION[method], check_every=0)
+        stats = collider.filter_backward(loss, batch.keep_BT, plan, attention=ATTENTION[method], check_every=0)
+        sample.update(rewrite_ms=stats.rewrite_ms, call_ms=(clock.now() - t1) * 1e3)
     loss.backward()
     t2 = clock.now()
-    return {"fwd_ms": (t1 - t0) * 1e3, "bwd_ms": (t2 - t1) * 1e3, "peak": clock.peak()}
+    return {**sample, "fwd_ms": (t1 - t0) * 1e3, "bwd_ms": (t2 - t1) * 1e3, "peak": clock.peak()}
 
 
 class NodeFlops(TorchDispatchMode):
@@ -212,15 +214,14 @@ def full_size_flops(mine: dict, regular: dict) -> float:
 
 
 def method_row(samples: dict, method: str, flops: dict) -> dict:
-    bwd = [s["bwd_ms"] for s in samples[method]]
-    reg = [s["bwd_ms"] for s in samples["regular"]]
-    med, iqr = median_iqr(bwd)
-    row = {"bwd_ms": med, "iqr_ms": iqr, "samples_bwd_ms": bwd, "fwd_ms": median(s["fwd_ms"] for s in samples[method]),
-           "reduction_per_round": per_round_median(bwd, reg), "peak_mem_bytes": max(s["peak"] for s in samples[method]),
-           "bwd_flops": sum(flops[method].values())}
+    """bench_hf_backward's row of a method (times, IQR, per-round reduction, peak, the filter call's cost),
+    with the FLOP ideal and the full-size share from the counted FLOPs."""
+    total = sum(flops[method].values())
+    ideal = 1 - total / sum(flops["regular"].values()) if method in ATTENTION else None
+    row = method_figures(samples, method, ideal)
+    row["bwd_flops"] = total
     if method in ATTENTION:
-        row["ideal"] = 1 - row["bwd_flops"] / sum(flops["regular"].values())
-        row["full_size_share"] = full_size_flops(flops[method], flops["regular"]) / row["bwd_flops"]
+        row["full_size_share"] = full_size_flops(flops[method], flops["regular"]) / total
     return row
 
 
